@@ -1,0 +1,212 @@
+#pragma once
+// Tensor: a handle to shared, contiguous, row-major storage on one device,
+// plus the autograd metadata that makes it a node of a graph.
+//
+// diffcomm is not a tensor library. The tensor exists so that collectives and
+// their adjoints have something to move: dtype, shape, device, zero-copy row
+// views (dim 0) and borrowed memory (from_blob, DLPack) are what matter.
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dtype.hpp"
+
+struct DLManagedTensor;  // <dlpack/dlpack.h>
+
+namespace diffcomm {
+
+using Shape = std::vector<int64_t>;
+
+/// Where a tensor's bytes live.
+struct Device {
+  enum class Type : uint8_t { CPU, CUDA };
+  Type type = Type::CPU;
+  int index = 0;  ///< CUDA ordinal; 0 for CPU.
+
+  static Device cpu() { return {}; }
+  static Device cuda(int index) { return {Type::CUDA, index}; }
+  bool is_cpu() const { return type == Type::CPU; }
+  bool is_cuda() const { return type == Type::CUDA; }
+  friend bool operator==(const Device&, const Device&) = default;
+  std::string str() const;  ///< "cpu" or "cuda:k"
+};
+
+/// A block of bytes, owned (allocated by diffcomm) or borrowed (freed by the
+/// caller's deleter). Shared by every tensor that views it.
+class Storage {
+ public:
+  using Deleter = std::function<void(void*)>;
+  Storage(void* data, std::size_t nbytes, Device device, Deleter deleter);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  /// Allocates nbytes on device (CPU: aligned new; CUDA: cudaMalloc).
+  /// Throws InvalidArgument for CUDA when built without CUDA.
+  static std::shared_ptr<Storage> allocate(std::size_t nbytes, Device device);
+
+  void* data() const { return data_; }
+  std::size_t nbytes() const { return nbytes_; }
+  const Device& device() const { return device_; }
+
+ private:
+  void* data_;
+  std::size_t nbytes_;
+  Device device_;
+  Deleter deleter_;
+};
+
+class Node;
+struct TensorImpl;
+
+/// A handle to a tensor. Copying the handle shares data *and* autograd state
+/// (like torch.Tensor). A default-constructed Tensor is undefined.
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const { return impl_ != nullptr; }
+  DType dtype() const;
+  const Device& device() const;
+  const Shape& shape() const;
+  int64_t dim() const { return static_cast<int64_t>(shape().size()); }
+  /// Size of dimension d (negative d counts from the end).
+  int64_t size(int64_t d) const;
+  int64_t numel() const;
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(dtype()); }
+  /// Elements per row (product of dims 1..); 1 for 0-d and 1-d tensors.
+  int64_t row_numel() const;
+
+  /// Address of the first element (the storage plus this view's offset).
+  void* data_ptr() const;
+  /// Typed pointer; throws InvalidArgument when T does not match dtype().
+  template <class T>
+  T* data() const;
+
+  /// Zero-copy view of rows [start, start + length) along dim 0. Not recorded
+  /// by autograd (use diffcomm::narrow for the differentiable form).
+  /// Throws InvalidArgument when out of range or on a 0-d tensor.
+  Tensor row_view(int64_t start, int64_t length) const;
+  /// Zero-copy view with another shape of the same numel (no autograd).
+  Tensor view_as_shape(Shape shape) const;
+  /// A new handle to the same data with no autograd history.
+  Tensor detach() const;
+  /// A deep copy of the data (no autograd history).
+  Tensor copy_data() const;
+  /// Fills every element with value, converted to dtype(). Returns *this.
+  Tensor& fill_(double value);
+  /// Copies src's elements into this tensor (same dtype and numel; any devices).
+  Tensor& copy_(const Tensor& src);
+  /// The single element of a 1-element tensor, converted to double (CPU only).
+  double item() const;
+  /// All elements converted to double (copies from CUDA when needed).
+  std::vector<double> to_vector() const;
+  /// Copy of this tensor on device (same handle if already there).
+  Tensor to(Device device) const;
+
+  // ---- autograd ----
+  bool requires_grad() const;
+  /// Marks a leaf as requiring a gradient. Throws InvalidArgument on an
+  /// integer dtype or on a non-leaf.
+  Tensor& set_requires_grad(bool value = true);
+  /// The accumulated gradient of a leaf (undefined until backward).
+  Tensor grad() const;
+  void set_grad(Tensor g);
+  /// The node that produced this tensor (null for leaves).
+  std::shared_ptr<Node> grad_fn() const;
+  int output_nr() const;
+  bool is_leaf() const { return grad_fn() == nullptr; }
+
+  const std::shared_ptr<TensorImpl>& impl() const { return impl_; }
+  bool same(const Tensor& other) const { return impl_ == other.impl_; }
+  std::string str() const;  ///< "float32[3, 4] on cpu"
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+/// The state behind a Tensor handle. Exposed for autograd and backends.
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  std::size_t offset_bytes = 0;
+  Shape shape;
+  DType dtype = DType::Float32;
+  // autograd
+  bool requires_grad = false;
+  Tensor grad;
+  std::shared_ptr<Node> grad_fn;
+  int output_nr = 0;
+  std::weak_ptr<Node> grad_accumulator;  // cached AccumulateGrad of a leaf
+};
+
+template <class T>
+T* Tensor::data() const {
+  if (dtype() != dtype_of<T>()) throw_dtype_mismatch("Tensor::data", dtype_of<T>(), dtype());
+  return static_cast<T*>(data_ptr());
+}
+
+/// Number of elements of a shape (1 for {}).
+int64_t shape_numel(const Shape& shape);
+std::string shape_str(const Shape& shape);
+
+// ---- factories ----
+/// Uninitialised tensor. Throws InvalidArgument on a negative dim.
+Tensor empty(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor zeros(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor ones(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
+Tensor full(const Shape& shape, double value, DType dtype = DType::Float32,
+            Device device = Device::cpu());
+Tensor zeros_like(const Tensor& t);
+Tensor empty_like(const Tensor& t);
+/// 1-d tensor [start, start+step, ...) with ceil((end-start)/step) elements.
+Tensor arange(double start, double end, double step = 1.0, DType dtype = DType::Float32);
+/// Tensor of shape from values (row-major), converted to dtype. Throws
+/// InvalidArgument when values.size() != numel(shape).
+Tensor from_vector(const std::vector<double>& values, const Shape& shape,
+                   DType dtype = DType::Float64);
+
+/// Wraps caller memory without copying. deleter (may be empty) runs when the
+/// last tensor viewing the memory goes away. The memory must be contiguous
+/// row-major and stay valid until then.
+Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device = Device::cpu(),
+                 Storage::Deleter deleter = {});
+
+/// Zero-copy import of a DLPack tensor (DLPack 0.6 DLManagedTensor). Takes
+/// ownership: the producer's deleter runs when the last view goes away.
+/// Throws InvalidArgument for non-contiguous strides, unsupported dtypes or
+/// devices (kDLCPU and kDLCUDA only).
+Tensor from_dlpack(DLManagedTensor* managed);
+/// Zero-copy export; the returned tensor keeps this tensor's storage alive
+/// until its deleter is called by the consumer.
+DLManagedTensor* to_dlpack(const Tensor& t);
+
+/// A seeded random generator. There is no global RNG: each rank owns one, so
+/// draws are reproducible per (seed, rank) whatever the interleaving.
+/// Uses mt19937_64 and fixed transforms (53-bit uniform, Box-Muller), so the
+/// same seed gives the same numbers with any standard library.
+class Generator {
+ public:
+  explicit Generator(uint64_t seed);
+  uint64_t next_u64();
+  double uniform();  ///< in [0, 1)
+  double normal();   ///< standard normal
+  uint64_t seed() const { return seed_; }
+
+ private:
+  uint64_t seed_;
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+/// Uniform in [low, high). bfloat16/float16 are drawn in double, then rounded.
+Tensor rand_uniform(const Shape& shape, Generator& gen, double low = 0.0, double high = 1.0,
+                    DType dtype = DType::Float32);
+/// Normal(mean, std).
+Tensor rand_normal(const Shape& shape, Generator& gen, double mean = 0.0, double std = 1.0,
+                   DType dtype = DType::Float32);
+
+}  // namespace diffcomm

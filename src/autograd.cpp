@@ -1,0 +1,288 @@
+#include "diffcomm/autograd.hpp"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <map>
+#include <queue>
+#include <unordered_map>
+
+#include "diffcomm/error.hpp"
+#include "diffcomm/ops.hpp"
+
+namespace diffcomm {
+namespace {
+
+// Sequence numbers only need to be increasing in creation order *within one
+// rank's graph*: the engine compares numbers of nodes of one graph. A shared
+// monotonic counter gives exactly that whatever the interleaving of ranks, so
+// it is the one piece of process-wide state the engine keeps (it carries no
+// per-rank meaning, unlike a thread_local grad mode would).
+std::atomic<uint64_t> g_next_sequence_nr{0};
+
+// The sink of a leaf that requires grad: adds incoming gradients to .grad().
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {
+    outputs().push_back({leaf_->shape, leaf_->dtype, leaf_->storage->device()});
+  }
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<Tensor> apply(std::vector<Tensor> grads) override {
+    Tensor& g = leaf_->grad;
+    if (!g.defined())
+      g = grads[0].copy_data();
+    else
+      g = add(g, grads[0]);
+    return {};
+  }
+
+ private:
+  std::shared_ptr<TensorImpl> leaf_;
+};
+
+struct ReadyOrder {
+  bool operator()(const Node* a, const Node* b) const { return a->sequence_nr() < b->sequence_nr(); }
+};
+
+struct Capture {
+  Node* node = nullptr;
+  int slot = 0;
+};
+
+// One run of the engine over the graph reachable from the roots.
+std::vector<Tensor> run_engine(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+                               bool retain_graph, bool accumulate,
+                               const std::vector<Edge>& capture_edges) {
+  const char* who = accumulate ? "backward" : "grad";
+  if (!grad_roots.empty() && grad_roots.size() != roots.size())
+    throw InvalidArgument(fmt::format("{}: {} roots but {} root gradients", who, roots.size(),
+                                      grad_roots.size()));
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  std::unordered_map<Node*, int> deps;
+  std::vector<std::shared_ptr<Node>> root_nodes;
+
+  auto add_to_buffer = [&](Node* node, int slot, const Tensor& g) {
+    auto& buf = buffers[node];
+    if (buf.empty()) buf.resize(node->outputs().size());
+    Tensor& b = buf[static_cast<std::size_t>(slot)];
+    b = b.defined() ? add(b, g) : g;
+  };
+
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    if (!r.defined()) throw InvalidArgument(fmt::format("{}: root {} is undefined", who, i));
+    Edge e = gradient_edge(r);
+    if (!e.valid())
+      throw InvalidArgument(fmt::format(
+          "{}: root {} ({}) does not require grad and has no grad_fn", who, i, r.str()));
+    Tensor g;
+    if (grad_roots.empty()) {
+      if (r.numel() != 1)
+        throw InvalidArgument(fmt::format(
+            "{}: root {} ({}) has {} elements; pass its gradient explicitly", who, i, r.str(),
+            r.numel()));
+      g = ones(r.shape(), r.dtype(), r.device());
+    } else {
+      g = grad_roots[i].detach();
+    }
+    add_to_buffer(e.fn.get(), e.input_nr, g);
+    root_nodes.push_back(e.fn);
+  }
+
+  // Count, for every reachable node, the edges that point at it.
+  {
+    std::vector<Node*> stack;
+    std::unordered_map<Node*, bool> seen;
+    for (auto& n : root_nodes)
+      if (!seen[n.get()]) {
+        seen[n.get()] = true;
+        stack.push_back(n.get());
+      }
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      for (auto& e : n->next_edges()) {
+        if (!e.valid()) continue;
+        ++deps[e.fn.get()];
+        if (!seen[e.fn.get()]) {
+          seen[e.fn.get()] = true;
+          stack.push_back(e.fn.get());
+        }
+      }
+    }
+  }
+
+  std::vector<Capture> captures(capture_edges.size());
+  std::vector<Tensor> captured(capture_edges.size());
+  for (std::size_t i = 0; i < capture_edges.size(); ++i)
+    if (capture_edges[i].valid()) captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
+
+  std::priority_queue<Node*, std::vector<Node*>, ReadyOrder> ready;
+  {
+    std::unordered_map<Node*, bool> queued;
+    for (auto& n : root_nodes)
+      if (deps[n.get()] == 0 && !queued[n.get()]) {
+        queued[n.get()] = true;
+        ready.push(n.get());
+      }
+  }
+
+  while (!ready.empty()) {
+    Node* node = ready.top();
+    ready.pop();
+    auto& buf = buffers[node];
+    const auto& metas = node->outputs();
+    if (buf.empty()) buf.resize(metas.size());
+    for (std::size_t s = 0; s < metas.size(); ++s) {
+      const OutputMeta& m = metas[s];
+      if (!buf[s].defined()) {
+        buf[s] = zeros(m.shape, m.dtype, m.device);  // missing gradients become zeros
+        continue;
+      }
+      if (buf[s].shape() != m.shape || buf[s].dtype() != m.dtype)
+        throw InvalidArgument(fmt::format(
+            "{}: gradient for output {} of {} is {}, but that output is {}{}", who, s, node->name(),
+            buf[s].str(), dtype_name(m.dtype), shape_str(m.shape)));
+    }
+    for (std::size_t i = 0; i < captures.size(); ++i)
+      if (captures[i].node == node) captured[i] = buf[static_cast<std::size_t>(captures[i].slot)];
+
+    if (dynamic_cast<AccumulateGrad*>(node) != nullptr) {
+      if (accumulate) node->apply(std::move(buf));
+      buffers.erase(node);
+      continue;
+    }
+    if (node->released())
+      throw InvalidArgument(fmt::format(
+          "{}: trying to backward through {} (sequence {}) a second time: its saved state was "
+          "freed by an earlier backward; pass retain_graph=true to the first one",
+          who, node->name(), node->sequence_nr()));
+    std::vector<Tensor> grads_in = node->apply(std::move(buf));
+    buffers.erase(node);
+    if (!retain_graph) node->release();
+    auto& edges = node->next_edges();
+    if (grads_in.size() != edges.size())
+      throw InvalidArgument(fmt::format("{}: {} returned {} gradients for {} inputs", who,
+                                        node->name(), grads_in.size(), edges.size()));
+    for (std::size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.valid()) continue;
+      if (grads_in[i].defined()) add_to_buffer(e.fn.get(), e.input_nr, grads_in[i]);
+      if (--deps[e.fn.get()] == 0) ready.push(e.fn.get());
+    }
+  }
+  return captured;
+}
+
+}  // namespace
+
+Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
+
+void detail::throw_released(const std::string& name) {
+  throw InvalidArgument(fmt::format(
+      "backward: {} was already run and its saved state freed; pass retain_graph=true", name));
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined()) return {};
+  const auto& impl = t.impl();
+  if (impl->grad_fn) return {impl->grad_fn, impl->output_nr};
+  if (!impl->requires_grad) return {};
+  std::shared_ptr<Node> acc = impl->grad_accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(impl);
+    impl->grad_accumulator = acc;
+  }
+  return {acc, 0};
+}
+
+bool any_requires_grad(const std::vector<Tensor>& inputs) {
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+             std::vector<Tensor>& outputs) {
+  auto& edges = node->next_edges();
+  edges.clear();
+  for (const auto& t : inputs) edges.push_back(gradient_edge(t));
+  auto& metas = node->outputs();
+  metas.clear();
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].defined())
+      throw InvalidArgument(fmt::format("{}: forward returned an undefined output {}", node->name(), i));
+    // A fresh handle per output, so two outputs sharing data (or an output
+    // that is an input's data) still get their own grad_fn slot.
+    outputs[i] = outputs[i].detach();
+    metas.push_back({outputs[i].shape(), outputs[i].dtype(), outputs[i].device()});
+    outputs[i].impl()->grad_fn = node;
+    outputs[i].impl()->output_nr = static_cast<int>(i);
+  }
+}
+
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+              bool retain_graph) {
+  run_engine(roots, grad_roots, retain_graph, /*accumulate=*/true, {});
+}
+
+std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& inputs,
+                         const std::vector<Tensor>& grad_roots, bool retain_graph,
+                         bool allow_unused) {
+  std::vector<Edge> edges;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) throw InvalidArgument(fmt::format("grad: input {} is undefined", i));
+    edges.push_back(gradient_edge(inputs[i]));
+  }
+  std::vector<Tensor> out = run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (out[i].defined()) continue;
+    if (!allow_unused)
+      throw InvalidArgument(fmt::format(
+          "grad: input {} ({}) is not reached from the roots (pass allow_unused=true for zeros)", i,
+          inputs[i].str()));
+    out[i] = zeros_like(inputs[i]);
+  }
+  return out;
+}
+
+double gradcheck_max_error(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                           const std::vector<Tensor>& inputs, double eps, uint64_t seed) {
+  std::vector<Tensor> leaves;
+  for (const auto& x : inputs) {
+    if (x.dtype() != DType::Float64) throw_dtype_mismatch("gradcheck", DType::Float64, x.dtype());
+    Tensor l = x.copy_data();
+    l.set_requires_grad(true);
+    leaves.push_back(l);
+  }
+  Tensor y = fn(leaves);
+  Generator gen(seed);
+  Tensor cot = rand_normal(y.shape(), gen, 0.0, 1.0, DType::Float64);
+  std::vector<Tensor> analytic = grad({y}, leaves, {cot});
+  const std::vector<double> c = cot.to_vector();
+  auto objective = [&](const std::vector<Tensor>& xs) {
+    const std::vector<double> v = fn(xs).to_vector();
+    double s = 0.0;
+    for (std::size_t i = 0; i < v.size(); ++i) s += v[i] * c[i];
+    return s;
+  };
+  double worst = 0.0;
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    const std::vector<double> a = analytic[k].to_vector();
+    for (int64_t e = 0; e < inputs[k].numel(); ++e) {
+      std::vector<Tensor> xs;
+      for (const auto& x : inputs) xs.push_back(x.copy_data());
+      double* p = xs[k].data<double>();
+      const double orig = p[e];
+      p[e] = orig + eps;
+      const double fp = objective(xs);
+      p[e] = orig - eps;
+      const double fm = objective(xs);
+      const double numeric = (fp - fm) / (2.0 * eps);
+      worst = std::max(worst, std::abs(numeric - a[static_cast<std::size_t>(e)]));
+    }
+  }
+  return worst;
+}
+
+}  // namespace diffcomm

@@ -1,0 +1,368 @@
+// The differentiable tensor ops: each op's forward and backward side by side.
+#include "diffcomm/ops.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "detail/device_ops.hpp"
+#include "diffcomm/error.hpp"
+
+namespace diffcomm {
+namespace {
+
+void check_same(const char* op, const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined()) throw InvalidArgument(fmt::format("{}: undefined tensor", op));
+  if (a.dtype() != b.dtype() || a.shape() != b.shape() || a.device() != b.device())
+    throw InvalidArgument(fmt::format("{}: operands differ: {} vs {} (no broadcasting)", op,
+                                      a.str(), b.str()));
+}
+
+void require_cpu(const char* op, const Tensor& t) {
+  if (!t.device().is_cpu())
+    throw InvalidArgument(fmt::format("{}: {} is on {}; this op runs on CPU tensors only", op,
+                                      t.str(), t.device().str()));
+}
+
+// out[i] = f(a[i], b[i]) computed in compute_t<T>.
+template <class F>
+Tensor binary_cpu(const char* op, const Tensor& a, const Tensor& b, F f) {
+  check_same(op, a, b);
+  require_cpu(op, a);
+  Tensor out = empty_like(a);
+  dispatch_dtype(a.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    const T* pa = static_cast<const T*>(a.data_ptr());
+    const T* pb = static_cast<const T*>(b.data_ptr());
+    T* po = static_cast<T*>(out.data_ptr());
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i)
+      po[i] = static_cast<T>(static_cast<C>(f(static_cast<C>(pa[i]), static_cast<C>(pb[i]))));
+  });
+  return out;
+}
+
+Tensor raw_add(const Tensor& a, const Tensor& b, double alpha_b) {
+  check_same("add", a, b);
+  if (a.device().is_cuda()) {
+    Tensor out = empty_like(a);
+    detail::cuda_add(out, a, b, alpha_b);
+    return out;
+  }
+  if (alpha_b == 1.0) return binary_cpu("add", a, b, [](auto x, auto y) { return x + y; });
+  return binary_cpu("sub", a, b, [](auto x, auto y) { return x - y; });
+}
+
+Tensor raw_scale(const Tensor& x, double alpha) {
+  Tensor out = empty_like(x);
+  if (x.device().is_cuda()) {
+    detail::cuda_scale(out, x, alpha);
+    return out;
+  }
+  dispatch_dtype(x.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    const T* px = static_cast<const T*>(x.data_ptr());
+    T* po = static_cast<T*>(out.data_ptr());
+    const C a = static_cast<C>(alpha);
+    for (int64_t i = 0; i < x.numel(); ++i) po[i] = static_cast<T>(static_cast<C>(a * static_cast<C>(px[i])));
+  });
+  return out;
+}
+
+Tensor raw_mul(const Tensor& a, const Tensor& b) {
+  return binary_cpu("mul", a, b, [](auto x, auto y) { return x * y; });
+}
+
+Tensor raw_sum(const Tensor& x) {
+  require_cpu("sum", x);
+  Tensor out = empty({}, x.dtype());
+  dispatch_dtype(x.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    using Acc = std::conditional_t<std::is_floating_point_v<C>, double, int64_t>;
+    const T* p = static_cast<const T*>(x.data_ptr());
+    Acc s = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) s += static_cast<Acc>(static_cast<C>(p[i]));
+    *static_cast<T*>(out.data_ptr()) = static_cast<T>(static_cast<C>(s));
+  });
+  return out;
+}
+
+Tensor raw_dot(const Tensor& a, const Tensor& b) {
+  check_same("dot", a, b);
+  require_cpu("dot", a);
+  Tensor out = empty({}, a.dtype());
+  dispatch_dtype(a.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    using Acc = std::conditional_t<std::is_floating_point_v<C>, double, int64_t>;
+    const T* pa = static_cast<const T*>(a.data_ptr());
+    const T* pb = static_cast<const T*>(b.data_ptr());
+    Acc s = 0;
+    for (int64_t i = 0; i < a.numel(); ++i)
+      s += static_cast<Acc>(static_cast<C>(pa[i])) * static_cast<Acc>(static_cast<C>(pb[i]));
+    *static_cast<T*>(out.data_ptr()) = static_cast<T>(static_cast<C>(s));
+  });
+  return out;
+}
+
+// Broadcast a 0-d value to a shape (the backward of sum).
+Tensor expand_scalar(const Tensor& g, const Shape& shape) {
+  Tensor out = empty(shape, g.dtype(), g.device());
+  out.fill_(g.item());
+  return out;
+}
+
+Tensor raw_matmul(const Tensor& a, const Tensor& b) {
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) || a.dtype() != b.dtype())
+    throw InvalidArgument(fmt::format("matmul: needs [m, k] x [k, n] of one dtype, got {} x {}",
+                                      a.str(), b.str()));
+  require_cpu("matmul", a);
+  require_cpu("matmul", b);
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  Tensor out = empty({m, n}, a.dtype());
+  dispatch_dtype(a.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = compute_t<T>;
+    using Acc = std::conditional_t<std::is_floating_point_v<C>, double, int64_t>;
+    const T* pa = static_cast<const T*>(a.data_ptr());
+    const T* pb = static_cast<const T*>(b.data_ptr());
+    T* po = static_cast<T*>(out.data_ptr());
+    std::vector<Acc> row(static_cast<std::size_t>(n));
+    for (int64_t i = 0; i < m; ++i) {
+      std::fill(row.begin(), row.end(), Acc{0});
+      for (int64_t p = 0; p < k; ++p) {
+        const Acc av = static_cast<Acc>(static_cast<C>(pa[i * k + p]));
+        for (int64_t j = 0; j < n; ++j) row[static_cast<std::size_t>(j)] += av * static_cast<Acc>(static_cast<C>(pb[p * n + j]));
+      }
+      for (int64_t j = 0; j < n; ++j) po[i * n + j] = static_cast<T>(static_cast<C>(row[static_cast<std::size_t>(j)]));
+    }
+  });
+  return out;
+}
+
+Tensor raw_transpose(const Tensor& x) {
+  if (x.dim() != 2) throw InvalidArgument(fmt::format("transpose: needs a 2-d tensor, got {}", x.str()));
+  require_cpu("transpose", x);
+  const int64_t r = x.size(0), c = x.size(1);
+  Tensor out = empty({c, r}, x.dtype());
+  const std::size_t es = element_size(x.dtype());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j)
+      std::memcpy(dst + static_cast<std::size_t>(j * r + i) * es, src + static_cast<std::size_t>(i * c + j) * es, es);
+  return out;
+}
+
+// ---- Function definitions: forward and backward side by side ----
+
+struct AddFn : Function<AddFn> {
+  static constexpr const char* kName = "AddBackward";
+  double alpha_b = 1.0;  // 1 for add, -1 for sub
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {raw_add(in[0], in[1], alpha_b)}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    return {g[0], alpha_b == 1.0 ? g[0] : raw_scale(g[0], -1.0)};
+  }
+};
+
+struct MulFn : Function<MulFn> {
+  static constexpr const char* kName = "MulBackward";
+  Tensor a, b;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    a = in[0];
+    b = in[1];
+    return {raw_mul(a, b)};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {raw_mul(g[0], b), raw_mul(g[0], a)}; }
+};
+
+struct DivFn : Function<DivFn> {
+  static constexpr const char* kName = "DivBackward";
+  Tensor a, b;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    a = in[0];
+    b = in[1];
+    return {binary_cpu("div", a, b, [](auto x, auto y) { return x / y; })};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    Tensor ga = binary_cpu("div", g[0], b, [](auto x, auto y) { return x / y; });
+    Tensor q = binary_cpu("div", a, b, [](auto x, auto y) { return x / y; });
+    Tensor gb = raw_scale(raw_mul(ga, q), -1.0);
+    return {ga, gb};
+  }
+};
+
+struct ScaleFn : Function<ScaleFn> {
+  static constexpr const char* kName = "ScaleBackward";
+  double alpha = 1.0;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {raw_scale(in[0], alpha)}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {raw_scale(g[0], alpha)}; }
+};
+
+struct SumFn : Function<SumFn> {
+  static constexpr const char* kName = "SumBackward";
+  Shape shape;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    shape = in[0].shape();
+    return {raw_sum(in[0])};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {expand_scalar(g[0], shape)}; }
+};
+
+struct DotFn : Function<DotFn> {
+  static constexpr const char* kName = "DotBackward";
+  Tensor a, b;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    a = in[0];
+    b = in[1];
+    return {raw_dot(a, b)};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    const double s = g[0].item();
+    return {raw_scale(b, s), raw_scale(a, s)};
+  }
+};
+
+struct MatmulFn : Function<MatmulFn> {
+  static constexpr const char* kName = "MatmulBackward";
+  Tensor a, b;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    a = in[0];
+    b = in[1];
+    return {raw_matmul(a, b)};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    return {raw_matmul(g[0], raw_transpose(b)), raw_matmul(raw_transpose(a), g[0])};
+  }
+};
+
+struct TransposeFn : Function<TransposeFn> {
+  static constexpr const char* kName = "TransposeBackward";
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {raw_transpose(in[0])}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {raw_transpose(g[0])}; }
+};
+
+struct CatFn : Function<CatFn> {
+  static constexpr const char* kName = "CatBackward";
+  std::vector<int64_t> rows;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    if (in.empty()) throw InvalidArgument("cat: needs at least one tensor");
+    const Tensor& first = in[0];
+    if (first.dim() == 0) throw InvalidArgument("cat: cannot concatenate 0-d tensors along dim 0");
+    Shape trailing(first.shape().begin() + 1, first.shape().end());
+    int64_t total = 0;
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      const Tensor& t = in[i];
+      Shape tt(t.shape().begin() + std::min<std::ptrdiff_t>(1, t.dim()), t.shape().end());
+      if (t.dim() == 0 || tt != trailing || t.dtype() != first.dtype() || t.device() != first.device())
+        throw InvalidArgument(fmt::format(
+            "cat: tensor {} is {}, but tensor 0 is {} (trailing dims, dtype and device must agree)",
+            i, t.str(), first.str()));
+      rows.push_back(t.size(0));
+      total += t.size(0);
+    }
+    Shape out_shape = first.shape();
+    out_shape[0] = total;
+    Tensor out = empty(out_shape, first.dtype(), first.device());
+    int64_t at = 0;
+    for (const auto& t : in) {
+      out.row_view(at, t.size(0)).copy_(t);
+      at += t.size(0);
+    }
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    std::vector<Tensor> out;
+    int64_t at = 0;
+    for (int64_t r : rows) {
+      out.push_back(g[0].row_view(at, r));
+      at += r;
+    }
+    return out;
+  }
+};
+
+struct NarrowFn : Function<NarrowFn> {
+  static constexpr const char* kName = "NarrowBackward";
+  int64_t start = 0, length = 0;
+  Shape shape;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    shape = in[0].shape();
+    return {in[0].row_view(start, length)};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    Tensor out = zeros(shape, g[0].dtype(), g[0].device());
+    out.row_view(start, length).copy_(g[0]);
+    return {out};
+  }
+};
+
+struct ReshapeFn : Function<ReshapeFn> {
+  static constexpr const char* kName = "ReshapeBackward";
+  Shape to, from;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    from = in[0].shape();
+    return {in[0].view_as_shape(to)};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {g[0].view_as_shape(from)}; }
+};
+
+struct CloneFn : Function<CloneFn> {
+  static constexpr const char* kName = "CloneBackward";
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0].copy_data()}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {g[0]}; }
+};
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) { return AddFn{{}, 1.0}.apply({a, b})[0]; }
+Tensor sub(const Tensor& a, const Tensor& b) { return AddFn{{}, -1.0}.apply({a, b})[0]; }
+Tensor mul(const Tensor& a, const Tensor& b) { return MulFn{}.apply({a, b})[0]; }
+Tensor div(const Tensor& a, const Tensor& b) { return DivFn{}.apply({a, b})[0]; }
+Tensor scale(const Tensor& x, double alpha) { return ScaleFn{{}, alpha}.apply({x})[0]; }
+Tensor sum(const Tensor& x) { return SumFn{}.apply({x})[0]; }
+Tensor dot(const Tensor& a, const Tensor& b) { return DotFn{}.apply({a, b})[0]; }
+Tensor matmul(const Tensor& a, const Tensor& b) { return MatmulFn{}.apply({a, b})[0]; }
+Tensor transpose(const Tensor& x) { return TransposeFn{}.apply({x})[0]; }
+Tensor cat(const std::vector<Tensor>& tensors) { return CatFn{}.apply(tensors)[0]; }
+Tensor narrow(const Tensor& x, int64_t start, int64_t length) {
+  if (!x.defined()) throw InvalidArgument("narrow: undefined tensor");
+  x.row_view(start, length);  // validates the range before recording anything
+  return NarrowFn{{}, start, length, {}}.apply({x})[0];
+}
+Tensor reshape(const Tensor& x, const Shape& shape) {
+  if (!x.defined()) throw InvalidArgument("reshape: undefined tensor");
+  x.view_as_shape(shape);  // validates
+  return ReshapeFn{{}, shape, {}}.apply({x})[0];
+}
+Tensor clone(const Tensor& x) { return CloneFn{}.apply({x})[0]; }
+
+Tensor eq_mask(const Tensor& a, const Tensor& b) {
+  return binary_cpu("eq_mask", a, b, [](auto x, auto y) { return x == y ? decltype(x){1} : decltype(x){0}; });
+}
+Tensor maximum(const Tensor& a, const Tensor& b) {
+  return binary_cpu("maximum", a, b, [](auto x, auto y) { return x < y ? y : x; });
+}
+Tensor minimum(const Tensor& a, const Tensor& b) {
+  return binary_cpu("minimum", a, b, [](auto x, auto y) { return y < x ? y : x; });
+}
+
+Tensor to_dtype(const Tensor& x, DType dtype) {
+  require_cpu("to_dtype", x);
+  return from_vector(x.to_vector(), x.shape(), dtype);
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  if (a.numel() != b.numel())
+    throw InvalidArgument(fmt::format("max_abs_diff: {} vs {} elements", a.numel(), b.numel()));
+  const auto va = a.to_vector(), vb = b.to_vector();
+  double m = 0.0;
+  for (std::size_t i = 0; i < va.size(); ++i) m = std::max(m, std::abs(va[i] - vb[i]));
+  return m;
+}
+
+}  // namespace diffcomm

@@ -1,0 +1,394 @@
+#include "diffcomm/tensor.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <numbers>
+#include <random>
+
+#include "detail/device_ops.hpp"
+#include "diffcomm/autograd.hpp"
+#include "diffcomm/error.hpp"
+
+namespace diffcomm {
+
+// ---------------------------------------------------------------- dtype
+std::size_t element_size(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return 4;
+    case DType::Float64: return 8;
+    case DType::BFloat16: return 2;
+    case DType::Float16: return 2;
+    case DType::Int32: return 4;
+    case DType::Int64: return 8;
+    case DType::UInt8: return 1;
+  }
+  return 0;
+}
+
+std::string dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return "float32";
+    case DType::Float64: return "float64";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float16: return "float16";
+    case DType::Int32: return "int32";
+    case DType::Int64: return "int64";
+    case DType::UInt8: return "uint8";
+  }
+  return "?";
+}
+
+DType parse_dtype(const std::string& name) {
+  for (DType d : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16, DType::Int32,
+                  DType::Int64, DType::UInt8})
+    if (dtype_name(d) == name) return d;
+  throw InvalidArgument(fmt::format(
+      "parse_dtype: unknown dtype '{}' (expected float32, float64, bfloat16, float16, int32, "
+      "int64 or uint8)",
+      name));
+}
+
+bool is_floating(DType dtype) {
+  return dtype == DType::Float32 || dtype == DType::Float64 || dtype == DType::BFloat16 ||
+         dtype == DType::Float16;
+}
+
+void throw_dtype_mismatch(const char* where, DType expected, DType got) {
+  throw InvalidArgument(
+      fmt::format("{}: expected dtype {}, got {}", where, dtype_name(expected), dtype_name(got)));
+}
+
+uint16_t float16::from_float(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t abs = x & 0x7FFFFFFFu;
+  if (abs >= 0x7F800000u) return static_cast<uint16_t>(sign | (abs > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to inf
+  if (abs < 0x38800000u) {
+    // Subnormal (or zero) half: count units of 2^-24; the scaling is exact and
+    // nearbyint rounds half to even in the default rounding mode.
+    const float scaled = std::bit_cast<float>(abs) * 16777216.0f;
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
+  }
+  uint32_t h = (abs >> 13) - (112u << 10);  // rebias exponent 127 -> 15
+  const uint32_t rem = abs & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // nearest even; may carry
+  return static_cast<uint16_t>(sign | h);
+}
+
+float float16::to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t mant = h & 0x3FFu;
+  if (exp == 0) {
+    const float v = static_cast<float>(mant) * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7F800000u | (mant << 13));
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// ---------------------------------------------------------------- device, storage
+std::string Device::str() const { return is_cpu() ? "cpu" : fmt::format("cuda:{}", index); }
+
+Storage::Storage(void* data, std::size_t nbytes, Device device, Deleter deleter)
+    : data_(data), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)) {}
+
+Storage::~Storage() {
+  if (deleter_) deleter_(data_);
+}
+
+std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
+  if (device.is_cuda()) {
+    void* p = detail::cuda_malloc(nbytes, device.index);
+    const int idx = device.index;
+    return std::make_shared<Storage>(p, nbytes, device,
+                                     [idx](void* ptr) { detail::cuda_free(ptr, idx); });
+  }
+  // 64-byte alignment keeps SIMD loads aligned; at least 1 byte so a
+  // zero-element tensor still has a distinct, valid address.
+  void* p = ::operator new(nbytes == 0 ? 1 : nbytes, std::align_val_t{64});
+  return std::make_shared<Storage>(
+      p, nbytes, device, [](void* ptr) { ::operator delete(ptr, std::align_val_t{64}); });
+}
+
+// ---------------------------------------------------------------- shapes
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+// ---------------------------------------------------------------- tensor
+namespace {
+const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
+  if (!impl) throw InvalidArgument("Tensor: use of an undefined tensor");
+  return *impl;
+}
+}  // namespace
+
+DType Tensor::dtype() const { return checked(impl_).dtype; }
+const Device& Tensor::device() const { return checked(impl_).storage->device(); }
+const Shape& Tensor::shape() const { return checked(impl_).shape; }
+int64_t Tensor::numel() const { return shape_numel(shape()); }
+
+int64_t Tensor::size(int64_t d) const {
+  const int64_t n = dim();
+  if (d < 0) d += n;
+  if (d < 0 || d >= n)
+    throw InvalidArgument(fmt::format("Tensor::size: dim {} out of range for {}", d, str()));
+  return shape()[static_cast<std::size_t>(d)];
+}
+
+int64_t Tensor::row_numel() const {
+  const Shape& s = shape();
+  int64_t n = 1;
+  for (std::size_t i = 1; i < s.size(); ++i) n *= s[i];
+  return n;
+}
+
+void* Tensor::data_ptr() const {
+  const auto& impl = checked(impl_);
+  return static_cast<char*>(impl.storage->data()) + impl.offset_bytes;
+}
+
+Tensor Tensor::row_view(int64_t start, int64_t length) const {
+  const auto& impl = checked(impl_);
+  if (impl.shape.empty()) throw InvalidArgument("row_view: a 0-d tensor has no rows");
+  const int64_t rows = impl.shape[0];
+  if (start < 0 || length < 0 || start + length > rows)
+    throw InvalidArgument(fmt::format("row_view: rows [{}, {}) out of range for {} ({} rows)",
+                                      start, start + length, str(), rows));
+  auto v = std::make_shared<TensorImpl>();
+  v->storage = impl.storage;
+  v->dtype = impl.dtype;
+  v->shape = impl.shape;
+  v->shape[0] = length;
+  v->offset_bytes =
+      impl.offset_bytes + static_cast<std::size_t>(start * row_numel()) * element_size(impl.dtype);
+  return Tensor(v);
+}
+
+Tensor Tensor::view_as_shape(Shape shape) const {
+  const auto& impl = checked(impl_);
+  for (int64_t d : shape)
+    if (d < 0) throw InvalidArgument(fmt::format("reshape: negative dim in {}", shape_str(shape)));
+  if (shape_numel(shape) != numel())
+    throw InvalidArgument(fmt::format("reshape: cannot view {} as {} ({} vs {} elements)", str(),
+                                      shape_str(shape), numel(), shape_numel(shape)));
+  auto v = std::make_shared<TensorImpl>();
+  v->storage = impl.storage;
+  v->dtype = impl.dtype;
+  v->shape = std::move(shape);
+  v->offset_bytes = impl.offset_bytes;
+  return Tensor(v);
+}
+
+Tensor Tensor::detach() const {
+  const auto& impl = checked(impl_);
+  auto v = std::make_shared<TensorImpl>();
+  v->storage = impl.storage;
+  v->dtype = impl.dtype;
+  v->shape = impl.shape;
+  v->offset_bytes = impl.offset_bytes;
+  return Tensor(v);
+}
+
+Tensor Tensor::copy_data() const {
+  Tensor out = empty(shape(), dtype(), device());
+  out.copy_(*this);
+  return out;
+}
+
+Tensor& Tensor::fill_(double value) {
+  if (device().is_cuda()) {
+    detail::cuda_fill(*this, value);
+    return *this;
+  }
+  dispatch_dtype(dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T v = static_cast<T>(static_cast<compute_t<T>>(value));
+    T* p = static_cast<T*>(data_ptr());
+    const int64_t n = numel();
+    for (int64_t i = 0; i < n; ++i) p[i] = v;
+  });
+  return *this;
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  if (src.dtype() != dtype()) throw_dtype_mismatch("Tensor::copy_", dtype(), src.dtype());
+  if (src.numel() != numel())
+    throw InvalidArgument(fmt::format("Tensor::copy_: {} elements into {} elements ({} <- {})",
+                                      src.numel(), numel(), str(), src.str()));
+  if (nbytes() == 0 || src.data_ptr() == data_ptr()) return *this;
+  if (device().is_cpu() && src.device().is_cpu())
+    std::memmove(data_ptr(), src.data_ptr(), nbytes());
+  else
+    detail::cuda_memcpy(data_ptr(), device(), src.data_ptr(), src.device(), nbytes());
+  return *this;
+}
+
+double Tensor::item() const {
+  if (numel() != 1)
+    throw InvalidArgument(fmt::format("Tensor::item: needs 1 element, {} has {}", str(), numel()));
+  return to_vector()[0];
+}
+
+std::vector<double> Tensor::to_vector() const {
+  Tensor host = to(Device::cpu());
+  std::vector<double> out(static_cast<std::size_t>(numel()));
+  dispatch_dtype(dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* p = static_cast<const T*>(host.data_ptr());
+    for (std::size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<double>(static_cast<compute_t<T>>(p[i]));
+  });
+  return out;
+}
+
+Tensor Tensor::to(Device target) const {
+  if (device() == target) return *this;
+  Tensor out = empty(shape(), dtype(), target);
+  out.copy_(*this);
+  return out;
+}
+
+bool Tensor::requires_grad() const { return checked(impl_).requires_grad || grad_fn() != nullptr; }
+
+Tensor& Tensor::set_requires_grad(bool value) {
+  checked(impl_);
+  if (value && !is_floating(dtype()))
+    throw InvalidArgument(fmt::format(
+        "set_requires_grad: only floating-point tensors can require grad, got {}", str()));
+  if (!is_leaf())
+    throw InvalidArgument(
+        fmt::format("set_requires_grad: {} is not a leaf (it has grad_fn {}); detach() it first",
+                    str(), grad_fn()->name()));
+  impl_->requires_grad = value;
+  return *this;
+}
+
+Tensor Tensor::grad() const { return checked(impl_).grad; }
+void Tensor::set_grad(Tensor g) {
+  checked(impl_);
+  impl_->grad = std::move(g);
+}
+std::shared_ptr<Node> Tensor::grad_fn() const { return checked(impl_).grad_fn; }
+int Tensor::output_nr() const { return checked(impl_).output_nr; }
+
+std::string Tensor::str() const {
+  if (!impl_) return "undefined";
+  return fmt::format("{}{} on {}", dtype_name(dtype()), shape_str(shape()), device().str());
+}
+
+// ---------------------------------------------------------------- factories
+Tensor empty(const Shape& shape, DType dtype, Device device) {
+  for (int64_t d : shape)
+    if (d < 0) throw InvalidArgument(fmt::format("empty: negative dim in shape {}", shape_str(shape)));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage =
+      Storage::allocate(static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype), device);
+  impl->shape = shape;
+  impl->dtype = dtype;
+  return Tensor(impl);
+}
+
+Tensor zeros(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 0.0, dtype, device);
+}
+Tensor ones(const Shape& shape, DType dtype, Device device) {
+  return full(shape, 1.0, dtype, device);
+}
+Tensor full(const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  t.fill_(value);
+  return t;
+}
+Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
+Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
+
+Tensor arange(double start, double end, double step, DType dtype) {
+  if (step == 0.0) throw InvalidArgument("arange: step must be non-zero");
+  const double n = std::ceil((end - start) / step);
+  const int64_t count = n > 0 ? static_cast<int64_t>(n) : 0;
+  std::vector<double> v(static_cast<std::size_t>(count));
+  for (int64_t i = 0; i < count; ++i) v[static_cast<std::size_t>(i)] = start + step * static_cast<double>(i);
+  return from_vector(v, {count}, dtype);
+}
+
+Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType dtype) {
+  if (static_cast<int64_t>(values.size()) != shape_numel(shape))
+    throw InvalidArgument(fmt::format("from_vector: {} values for shape {} ({} elements)",
+                                      values.size(), shape_str(shape), shape_numel(shape)));
+  Tensor t = empty(shape, dtype);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = t.data<T>();
+    for (std::size_t i = 0; i < values.size(); ++i)
+      p[i] = static_cast<T>(static_cast<compute_t<T>>(values[i]));
+  });
+  return t;
+}
+
+Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
+                 Storage::Deleter deleter) {
+  for (int64_t d : shape)
+    if (d < 0) throw InvalidArgument(fmt::format("from_blob: negative dim in {}", shape_str(shape)));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>(
+      data, static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype), device,
+      std::move(deleter));
+  impl->shape = shape;
+  impl->dtype = dtype;
+  return Tensor(impl);
+}
+
+// ---------------------------------------------------------------- random
+struct Generator::State {
+  std::mt19937_64 engine;
+  bool has_spare = false;
+  double spare = 0.0;
+};
+
+Generator::Generator(uint64_t seed) : seed_(seed), state_(std::make_shared<State>()) {
+  state_->engine.seed(seed);
+}
+
+uint64_t Generator::next_u64() { return state_->engine(); }
+
+double Generator::uniform() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+
+double Generator::normal() {
+  if (state_->has_spare) {
+    state_->has_spare = false;
+    return state_->spare;
+  }
+  double u1 = uniform();
+  while (u1 <= 0.0) u1 = uniform();
+  const double u2 = uniform();
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  const double theta = 2.0 * std::numbers::pi * u2;
+  state_->spare = r * std::sin(theta);
+  state_->has_spare = true;
+  return r * std::cos(theta);
+}
+
+Tensor rand_uniform(const Shape& shape, Generator& gen, double low, double high, DType dtype) {
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (double& x : v) x = low + (high - low) * gen.uniform();
+  return from_vector(v, shape, dtype);
+}
+
+Tensor rand_normal(const Shape& shape, Generator& gen, double mean, double std, DType dtype) {
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (double& x : v) x = mean + std * gen.normal();
+  return from_vector(v, shape, dtype);
+}
+
+}  // namespace diffcomm
