@@ -1,0 +1,51 @@
+#pragma once
+// Backend: what a transport (sim, mpi, nccl) implements — one virtual per
+// primitive collective, each receiving a Call that the funnel has already
+// validated, numbered and accounted. Backends never validate arguments again
+// and never know about autograd (the pattern of c10d's Backend).
+#include <memory>
+#include <string>
+
+#include "diffcomm/dist/call.hpp"
+#include "diffcomm/tensor.hpp"
+
+namespace diffcomm::dist {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  /// "sim", "mpi", "nccl".
+  virtual std::string backend_name() const = 0;
+  /// This process's group-local rank and the group size.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Global (world) rank of a member given its group-local rank.
+  virtual int global_rank(int group_rank) const = 0;
+  /// Whether tensors on this device can be communicated.
+  virtual bool supports(const Device& device) const = 0;
+
+  /// Collective over this group, like MPI_Comm_split: members passing the
+  /// same color >= 0 form a new group ordered by key; color < 0 gets null.
+  /// call.output_splits is the fingerprint every member must agree on.
+  virtual std::shared_ptr<Backend> split(Call& call, int color, int key) = 0;
+
+  virtual void barrier(Call& call) = 0;
+  virtual void all_reduce(Call& call) = 0;
+  virtual void broadcast(Call& call) = 0;
+  virtual void reduce(Call& call) = 0;
+  virtual void all_gather(Call& call) = 0;
+  virtual void all_gather_single(Call& call) = 0;
+  virtual void all_gather_v(Call& call) = 0;
+  virtual void gather(Call& call) = 0;
+  virtual void scatter(Call& call) = 0;
+  virtual void reduce_scatter(Call& call) = 0;
+  virtual void reduce_scatter_single(Call& call) = 0;
+  virtual void reduce_scatter_v(Call& call) = 0;
+  virtual void all_to_all(Call& call) = 0;
+  virtual void all_to_all_single(Call& call) = 0;
+  virtual void send(Call& call) = 0;
+  virtual void recv(Call& call) = 0;
+};
+
+}  // namespace diffcomm::dist

@@ -1,0 +1,59 @@
+#pragma once
+// ProcessGroup: a handle to a communicator. Ranks in every call are
+// group-local; global_rank() translates. Copies share state (the call
+// sequence number), so pass it by value freely.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/stats.hpp"
+
+namespace diffcomm::dist {
+
+class ProcessGroup {
+ public:
+  /// Wraps a backend. Backends' factories (sim::Rank::world(),
+  /// mpi::world(), ...) call this; users rarely do.
+  ProcessGroup(std::shared_ptr<Backend> backend, std::string name, std::shared_ptr<Stats> stats);
+
+  /// This process's group-local rank, in [0, size()).
+  int rank() const;
+  int size() const;
+  /// Global rank of the member with group-local rank `group_rank`.
+  /// Throws InvalidArgument when out of range.
+  int global_rank(int group_rank) const;
+  /// Global ranks of all members, in group order.
+  std::vector<int> members() const;
+  const std::string& name() const;
+  Backend& backend() const;
+  /// Traffic counters of this rank (shared by all groups made from one world).
+  Stats& stats() const;
+  /// Next per-group call number (the funnel numbers every call).
+  uint64_t next_seq() const;
+  /// Next point-to-point call number. Kept apart from next_seq(), because a
+  /// send/recv involves two members only and must not shift the numbering of
+  /// the group's collectives.
+  uint64_t next_p2p_seq() const;
+
+  /// Creates the sub-group of the members with group-local ranks `ranks`, in
+  /// that order (new rank i = ranks[i]). Collective over this group: every
+  /// member calls it with the same list (checked by the simulated world;
+  /// CollectiveMismatch otherwise). Returns nullopt on non-members.
+  /// Throws InvalidArgument on duplicates or out-of-range ranks.
+  /// Follows torch.distributed.new_group.
+  std::optional<ProcessGroup> new_group(const std::vector<int>& ranks, std::string name = "") const;
+
+  /// Collective over this group (MPI_Comm_split semantics): members with the
+  /// same color >= 0 form a group ordered by (key, rank). `fingerprint` must
+  /// be equal on every member; `name` names this rank's new group.
+  std::optional<ProcessGroup> split(int color, int key, const std::vector<int64_t>& fingerprint,
+                                    std::string name) const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace diffcomm::dist

@@ -1,0 +1,151 @@
+#pragma once
+// sim::World: N ranks as Boost.Fiber fibers on one OS thread, running the
+// same dist/nn/encoder_parallel code as production behind the dist::Backend
+// interface.
+//
+//  - One seed = one interleaving = one run: a seeded scheduling algorithm
+//    picks the next ready fiber.
+//  - Every collective is a rendezvous keyed by (group, call number). Before
+//    data moves, the members' calls are compared (op, dtype, shapes, root,
+//    reduce op, splits, cross-rank split agreement); any difference raises
+//    CollectiveMismatch on every member.
+//  - When every live rank is blocked, every blocked rank raises Deadlock with
+//    a report of what each rank waits in or that it finished. Never hangs.
+//  - A rank that fails (an injected fault or any exception) makes the other
+//    members of its groups raise RankFailure instead of waiting for it.
+//  - Reductions combine in group-rank order: results are bit-reproducible.
+//  - Per-rank Stats, and a trace of every call in virtual time from an
+//    alpha-beta cost model, written as Chrome trace-event JSON (Perfetto).
+//
+// Limits: run() must be called from a plain thread (not from inside a
+// fiber); rank functions must not block on anything but diffcomm calls.
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/group.hpp"
+#include "diffcomm/dist/mesh.hpp"
+#include "diffcomm/dist/stats.hpp"
+#include "diffcomm/tensor.hpp"
+
+namespace diffcomm::sim {
+
+enum class Schedule {
+  Random,     ///< next fiber drawn from the ready set with a seeded RNG
+  RoundRobin  ///< ready fibers in FIFO order (the seed is then irrelevant)
+};
+
+/// Virtual time of one collective: alpha_us * steps + bytes / bandwidth,
+/// where steps = N-1 (2(N-1) for all_reduce, 1 for send/recv, 0 for N = 1)
+/// and bytes = the largest of any member's sent or received payload (Stats).
+/// A collective starts when its last member arrives (members' clocks are
+/// advanced to its end). Local compute costs nothing unless a rank calls
+/// Rank::advance_us.
+struct CostModel {
+  double alpha_us = 5.0;          ///< latency per step, microseconds
+  double bandwidth_gbps = 100.0;  ///< link bandwidth, GB/s (1e9 bytes/s)
+};
+
+/// "rank R fails at its K-th collective" (K counts from 1 over every call
+/// the rank makes through the dist layer: collectives, send/recv, new_group).
+struct Fault {
+  int rank = 0;
+  int at_call = 1;
+};
+
+struct WorldOptions {
+  int ranks = 1;            ///< 1..16384
+  uint64_t seed = 0;
+  Schedule schedule = Schedule::Random;
+  std::size_t stack_size = 256 * 1024;  ///< bytes per fiber stack (guard page added)
+  CostModel cost;
+  std::optional<Fault> fault;
+  bool trace = true;        ///< keep trace events (memory grows with calls)
+};
+
+/// One call in the trace.
+struct TraceEvent {
+  std::string op;
+  std::string group;
+  uint64_t seq = 0;
+  int rank = 0;          ///< global rank
+  double start_us = 0;
+  double duration_us = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+};
+
+class World;
+
+/// What a rank function receives. Everything per-rank lives here (no
+/// thread_local: all ranks share one OS thread).
+class Rank {
+ public:
+  int rank() const { return rank_; }
+  int world_size() const;
+  /// The group of all ranks ("world").
+  const dist::ProcessGroup& world() const { return world_group_; }
+  /// Generator seeded from (world seed, rank): reproducible per rank.
+  Generator& generator() { return generator_; }
+  /// A mesh over the world (collective: every rank calls it with the same dims).
+  dist::DeviceMesh mesh(dist::DeviceMesh::Dims dims) const;
+  /// This rank's virtual clock.
+  double now_us() const;
+  /// Models local compute: advances this rank's clock.
+  void advance_us(double us);
+  dist::Stats& stats() const { return world_group_.stats(); }
+
+ private:
+  friend class World;
+  Rank(World* world, int rank, dist::ProcessGroup group, uint64_t seed)
+      : world_(world), rank_(rank), world_group_(std::move(group)), generator_(seed) {}
+  World* world_;
+  int rank_;
+  dist::ProcessGroup world_group_;
+  Generator generator_;
+};
+
+class World {
+ public:
+  /// Throws InvalidArgument for ranks outside 1..16384, a fault naming a rank
+  /// outside the world or K < 1, or a stack smaller than 16 KiB.
+  explicit World(WorldOptions options);
+  ~World();
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+  /// Runs fn on every rank as a fiber and returns when all have finished.
+  /// If any rank raised, rethrows (same diffcomm::Error type) the first
+  /// failure in virtual-scheduler order with its rank named; errors() then
+  /// has every rank's exception. Stats and trace are reset per run.
+  void run(const std::function<void(Rank&)>& fn);
+
+  const WorldOptions& options() const;
+  /// Per-rank exception of the last run (null where the rank succeeded).
+  const std::vector<std::exception_ptr>& errors() const;
+  /// Per-rank message of errors() ("" where the rank succeeded).
+  std::vector<std::string> error_messages() const;
+  /// Traffic counters of one rank in the last run.
+  const dist::Stats& stats(int rank) const;
+  /// Every completed call of the last run, in completion order.
+  const std::vector<TraceEvent>& trace() const;
+  /// A hash of the interleaving: the calls in completion order with the
+  /// order their members arrived in. Same seed => same hash.
+  uint64_t trace_hash() const;
+  /// Writes trace() as Chrome trace-event JSON (one track per rank).
+  void write_trace(const std::string& path) const;
+  /// Largest rank clock at the end of the last run, microseconds.
+  double sim_time_us() const;
+
+  struct Impl;
+
+ private:
+  friend class Rank;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace diffcomm::sim

@@ -1,0 +1,796 @@
+#include "diffcomm/sim/world.hpp"
+
+#include <fmt/format.h>
+
+#include <boost/fiber/all.hpp>
+#include <cstring>
+#include <fstream>
+#include <list>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+
+#include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/reduce_op.hpp"
+#include "diffcomm/error.hpp"
+#include "scheduler.hpp"
+
+namespace diffcomm::sim {
+
+using dist::Call;
+using dist::OpType;
+
+namespace {
+
+// Fibers share one OS thread and switch only inside diffcomm calls, so a
+// lock that does nothing is all a condition variable needs here.
+struct NoLock {
+  void lock() {}
+  void unlock() {}
+};
+
+enum class ErrorKind { None, Mismatch, Deadlock, RankFailure };
+
+struct SimGroup;
+
+// One collective (or send/recv pair) on its way: members deposit their Call,
+// the last to arrive checks the fingerprints and moves everybody's data.
+struct Rendezvous {
+  SimGroup* group = nullptr;
+  std::string label;               // for reports
+  std::vector<Call*> calls;        // by slot (group rank; p2p: 0 = sender, 1 = receiver)
+  std::vector<int> globals;        // global rank per slot
+  std::vector<int> arrival_order;  // slots in arrival order
+  int arrived = 0;
+  bool done = false;
+  ErrorKind error = ErrorKind::None;
+  std::string message;
+  double start_us = 0, end_us = 0;
+  std::vector<std::shared_ptr<dist::Backend>> split_results;
+  boost::fibers::condition_variable_any cv;
+};
+
+struct SimGroup {
+  uint64_t id = 0;
+  std::vector<int> members;  // global ranks in group order
+  std::map<uint64_t, std::shared_ptr<Rendezvous>> pending;
+  // p2p: (src slot, dst slot, tag, n) -> rendezvous
+  std::map<std::tuple<int, int, int, uint64_t>, std::shared_ptr<Rendezvous>> pending_p2p;
+};
+
+enum class Status { Running, Blocked, Finished, Failed };
+
+struct RankState {
+  Status status = Status::Running;
+  std::string waiting_in;
+  int calls = 0;
+  double clock_us = 0;
+  std::shared_ptr<dist::Stats> stats = std::make_shared<dist::Stats>();
+  std::exception_ptr error;
+  std::string error_message;
+  uint64_t failure_order = 0;
+};
+
+std::string rank_label(const SimGroup& g, int slot) {
+  return fmt::format("rank {} (global {})", slot, g.members[static_cast<std::size_t>(slot)]);
+}
+
+}  // namespace
+
+struct World::Impl {
+  WorldOptions options;
+  std::vector<RankState> ranks;
+  std::list<std::shared_ptr<SimGroup>> groups;
+  std::set<Rendezvous*> pending;  // every rendezvous someone waits in
+  uint64_t next_group_id = 0;
+  int live = 0;
+  int blocked = 0;
+  uint64_t failures = 0;
+  std::vector<TraceEvent> trace;
+  uint64_t trace_hash = 1469598103934665603ull;
+  std::vector<std::exception_ptr> errors;
+
+  std::shared_ptr<SimGroup> make_group(std::vector<int> members) {
+    auto g = std::make_shared<SimGroup>();
+    g->id = next_group_id++;
+    g->members = std::move(members);
+    groups.push_back(g);
+    return g;
+  }
+
+  void hash(uint64_t v) {
+    // FNV-1a over 8 bytes.
+    for (int i = 0; i < 8; ++i) {
+      trace_hash ^= (v >> (8 * i)) & 0xFF;
+      trace_hash *= 1099511628211ull;
+    }
+  }
+  void hash(const std::string& s) {
+    for (char c : s) hash(static_cast<uint64_t>(static_cast<unsigned char>(c)));
+  }
+
+  // ---------------------------------------------------------- waiting
+  void wake(Rendezvous& rv) {
+    const bool was_pending = pending.erase(&rv) > 0;
+    for (int slot : rv.arrival_order) {
+      RankState& rs = ranks[static_cast<std::size_t>(rv.globals[static_cast<std::size_t>(slot)])];
+      if (rs.status == Status::Blocked) {
+        rs.status = Status::Running;
+        rs.waiting_in.clear();
+        --blocked;
+      }
+    }
+    (void)was_pending;
+    rv.done = true;
+    rv.cv.notify_all();
+  }
+
+  void check_deadlock() {
+    if (blocked == 0 || blocked < live) return;
+    std::string report = "deadlock: every live rank is blocked and none can proceed\n";
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      const RankState& rs = ranks[r];
+      switch (rs.status) {
+        case Status::Blocked: report += fmt::format("  rank {}: waiting in {}\n", r, rs.waiting_in); break;
+        case Status::Finished: report += fmt::format("  rank {}: finished\n", r); break;
+        case Status::Failed: report += fmt::format("  rank {}: failed ({})\n", r, rs.error_message); break;
+        case Status::Running: report += fmt::format("  rank {}: running\n", r); break;
+      }
+    }
+    std::vector<Rendezvous*> all(pending.begin(), pending.end());
+    for (Rendezvous* rv : all) {
+      rv->error = ErrorKind::Deadlock;
+      rv->message = report;
+      wake(*rv);
+    }
+  }
+
+  // Blocks the calling rank until rv is done (or fails).
+  void wait(Rendezvous& rv, int global, const Call& call) {
+    RankState& rs = ranks[static_cast<std::size_t>(global)];
+    rs.status = Status::Blocked;
+    rs.waiting_in = fmt::format("{}: {}", call.where(), call.signature());
+    ++blocked;
+    pending.insert(&rv);
+    check_deadlock();
+    NoLock lock;
+    while (!rv.done) rv.cv.wait(lock);
+  }
+
+  void on_rank_exit(int global, std::exception_ptr error, std::string message) {
+    RankState& rs = ranks[static_cast<std::size_t>(global)];
+    --live;
+    if (!error) {
+      rs.status = Status::Finished;
+    } else {
+      rs.status = Status::Failed;
+      rs.error = error;
+      rs.error_message = std::move(message);
+      rs.failure_order = ++failures;
+      // Release every member waiting for this rank in a group it belongs to.
+      std::vector<Rendezvous*> affected;
+      for (Rendezvous* rv : pending) {
+        const auto& m = rv->globals;  // collective: the group; p2p: the pair
+        if (std::find(m.begin(), m.end(), global) != m.end()) affected.push_back(rv);
+      }
+      for (Rendezvous* rv : affected) {
+        rv->error = ErrorKind::RankFailure;
+        rv->message = fmt::format("member global rank {} failed: {}", global, rs.error_message);
+        wake(*rv);
+      }
+    }
+    check_deadlock();
+  }
+
+  [[noreturn]] void raise(const Rendezvous& rv, const Call& call) {
+    const std::string msg = fmt::format("{}: {}", call.where(), rv.message);
+    switch (rv.error) {
+      case ErrorKind::Mismatch: throw CollectiveMismatch(msg);
+      case ErrorKind::Deadlock: throw Deadlock(msg);
+      case ErrorKind::RankFailure: throw RankFailure(msg);
+      case ErrorKind::None: break;
+    }
+    throw Error(msg);
+  }
+
+  // Entry of every call: fault injection and failed members.
+  void enter(SimGroup& g, int global, const Call& call) {
+    RankState& rs = ranks[static_cast<std::size_t>(global)];
+    ++rs.calls;
+    if (options.fault && options.fault->rank == global && options.fault->at_call == rs.calls)
+      throw RankFailure(fmt::format("rank {}: injected fault at its call #{}: {}: {}", global,
+                                    rs.calls, call.where(), call.signature()));
+    for (int m : g.members)
+      if (ranks[static_cast<std::size_t>(m)].status == Status::Failed)
+        throw RankFailure(fmt::format("{}: member global rank {} failed earlier: {}", call.where(),
+                                      m, ranks[static_cast<std::size_t>(m)].error_message));
+  }
+
+  // ---------------------------------------------------------- fingerprints
+  // Returns "" when the members agree, else the mismatch report.
+  static std::string compare(const Rendezvous& rv) {
+    const auto& c = rv.calls;
+    const SimGroup& g = *rv.group;
+    const std::size_t n = c.size();
+    auto differ = [&](std::size_t a, std::size_t b, const std::string& field) {
+      return fmt::format("{} called {} but {} called {}: {} differs", rank_label(g, static_cast<int>(a)),
+                         c[a]->signature(), rank_label(g, static_cast<int>(b)), c[b]->signature(), field);
+    };
+    for (std::size_t i = 1; i < n; ++i) {
+      if (c[i]->op != c[0]->op) return differ(0, i, "op");
+      if (c[0]->op == OpType::NewGroup) {
+        if (c[i]->output_splits != c[0]->output_splits) return differ(0, i, "member list");
+        continue;
+      }
+      if (c[0]->op == OpType::Barrier) continue;
+      if (c[i]->dtype != c[0]->dtype) return differ(0, i, "dtype");
+      if (c[i]->root != c[0]->root) return differ(0, i, "root");
+      if (c[i]->reduce_op != c[0]->reduce_op) return differ(0, i, "reduce op");
+    }
+    const OpType op = c[0]->op;
+    auto shape_of = [&](std::size_t i) -> Shape {
+      switch (op) {
+        case OpType::ReduceScatter:
+        case OpType::Scatter: return c[i]->outputs[0].shape();
+        default: return c[i]->inputs[0].shape();
+      }
+    };
+    auto row_shape = [](const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); };
+    switch (op) {
+      case OpType::AllReduce:
+      case OpType::Broadcast:
+      case OpType::Reduce:
+      case OpType::AllGather:
+      case OpType::AllGatherSingle:
+      case OpType::Gather:
+      case OpType::Scatter:
+      case OpType::ReduceScatter:
+      case OpType::ReduceScatterSingle:
+      case OpType::Send:
+      case OpType::Recv:
+        for (std::size_t i = 1; i < n; ++i)
+          if (shape_of(i) != shape_of(0)) return differ(0, i, "shape");
+        break;
+      case OpType::AllGatherV:
+        for (std::size_t i = 1; i < n; ++i) {
+          if (c[i]->output_splits != c[0]->output_splits) return differ(0, i, "output_splits");
+          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0])) return differ(0, i, "row shape");
+        }
+        break;
+      case OpType::ReduceScatterV:
+        for (std::size_t i = 1; i < n; ++i) {
+          if (c[i]->input_splits != c[0]->input_splits) return differ(0, i, "input_splits");
+          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0])) return differ(0, i, "row shape");
+        }
+        break;
+      case OpType::AllToAllSingle:
+        for (std::size_t i = 0; i < n; ++i) {
+          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0])) return differ(0, i, "row shape");
+          for (std::size_t j = 0; j < n; ++j)
+            if (c[i]->input_splits[j] != c[j]->output_splits[i])
+              return fmt::format(
+                  "{} sends input_splits[{}] = {} rows to {}, but that rank expects "
+                  "output_splits[{}] = {} rows from it: {} calls {}, {} calls {}: splits differ",
+                  rank_label(g, static_cast<int>(i)), j, c[i]->input_splits[j],
+                  rank_label(g, static_cast<int>(j)), i, c[j]->output_splits[i],
+                  rank_label(g, static_cast<int>(i)), c[i]->signature(),
+                  rank_label(g, static_cast<int>(j)), c[j]->signature());
+        }
+        break;
+      case OpType::AllToAll:
+        for (std::size_t i = 0; i < n; ++i)
+          for (std::size_t s = 0; s < n; ++s)
+            if (c[i]->outputs[s].shape() != c[s]->inputs[i].shape())
+              return fmt::format(
+                  "{} expects outputs[{}] of shape {} but {} sends inputs[{}] of shape {}: shape "
+                  "differs",
+                  rank_label(g, static_cast<int>(i)), s, shape_str(c[i]->outputs[s].shape()),
+                  rank_label(g, static_cast<int>(s)), i, shape_str(c[s]->inputs[i].shape()));
+        break;
+      default: break;
+    }
+    return "";
+  }
+
+  // ---------------------------------------------------------- data movement
+  static bool overlaps(const Tensor& a, const Tensor& b) {
+    if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+    const char* pa = static_cast<const char*>(a.data_ptr());
+    const char* pb = static_cast<const char*>(b.data_ptr());
+    return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  }
+
+  // Inputs that alias some member's output are snapshotted first, so the
+  // order in which the last arriver writes outputs cannot matter.
+  static void snapshot_aliased_inputs(std::vector<Call*>& calls) {
+    for (Call* ci : calls)
+      for (Tensor& in : ci->inputs) {
+        bool alias = false;
+        for (Call* co : calls)
+          for (const Tensor& out : co->outputs)
+            if (overlaps(in, out)) alias = true;
+        if (alias) in = in.copy_data();
+      }
+  }
+
+  static int64_t offset_of(const std::vector<int64_t>& splits, std::size_t upto) {
+    return std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(upto), int64_t{0});
+  }
+
+  static void move_data(std::vector<Call*>& c) {
+    const std::size_t n = c.size();
+    const OpType op = c[0]->op;
+    if (op != OpType::AllReduce && op != OpType::Broadcast && op != OpType::Reduce)
+      snapshot_aliased_inputs(c);
+    switch (op) {
+      case OpType::Barrier:
+      case OpType::NewGroup: break;
+      case OpType::AllReduce: {
+        std::vector<Tensor> ins;
+        for (auto* ci : c) ins.push_back(ci->inputs[0]);
+        Tensor tmp = empty_like(ins[0]);
+        dist::reduce_into(tmp, ins, c[0]->reduce_op);
+        for (auto* ci : c) ci->outputs[0].copy_(tmp);
+        break;
+      }
+      case OpType::Broadcast: {
+        const auto src = static_cast<std::size_t>(c[0]->root);
+        for (std::size_t i = 0; i < n; ++i)
+          if (i != src) c[i]->outputs[0].copy_(c[src]->inputs[0]);
+        break;
+      }
+      case OpType::Reduce: {
+        std::vector<Tensor> ins;
+        for (auto* ci : c) ins.push_back(ci->inputs[0]);
+        Tensor tmp = empty_like(ins[0]);
+        dist::reduce_into(tmp, ins, c[0]->reduce_op);
+        c[static_cast<std::size_t>(c[0]->root)]->outputs[0].copy_(tmp);
+        break;
+      }
+      case OpType::AllGather:
+        for (std::size_t i = 0; i < n; ++i)
+          for (std::size_t s = 0; s < n; ++s) c[i]->outputs[s].copy_(c[s]->inputs[0]);
+        break;
+      case OpType::AllGatherSingle:
+        for (std::size_t i = 0; i < n; ++i) {
+          const int64_t rows = c[i]->inputs[0].size(0);
+          for (std::size_t s = 0; s < n; ++s)
+            c[i]->outputs[0].row_view(static_cast<int64_t>(s) * rows, rows).copy_(c[s]->inputs[0]);
+        }
+        break;
+      case OpType::AllGatherV:
+        for (std::size_t i = 0; i < n; ++i)
+          for (std::size_t s = 0; s < n; ++s)
+            c[i]->outputs[0]
+                .row_view(offset_of(c[i]->output_splits, s), c[i]->output_splits[s])
+                .copy_(c[s]->inputs[0]);
+        break;
+      case OpType::Gather: {
+        const auto dst = static_cast<std::size_t>(c[0]->root);
+        for (std::size_t s = 0; s < n; ++s) c[dst]->outputs[s].copy_(c[s]->inputs[0]);
+        break;
+      }
+      case OpType::Scatter: {
+        const auto src = static_cast<std::size_t>(c[0]->root);
+        for (std::size_t i = 0; i < n; ++i) c[i]->outputs[0].copy_(c[src]->inputs[i]);
+        break;
+      }
+      case OpType::ReduceScatter:
+        for (std::size_t i = 0; i < n; ++i) {
+          std::vector<Tensor> ins;
+          for (auto* cs : c) ins.push_back(cs->inputs[i]);
+          dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
+        }
+        break;
+      case OpType::ReduceScatterSingle:
+        for (std::size_t i = 0; i < n; ++i) {
+          const int64_t rows = c[i]->outputs[0].size(0);
+          std::vector<Tensor> ins;
+          for (auto* cs : c) ins.push_back(cs->inputs[0].row_view(static_cast<int64_t>(i) * rows, rows));
+          dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
+        }
+        break;
+      case OpType::ReduceScatterV:
+        for (std::size_t i = 0; i < n; ++i) {
+          std::vector<Tensor> ins;
+          for (auto* cs : c)
+            ins.push_back(cs->inputs[0].row_view(offset_of(cs->input_splits, i), cs->input_splits[i]));
+          dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
+        }
+        break;
+      case OpType::AllToAll:
+        for (std::size_t i = 0; i < n; ++i)
+          for (std::size_t s = 0; s < n; ++s) c[i]->outputs[s].copy_(c[s]->inputs[i]);
+        break;
+      case OpType::AllToAllSingle:
+        for (std::size_t s = 0; s < n; ++s)
+          for (std::size_t j = 0; j < n; ++j) {
+            const int64_t rows = c[s]->input_splits[j];
+            c[j]->outputs[0]
+                .row_view(offset_of(c[j]->output_splits, s), rows)
+                .copy_(c[s]->inputs[0].row_view(offset_of(c[s]->input_splits, j), rows));
+          }
+        break;
+      case OpType::Send:
+      case OpType::Recv: c[1]->outputs[0].copy_(c[0]->inputs[0]); break;
+    }
+  }
+
+  double cost_us(const Rendezvous& rv) const {
+    const auto n = static_cast<double>(rv.calls.size());
+    if (rv.calls.size() <= 1 && rv.calls[0]->op != OpType::Send) return 0.0;
+    const OpType op = rv.calls[0]->op;
+    if (op == OpType::NewGroup) return 0.0;
+    double steps = n - 1;
+    if (op == OpType::AllReduce) steps = 2 * (n - 1);
+    if (op == OpType::Send || op == OpType::Recv) steps = 1;
+    uint64_t bytes = 0;
+    for (const Call* c : rv.calls) bytes = std::max({bytes, c->bytes_sent, c->bytes_received});
+    return options.cost.alpha_us * steps +
+           static_cast<double>(bytes) / (options.cost.bandwidth_gbps * 1e3);
+  }
+
+  // Called by the last member to arrive: check, move, time, trace, wake.
+  void complete(Rendezvous& rv);
+
+  // The body of every primitive on the simulated backend.
+  void collective(const std::shared_ptr<SimGroup>& g, int slot, Call& call);
+  void point_to_point(const std::shared_ptr<SimGroup>& g, int slot, Call& call,
+                      std::map<std::tuple<int, int, int>, uint64_t>& counters);
+  std::shared_ptr<dist::Backend> split(const std::shared_ptr<SimGroup>& g, int slot, Call& call);
+};
+
+// ---------------------------------------------------------------- backend
+namespace {
+
+class SimBackend final : public dist::Backend {
+ public:
+  SimBackend(World::Impl* world, std::shared_ptr<SimGroup> group, int slot)
+      : world_(world), group_(std::move(group)), slot_(slot) {}
+
+  std::string backend_name() const override { return "sim"; }
+  int rank() const override { return slot_; }
+  int size() const override { return static_cast<int>(group_->members.size()); }
+  int global_rank(int r) const override { return group_->members[static_cast<std::size_t>(r)]; }
+  bool supports(const Device& d) const override { return d.is_cpu(); }
+
+  std::shared_ptr<dist::Backend> split(Call& call, int, int) override {
+    return world_->split(group_, slot_, call);
+  }
+  void barrier(Call& c) override { world_->collective(group_, slot_, c); }
+  void all_reduce(Call& c) override { world_->collective(group_, slot_, c); }
+  void broadcast(Call& c) override { world_->collective(group_, slot_, c); }
+  void reduce(Call& c) override { world_->collective(group_, slot_, c); }
+  void all_gather(Call& c) override { world_->collective(group_, slot_, c); }
+  void all_gather_single(Call& c) override { world_->collective(group_, slot_, c); }
+  void all_gather_v(Call& c) override { world_->collective(group_, slot_, c); }
+  void gather(Call& c) override { world_->collective(group_, slot_, c); }
+  void scatter(Call& c) override { world_->collective(group_, slot_, c); }
+  void reduce_scatter(Call& c) override { world_->collective(group_, slot_, c); }
+  void reduce_scatter_single(Call& c) override { world_->collective(group_, slot_, c); }
+  void reduce_scatter_v(Call& c) override { world_->collective(group_, slot_, c); }
+  void all_to_all(Call& c) override { world_->collective(group_, slot_, c); }
+  void all_to_all_single(Call& c) override { world_->collective(group_, slot_, c); }
+  void send(Call& c) override { world_->point_to_point(group_, slot_, c, p2p_counters_); }
+  void recv(Call& c) override { world_->point_to_point(group_, slot_, c, p2p_counters_); }
+
+ private:
+  World::Impl* world_;
+  std::shared_ptr<SimGroup> group_;
+  int slot_;
+  std::map<std::tuple<int, int, int>, uint64_t> p2p_counters_;  // (src, dst, tag) -> n
+};
+
+}  // namespace
+
+void World::Impl::complete(Rendezvous& rv) {
+  std::string mismatch = compare(rv);
+  double start = 0;
+  for (std::size_t i = 0; i < rv.calls.size(); ++i)
+    start = std::max(start, ranks[static_cast<std::size_t>(rv.globals[i])].clock_us);
+  rv.start_us = start;
+  if (!mismatch.empty()) {
+    rv.error = ErrorKind::Mismatch;
+    rv.message = "collective mismatch: " + mismatch;
+    rv.end_us = start;
+    wake(rv);
+    return;
+  }
+  move_data(rv.calls);
+  rv.end_us = start + cost_us(rv);
+  hash(rv.group->id);
+  hash(rv.calls[0]->seq);
+  hash(dist::op_name(rv.calls[0]->op));
+  for (int slot : rv.arrival_order) hash(static_cast<uint64_t>(slot));
+  for (std::size_t i = 0; i < rv.calls.size(); ++i) {
+    const Call& c = *rv.calls[i];
+    ranks[static_cast<std::size_t>(rv.globals[i])].clock_us = rv.end_us;
+    if (options.trace)
+      trace.push_back({dist::op_name(c.op), c.group, c.seq, rv.globals[i], rv.start_us,
+                       rv.end_us - rv.start_us, c.bytes_sent, c.bytes_received});
+  }
+  wake(rv);
+}
+
+void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call& call) {
+  const int global = g->members[static_cast<std::size_t>(slot)];
+  enter(*g, global, call);
+  const std::size_t n = g->members.size();
+  std::shared_ptr<Rendezvous>& entry = g->pending[call.seq];
+  if (!entry) {
+    entry = std::make_shared<Rendezvous>();
+    entry->group = g.get();
+    entry->calls.assign(n, nullptr);
+    entry->globals = g->members;
+  }
+  std::shared_ptr<Rendezvous> rv = entry;  // keeps it alive after erase
+  rv->calls[static_cast<std::size_t>(slot)] = &call;
+  rv->arrival_order.push_back(slot);
+  if (++rv->arrived == static_cast<int>(n)) {
+    g->pending.erase(call.seq);
+    complete(*rv);
+  } else {
+    wait(*rv, global, call);
+  }
+  if (rv->error != ErrorKind::None) {
+    if (rv->error != ErrorKind::Mismatch) g->pending.erase(call.seq);
+    raise(*rv, call);
+  }
+}
+
+void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, Call& call,
+                                 std::map<std::tuple<int, int, int>, uint64_t>& counters) {
+  const int global = g->members[static_cast<std::size_t>(slot)];
+  enter(*g, global, call);
+  const bool sending = call.op == OpType::Send;
+  const int src = sending ? slot : call.root;
+  const int dst = sending ? call.root : slot;
+  const uint64_t n = counters[{src, dst, call.tag}]++;
+  const auto key = std::make_tuple(src, dst, call.tag, n);
+  std::shared_ptr<Rendezvous>& entry = g->pending_p2p[key];
+  if (!entry) {
+    entry = std::make_shared<Rendezvous>();
+    entry->group = g.get();
+    entry->calls.assign(2, nullptr);
+    entry->globals = {g->members[static_cast<std::size_t>(src)], g->members[static_cast<std::size_t>(dst)]};
+  }
+  std::shared_ptr<Rendezvous> rv = entry;
+  const int my_slot = sending ? 0 : 1;
+  rv->calls[static_cast<std::size_t>(my_slot)] = &call;
+  rv->arrival_order.push_back(my_slot);
+  if (++rv->arrived == 2) {
+    g->pending_p2p.erase(key);
+    Call& s = *rv->calls[0];
+    Call& r = *rv->calls[1];
+    if (s.dtype != r.dtype || s.inputs[0].shape() != r.outputs[0].shape()) {
+      rv->error = ErrorKind::Mismatch;
+      rv->message = fmt::format(
+          "collective mismatch: rank {} sends {}{} (tag {}) but rank {} receives into {}{}: shape "
+          "or dtype differs",
+          src, dtype_name(s.dtype), shape_str(s.inputs[0].shape()), call.tag, dst,
+          dtype_name(r.dtype), shape_str(r.outputs[0].shape()));
+      wake(*rv);
+    } else {
+      complete(*rv);
+    }
+  } else {
+    wait(*rv, global, call);
+  }
+  if (rv->error != ErrorKind::None) raise(*rv, call);
+}
+
+std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup>& g, int slot,
+                                                  Call& call) {
+  const int global = g->members[static_cast<std::size_t>(slot)];
+  enter(*g, global, call);
+  const std::size_t n = g->members.size();
+  std::shared_ptr<Rendezvous>& entry = g->pending[call.seq];
+  if (!entry) {
+    entry = std::make_shared<Rendezvous>();
+    entry->group = g.get();
+    entry->calls.assign(n, nullptr);
+    entry->globals = g->members;
+  }
+  std::shared_ptr<Rendezvous> rv = entry;
+  rv->calls[static_cast<std::size_t>(slot)] = &call;
+  rv->arrival_order.push_back(slot);
+  if (++rv->arrived == static_cast<int>(n)) {
+    g->pending.erase(call.seq);
+    const std::string mismatch = compare(*rv);
+    if (mismatch.empty()) {
+      // Members with one color form a group, ordered by (key, old rank).
+      std::map<int64_t, std::vector<std::pair<int64_t, int>>> by_color;
+      for (std::size_t i = 0; i < n; ++i) {
+        const int64_t color = rv->calls[i]->input_splits[0];
+        if (color >= 0) by_color[color].push_back({rv->calls[i]->input_splits[1], static_cast<int>(i)});
+      }
+      rv->split_results.assign(n, nullptr);
+      for (auto& [color, members] : by_color) {
+        std::sort(members.begin(), members.end());
+        std::vector<int> globals;
+        for (auto& m : members) globals.push_back(g->members[static_cast<std::size_t>(m.second)]);
+        auto sub = make_group(globals);
+        for (std::size_t k = 0; k < members.size(); ++k)
+          rv->split_results[static_cast<std::size_t>(members[k].second)] =
+              std::make_shared<SimBackend>(this, sub, static_cast<int>(k));
+      }
+      wake(*rv);
+    } else {
+      rv->error = ErrorKind::Mismatch;
+      rv->message = "collective mismatch: " + mismatch;
+      wake(*rv);
+    }
+  } else {
+    wait(*rv, global, call);
+  }
+  if (rv->error != ErrorKind::None) raise(*rv, call);
+  return rv->split_results[static_cast<std::size_t>(slot)];
+}
+
+// ---------------------------------------------------------------- Rank
+int Rank::world_size() const { return world_->impl_->options.ranks; }
+
+dist::DeviceMesh Rank::mesh(dist::DeviceMesh::Dims dims) const {
+  return dist::DeviceMesh(world_group_, std::move(dims));
+}
+
+double Rank::now_us() const { return world_->impl_->ranks[static_cast<std::size_t>(rank_)].clock_us; }
+
+void Rank::advance_us(double us) {
+  if (us < 0) throw InvalidArgument(fmt::format("advance_us: negative time {}", us));
+  world_->impl_->ranks[static_cast<std::size_t>(rank_)].clock_us += us;
+}
+
+// ---------------------------------------------------------------- World
+World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
+  if (options.ranks < 1 || options.ranks > 16384)
+    throw InvalidArgument(fmt::format("sim::World: ranks = {}, expected 1..16384", options.ranks));
+  if (options.stack_size < 16 * 1024)
+    throw InvalidArgument(fmt::format("sim::World: stack_size = {} bytes, expected >= 16384",
+                                      options.stack_size));
+  if (options.fault && (options.fault->rank < 0 || options.fault->rank >= options.ranks ||
+                        options.fault->at_call < 1))
+    throw InvalidArgument(fmt::format(
+        "sim::World: fault rank {} at call {} is invalid (rank in [0, {}), call >= 1)",
+        options.fault->rank, options.fault->at_call, options.ranks));
+  if (options.cost.bandwidth_gbps <= 0 || options.cost.alpha_us < 0)
+    throw InvalidArgument("sim::World: cost model needs alpha_us >= 0 and bandwidth_gbps > 0");
+  impl_->options = options;
+}
+
+World::~World() = default;
+
+const WorldOptions& World::options() const { return impl_->options; }
+const std::vector<std::exception_ptr>& World::errors() const { return impl_->errors; }
+const dist::Stats& World::stats(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(impl_->ranks.size()))
+    throw InvalidArgument(fmt::format("World::stats: rank {} out of range (run() first?)", rank));
+  return *impl_->ranks[static_cast<std::size_t>(rank)].stats;
+}
+const std::vector<TraceEvent>& World::trace() const { return impl_->trace; }
+uint64_t World::trace_hash() const { return impl_->trace_hash; }
+
+double World::sim_time_us() const {
+  double t = 0;
+  for (const auto& r : impl_->ranks) t = std::max(t, r.clock_us);
+  return t;
+}
+
+std::vector<std::string> World::error_messages() const {
+  std::vector<std::string> out;
+  for (const auto& r : impl_->ranks) out.push_back(r.error_message);
+  return out;
+}
+
+void World::write_trace(const std::string& path) const {
+  nlohmann::json events = nlohmann::json::array();
+  for (std::size_t r = 0; r < impl_->ranks.size(); ++r)
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+                      {"args", {{"name", fmt::format("rank {}", r)}}}});
+  for (const auto& e : impl_->trace)
+    events.push_back({{"name", e.op},
+                      {"cat", e.group},
+                      {"ph", "X"},
+                      {"pid", 0},
+                      {"tid", e.rank},
+                      {"ts", e.start_us},
+                      {"dur", e.duration_us},
+                      {"args",
+                       {{"group", e.group},
+                        {"seq", e.seq},
+                        {"bytes_sent", e.bytes_sent},
+                        {"bytes_received", e.bytes_received}}}});
+  std::ofstream out(path);
+  if (!out) throw InvalidArgument(fmt::format("write_trace: cannot open '{}' for writing", path));
+  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump() << "\n";
+}
+
+namespace {
+// Re-raises a rank's exception with the rank named, keeping its type.
+[[noreturn]] void rethrow_named(const std::exception_ptr& e, int rank, const std::string& what) {
+  const std::string msg = what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", rank, what);
+  try {
+    std::rethrow_exception(e);
+  } catch (const Deadlock&) {
+    throw Deadlock(msg);
+  } catch (const CollectiveMismatch&) {
+    throw CollectiveMismatch(msg);
+  } catch (const RankFailure&) {
+    throw RankFailure(msg);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument(msg);
+  } catch (const BackendError&) {
+    throw BackendError(msg);
+  } catch (...) {
+    throw Error(msg);
+  }
+}
+}  // namespace
+
+void World::run(const std::function<void(Rank&)>& fn) {
+  Impl& w = *impl_;
+  const int n = w.options.ranks;
+  w.ranks.assign(static_cast<std::size_t>(n), RankState{});
+  w.groups.clear();
+  w.pending.clear();
+  w.trace.clear();
+  w.trace_hash = 1469598103934665603ull;
+  w.live = n;
+  w.blocked = 0;
+  w.failures = 0;
+  w.errors.assign(static_cast<std::size_t>(n), nullptr);
+
+  boost::fibers::use_scheduling_algorithm<detail::SeededAlgorithm>(
+      w.options.seed, w.options.schedule == Schedule::Random);
+
+  std::vector<int> all(static_cast<std::size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
+  auto world_group = w.make_group(all);
+
+  std::vector<boost::fibers::fiber> fibers;
+  fibers.reserve(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    fibers.emplace_back(
+        std::allocator_arg, boost::fibers::protected_fixedsize_stack(w.options.stack_size),
+        [this, &w, &fn, world_group, r] {
+          auto backend = std::make_shared<SimBackend>(&w, world_group, r);
+          // Per-rank generator seed: a SplitMix64 step over (seed, rank).
+          uint64_t z = w.options.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
+          z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+          z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+          z ^= z >> 31;
+          Rank rank(this, r, dist::ProcessGroup(backend, "world", w.ranks[static_cast<std::size_t>(r)].stats), z);
+          std::exception_ptr error;
+          std::string message;
+          try {
+            fn(rank);
+          } catch (const std::exception& e) {
+            // Never block or yield inside a catch handler (Boost 1.74 loses
+            // the exception state across a fiber switch): record and leave.
+            error = std::current_exception();
+            message = e.what();
+          } catch (...) {
+            error = std::current_exception();
+            message = "unknown exception";
+          }
+          w.errors[static_cast<std::size_t>(r)] = error;
+          w.on_rank_exit(r, error, std::move(message));
+        });
+  }
+  for (auto& f : fibers) f.join();
+
+  // Report the first failure (in failure order) on the caller.
+  int first = -1;
+  for (int r = 0; r < n; ++r) {
+    const RankState& rs = w.ranks[static_cast<std::size_t>(r)];
+    if (rs.error && (first < 0 || rs.failure_order < w.ranks[static_cast<std::size_t>(first)].failure_order))
+      first = r;
+  }
+  if (first >= 0) {
+    const RankState& rs = w.ranks[static_cast<std::size_t>(first)];
+    rethrow_named(rs.error, first, rs.error_message);
+  }
+}
+
+}  // namespace diffcomm::sim

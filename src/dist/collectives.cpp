@@ -1,0 +1,391 @@
+// The funnel: every primitive collective passes through here, so local
+// validation, numbering and byte accounting live in one place for all
+// backends (the pattern of NCCL's collectives.cc -> enqueue path).
+#include "diffcomm/dist/collectives.hpp"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::dist {
+namespace {
+
+uint64_t nbytes(const Tensor& t) { return static_cast<uint64_t>(t.nbytes()); }
+uint64_t nbytes(const std::vector<Tensor>& ts) {
+  uint64_t s = 0;
+  for (const auto& t : ts) s += nbytes(t);
+  return s;
+}
+int64_t split_sum(const Splits& s) { return std::accumulate(s.begin(), s.end(), int64_t{0}); }
+
+// Builds the Call and validates it; fail() raises InvalidArgument naming the
+// op, the group, the rank and the call number this call would take.
+class Checker {
+ public:
+  Checker(const ProcessGroup& g, OpType op) : g_(g) {
+    call_.op = op;
+    call_.group = g.name();
+    call_.rank = g.rank();
+    call_.group_size = g.size();
+  }
+  Call& call() { return call_; }
+  int size() const { return call_.group_size; }
+  int rank() const { return call_.rank; }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw InvalidArgument(fmt::format("{} on group '{}' ({} backend, rank {} of {}): {}",
+                                      op_name(call_.op), call_.group, g_.backend().backend_name(),
+                                      call_.rank, call_.group_size, what));
+  }
+
+  // First tensor sets the call's dtype and device; later ones must agree.
+  void tensor(const Tensor& t, const std::string& role) {
+    if (!t.defined()) fail(role + " is undefined");
+    if (!have_first_) {
+      have_first_ = true;
+      call_.dtype = t.dtype();
+      device_ = t.device();
+      first_role_ = role;
+      if (!g_.backend().supports(device_))
+        fail(fmt::format("{} is on {}, which the {} backend cannot communicate", role,
+                         device_.str(), g_.backend().backend_name()));
+      return;
+    }
+    if (t.dtype() != call_.dtype)
+      fail(fmt::format("{} has dtype {} but {} has dtype {}", role, dtype_name(t.dtype()),
+                       first_role_, dtype_name(call_.dtype)));
+    if (t.device() != device_)
+      fail(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role_,
+                       device_.str()));
+  }
+  void has_rows(const Tensor& t, const std::string& role) {
+    if (t.dim() == 0) fail(role + " is 0-d; this op moves rows (dim 0), give it at least one dim");
+  }
+  void same_shape(const Tensor& t, const Shape& expected, const std::string& role) {
+    if (t.shape() != expected)
+      fail(fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()), shape_str(expected)));
+  }
+  void list_size(const std::vector<Tensor>& ts, std::size_t expected, const std::string& role) {
+    if (ts.size() != expected)
+      fail(fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(), expected));
+  }
+  void root(int r, const char* what) {
+    if (r < 0 || r >= size())
+      fail(fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
+    call_.root = r;
+  }
+  void splits(const Splits& s, const std::string& role) {
+    if (static_cast<int>(s.size()) != size())
+      fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
+    for (std::size_t i = 0; i < s.size(); ++i)
+      if (s[i] < 0) fail(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
+  }
+  void reduce_op(ReduceOp op) {
+    if (op == ReduceOp::Avg && !is_floating(call_.dtype))
+      fail(fmt::format("avg is undefined for integer dtype {}", dtype_name(call_.dtype)));
+    call_.reduce_op = op;
+  }
+  static Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
+  void same_trailing(const Tensor& t, const Tensor& ref, const std::string& role,
+                     const std::string& ref_role) {
+    if (trailing(t) != trailing(ref))
+      fail(fmt::format("{} has row shape {} but {} has row shape {}", role, shape_str(trailing(t)),
+                       ref_role, shape_str(trailing(ref))));
+  }
+
+  // Numbers the call, accounts its bytes and hands it to the backend.
+  void dispatch(uint64_t sent, uint64_t received) {
+    const bool p2p = call_.op == OpType::Send || call_.op == OpType::Recv;
+    call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
+    call_.bytes_sent = sent;
+    call_.bytes_received = received;
+    g_.stats().record(g_.name(), op_name(call_.op), sent, received);
+    Backend& b = g_.backend();
+    switch (call_.op) {
+      case OpType::Barrier: b.barrier(call_); break;
+      case OpType::AllReduce: b.all_reduce(call_); break;
+      case OpType::Broadcast: b.broadcast(call_); break;
+      case OpType::Reduce: b.reduce(call_); break;
+      case OpType::AllGather: b.all_gather(call_); break;
+      case OpType::AllGatherSingle: b.all_gather_single(call_); break;
+      case OpType::AllGatherV: b.all_gather_v(call_); break;
+      case OpType::Gather: b.gather(call_); break;
+      case OpType::Scatter: b.scatter(call_); break;
+      case OpType::ReduceScatter: b.reduce_scatter(call_); break;
+      case OpType::ReduceScatterSingle: b.reduce_scatter_single(call_); break;
+      case OpType::ReduceScatterV: b.reduce_scatter_v(call_); break;
+      case OpType::AllToAll: b.all_to_all(call_); break;
+      case OpType::AllToAllSingle: b.all_to_all_single(call_); break;
+      case OpType::Send: b.send(call_); break;
+      case OpType::Recv: b.recv(call_); break;
+      case OpType::NewGroup: fail("new_group goes through ProcessGroup::split");
+    }
+  }
+
+ private:
+  const ProcessGroup& g_;
+  Call call_;
+  bool have_first_ = false;
+  Device device_;
+  std::string first_role_;
+};
+
+std::string idx(const char* name, std::size_t i) { return fmt::format("{}[{}]", name, i); }
+
+}  // namespace
+
+Splits even_splits(int64_t rows, int parts, const char* op) {
+  if (parts <= 0 || rows % parts != 0)
+    throw InvalidArgument(fmt::format(
+        "{}: {} rows cannot be split evenly over {} ranks; pass explicit splits", op, rows, parts));
+  return Splits(static_cast<std::size_t>(parts), rows / parts);
+}
+
+void barrier(const ProcessGroup& group) {
+  Checker c(group, OpType::Barrier);
+  c.dispatch(0, 0);
+}
+
+void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op) {
+  Checker c(group, OpType::AllReduce);
+  c.tensor(tensor, "tensor");
+  c.reduce_op(op);
+  c.call().inputs = {tensor};
+  c.call().outputs = {tensor};
+  const uint64_t n = static_cast<uint64_t>(c.size());
+  const uint64_t bus = n > 1 ? 2 * (n - 1) * nbytes(tensor) / n : 0;
+  c.dispatch(bus, bus);
+}
+
+void broadcast(const ProcessGroup& group, const Tensor& tensor, int src) {
+  Checker c(group, OpType::Broadcast);
+  c.tensor(tensor, "tensor");
+  c.root(src, "src");
+  c.call().inputs = {tensor};
+  c.call().outputs = {tensor};
+  const bool me = c.rank() == src;
+  c.dispatch(me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0, me ? 0 : nbytes(tensor));
+}
+
+void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op) {
+  Checker c(group, OpType::Reduce);
+  c.tensor(tensor, "tensor");
+  c.root(dst, "dst");
+  c.reduce_op(op);
+  c.call().inputs = {tensor};
+  c.call().outputs = {tensor};
+  const bool me = c.rank() == dst;
+  c.dispatch(me ? 0 : nbytes(tensor), me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0);
+}
+
+void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input) {
+  Checker c(group, OpType::AllGather);
+  c.tensor(input, "input");
+  c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    c.tensor(outputs[i], idx("outputs", i));
+    c.same_shape(outputs[i], input.shape(), idx("outputs", i));
+  }
+  c.call().inputs = {input};
+  c.call().outputs = outputs;
+  c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(outputs) - nbytes(input));
+}
+
+void all_gather_single(const ProcessGroup& group, const Tensor& output, const Tensor& input) {
+  Checker c(group, OpType::AllGatherSingle);
+  c.tensor(input, "input");
+  c.tensor(output, "output");
+  c.has_rows(input, "input");
+  Shape expected = input.shape();
+  expected[0] *= c.size();
+  c.same_shape(output, expected, "output");
+  c.call().inputs = {input};
+  c.call().outputs = {output};
+  c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(output) - nbytes(input));
+}
+
+void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                  const Splits& output_splits) {
+  Checker c(group, OpType::AllGatherV);
+  c.tensor(input, "input");
+  c.tensor(output, "output");
+  c.has_rows(input, "input");
+  c.has_rows(output, "output");
+  c.splits(output_splits, "output_splits");
+  c.same_trailing(output, input, "output", "input");
+  if (split_sum(output_splits) != output.size(0))
+    c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(output_splits),
+                       output.size(0)));
+  if (output_splits[static_cast<std::size_t>(c.rank())] != input.size(0))
+    c.fail(fmt::format("output_splits[{}] = {} but this rank's input has {} rows", c.rank(),
+                       output_splits[static_cast<std::size_t>(c.rank())], input.size(0)));
+  c.call().inputs = {input};
+  c.call().outputs = {output};
+  c.call().output_splits = output_splits;
+  c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(output) - nbytes(input));
+}
+
+void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
+            int dst) {
+  Checker c(group, OpType::Gather);
+  c.tensor(input, "input");
+  c.root(dst, "dst");
+  const bool me = c.rank() == dst;
+  if (me) {
+    c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      c.tensor(outputs[i], idx("outputs", i));
+      c.same_shape(outputs[i], input.shape(), idx("outputs", i));
+    }
+  } else if (!outputs.empty()) {
+    c.fail(fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
+                       outputs.size()));
+  }
+  c.call().inputs = {input};
+  c.call().outputs = outputs;
+  c.dispatch(me ? 0 : nbytes(input), me ? nbytes(outputs) - nbytes(input) : 0);
+}
+
+void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<Tensor>& inputs,
+             int src) {
+  Checker c(group, OpType::Scatter);
+  c.tensor(output, "output");
+  c.root(src, "src");
+  const bool me = c.rank() == src;
+  if (me) {
+    c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      c.tensor(inputs[i], idx("inputs", i));
+      c.same_shape(inputs[i], output.shape(), idx("inputs", i));
+    }
+  } else if (!inputs.empty()) {
+    c.fail(fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
+                       inputs.size()));
+  }
+  c.call().inputs = inputs;
+  c.call().outputs = {output};
+  c.dispatch(me ? nbytes(inputs) - nbytes(output) : 0, me ? 0 : nbytes(output));
+}
+
+void reduce_scatter(const ProcessGroup& group, const Tensor& output,
+                    const std::vector<Tensor>& inputs, ReduceOp op) {
+  Checker c(group, OpType::ReduceScatter);
+  c.tensor(output, "output");
+  c.reduce_op(op);
+  c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    c.tensor(inputs[i], idx("inputs", i));
+    c.same_shape(inputs[i], output.shape(), idx("inputs", i));
+  }
+  c.call().inputs = inputs;
+  c.call().outputs = {output};
+  c.dispatch(nbytes(inputs) - nbytes(output), nbytes(output) * static_cast<uint64_t>(c.size() - 1));
+}
+
+void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                           ReduceOp op) {
+  Checker c(group, OpType::ReduceScatterSingle);
+  c.tensor(output, "output");
+  c.tensor(input, "input");
+  c.reduce_op(op);
+  c.has_rows(output, "output");
+  Shape expected = output.shape();
+  expected[0] *= c.size();
+  c.same_shape(input, expected, "input");
+  c.call().inputs = {input};
+  c.call().outputs = {output};
+  c.dispatch(nbytes(input) - nbytes(output), nbytes(output) * static_cast<uint64_t>(c.size() - 1));
+}
+
+void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                      const Splits& input_splits, ReduceOp op) {
+  Checker c(group, OpType::ReduceScatterV);
+  c.tensor(output, "output");
+  c.tensor(input, "input");
+  c.reduce_op(op);
+  c.has_rows(output, "output");
+  c.has_rows(input, "input");
+  c.splits(input_splits, "input_splits");
+  c.same_trailing(output, input, "output", "input");
+  if (split_sum(input_splits) != input.size(0))
+    c.fail(fmt::format("input_splits sum to {} but input has {} rows", split_sum(input_splits),
+                       input.size(0)));
+  if (input_splits[static_cast<std::size_t>(c.rank())] != output.size(0))
+    c.fail(fmt::format("input_splits[{}] = {} but this rank's output has {} rows", c.rank(),
+                       input_splits[static_cast<std::size_t>(c.rank())], output.size(0)));
+  c.call().inputs = {input};
+  c.call().outputs = {output};
+  c.call().input_splits = input_splits;
+  c.dispatch(nbytes(input) - nbytes(output), nbytes(output) * static_cast<uint64_t>(c.size() - 1));
+}
+
+void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                const std::vector<Tensor>& inputs) {
+  Checker c(group, OpType::AllToAll);
+  c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
+  c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
+  for (std::size_t i = 0; i < inputs.size(); ++i) c.tensor(inputs[i], idx("inputs", i));
+  for (std::size_t i = 0; i < outputs.size(); ++i) c.tensor(outputs[i], idx("outputs", i));
+  const auto me = static_cast<std::size_t>(c.rank());
+  c.same_shape(outputs[me], inputs[me].shape(), idx("outputs", me));
+  c.call().inputs = inputs;
+  c.call().outputs = outputs;
+  c.dispatch(nbytes(inputs) - nbytes(inputs[me]), nbytes(outputs) - nbytes(outputs[me]));
+}
+
+void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                       const Splits& output_splits, const Splits& input_splits) {
+  Checker c(group, OpType::AllToAllSingle);
+  c.tensor(input, "input");
+  c.tensor(output, "output");
+  c.has_rows(input, "input");
+  c.has_rows(output, "output");
+  c.same_trailing(output, input, "output", "input");
+  Splits in = input_splits.empty() ? even_splits(input.size(0), c.size(), "all_to_all_single")
+                                   : input_splits;
+  Splits out = output_splits.empty() ? even_splits(output.size(0), c.size(), "all_to_all_single")
+                                     : output_splits;
+  c.splits(in, "input_splits");
+  c.splits(out, "output_splits");
+  if (split_sum(in) != input.size(0))
+    c.fail(fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));
+  if (split_sum(out) != output.size(0))
+    c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(out),
+                       output.size(0)));
+  const auto me = static_cast<std::size_t>(c.rank());
+  if (in[me] != out[me])
+    c.fail(fmt::format("input_splits[{}] = {} (rows kept) but output_splits[{}] = {}", me, in[me],
+                       me, out[me]));
+  const uint64_t row_bytes = static_cast<uint64_t>(input.row_numel()) * element_size(input.dtype());
+  const uint64_t sent = static_cast<uint64_t>(split_sum(in) - in[me]) * row_bytes;
+  const uint64_t received = static_cast<uint64_t>(split_sum(out) - out[me]) * row_bytes;
+  c.call().inputs = {input};
+  c.call().outputs = {output};
+  c.call().input_splits = std::move(in);
+  c.call().output_splits = std::move(out);
+  c.dispatch(sent, received);
+}
+
+void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag) {
+  Checker c(group, OpType::Send);
+  c.tensor(tensor, "tensor");
+  c.root(dst, "dst");
+  if (dst == c.rank()) c.fail("dst is this rank; send to yourself would never match");
+  c.call().tag = tag;
+  c.call().inputs = {tensor};
+  c.dispatch(nbytes(tensor), 0);
+}
+
+void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag) {
+  Checker c(group, OpType::Recv);
+  c.tensor(tensor, "tensor");
+  c.root(src, "src");
+  if (src == c.rank()) c.fail("src is this rank; recv from yourself would never match");
+  c.call().tag = tag;
+  c.call().outputs = {tensor};
+  c.dispatch(0, nbytes(tensor));
+}
+
+}  // namespace diffcomm::dist

@@ -1,0 +1,91 @@
+#include "diffcomm/dist/group.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::dist {
+
+struct ProcessGroup::State {
+  std::shared_ptr<Backend> backend;
+  std::string name;
+  std::shared_ptr<Stats> stats;
+  uint64_t seq = 0;
+  uint64_t p2p_seq = 0;
+};
+
+ProcessGroup::ProcessGroup(std::shared_ptr<Backend> backend, std::string name,
+                           std::shared_ptr<Stats> stats)
+    : state_(std::make_shared<State>()) {
+  if (!backend) throw InvalidArgument("ProcessGroup: null backend");
+  state_->backend = std::move(backend);
+  state_->name = std::move(name);
+  state_->stats = stats ? std::move(stats) : std::make_shared<Stats>();
+}
+
+int ProcessGroup::rank() const { return state_->backend->rank(); }
+int ProcessGroup::size() const { return state_->backend->size(); }
+const std::string& ProcessGroup::name() const { return state_->name; }
+Backend& ProcessGroup::backend() const { return *state_->backend; }
+Stats& ProcessGroup::stats() const { return *state_->stats; }
+uint64_t ProcessGroup::next_seq() const { return state_->seq++; }
+uint64_t ProcessGroup::next_p2p_seq() const { return state_->p2p_seq++; }
+
+int ProcessGroup::global_rank(int group_rank) const {
+  if (group_rank < 0 || group_rank >= size())
+    throw InvalidArgument(fmt::format("global_rank: rank {} out of range for group '{}' of size {}",
+                                      group_rank, name(), size()));
+  return state_->backend->global_rank(group_rank);
+}
+
+std::vector<int> ProcessGroup::members() const {
+  std::vector<int> m;
+  for (int r = 0; r < size(); ++r) m.push_back(state_->backend->global_rank(r));
+  return m;
+}
+
+std::optional<ProcessGroup> ProcessGroup::split(int color, int key,
+                                                const std::vector<int64_t>& fingerprint,
+                                                std::string new_name) const {
+  Call call;
+  call.op = OpType::NewGroup;
+  call.group = name();
+  call.rank = rank();
+  call.group_size = size();
+  call.output_splits = fingerprint;
+  call.input_splits = {color, key};
+  call.seq = next_seq();
+  stats().record(name(), op_name(OpType::NewGroup), 0, 0);
+  std::shared_ptr<Backend> b = state_->backend->split(call, color, key);
+  if (!b) return std::nullopt;
+  return ProcessGroup(std::move(b), std::move(new_name), state_->stats);
+}
+
+std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks,
+                                                    std::string new_name) const {
+  std::vector<int> seen(static_cast<std::size_t>(size()), 0);
+  for (int r : ranks) {
+    if (r < 0 || r >= size())
+      throw InvalidArgument(fmt::format(
+          "new_group on group '{}' (rank {} of {}): rank {} out of range [0, {})", name(), rank(),
+          size(), r, size()));
+    if (seen[static_cast<std::size_t>(r)]++)
+      throw InvalidArgument(fmt::format("new_group on group '{}' (rank {}): rank {} listed twice",
+                                        name(), rank(), r));
+  }
+  if (ranks.empty())
+    throw InvalidArgument(fmt::format("new_group on group '{}': empty rank list", name()));
+  auto pos = std::find(ranks.begin(), ranks.end(), rank());
+  const int color = pos == ranks.end() ? -1 : 0;
+  const int key = static_cast<int>(pos - ranks.begin());
+  if (new_name.empty()) {
+    std::vector<int> globals;
+    for (int r : ranks) globals.push_back(global_rank(r));
+    new_name = fmt::format("{}{{{}}}", name() == "world" ? "" : name(), fmt::join(globals, ","));
+  }
+  return split(color, key, std::vector<int64_t>(ranks.begin(), ranks.end()), std::move(new_name));
+}
+
+}  // namespace diffcomm::dist
