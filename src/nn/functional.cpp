@@ -1,0 +1,482 @@
+// Differentiable collectives: each op's forward and its adjoint side by side,
+// written once on the dist primitives (so every backend shares them).
+#include "diffcomm/nn/functional.hpp"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "diffcomm/autograd.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/ops.hpp"
+
+namespace diffcomm::nn {
+namespace {
+
+
+bool linear(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
+
+[[noreturn]] void fail(const char* op, const ProcessGroup& g, const std::string& what) {
+  throw InvalidArgument(fmt::format("nn::{} on group '{}' (rank {} of {}): {}", op, g.name(),
+                                    g.rank(), g.size(), what));
+}
+
+void check_defined(const char* op, const ProcessGroup& g, const Tensor& t, const char* role) {
+  if (!t.defined()) fail(op, g, fmt::format("{} is undefined", role));
+}
+
+void check_root(const char* op, const ProcessGroup& g, int root, const char* what) {
+  if (root < 0 || root >= g.size())
+    fail(op, g, fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, root,
+                            g.size()));
+}
+
+void refuse_nonlinear(const char* op, const ProcessGroup& g, ReduceOp r) {
+  if (!linear(r))
+    fail(op, g, fmt::format("reduce op {} has no gradient here (only all_reduce and reduce "
+                            "differentiate max/min/product); use sum or avg",
+                            dist::reduce_op_name(r)));
+}
+
+
+// prod_{s != r} xs[s], elementwise, by direct multiplication (exact with zeros).
+Tensor exclusive_product(const std::vector<Tensor>& xs, int r) {
+  const Tensor& ref = xs[0];
+  std::vector<double> out(static_cast<std::size_t>(ref.numel()), 1.0);
+  for (std::size_t s = 0; s < xs.size(); ++s) {
+    if (static_cast<int>(s) == r) continue;
+    const std::vector<double> v = xs[s].to_vector();
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] *= v[i];
+  }
+  return from_vector(out, ref.shape(), ref.dtype());
+}
+
+// Gradient of a Max/Min/Product reduction over the group. x: this rank's
+// input; y: the reduced value (same on every rank); total: the summed
+// output gradient G (same on every rank).
+Tensor nonlinear_grad(ReduceOp op, const ProcessGroup& g, const Tensor& x, const Tensor& y,
+                      const Tensor& total) {
+  if (op == ReduceOp::Product) {
+    std::vector<Tensor> all;
+    for (int s = 0; s < g.size(); ++s) all.push_back(empty_like(x));
+    dist::all_gather(g, all, x);
+    return mul(total, exclusive_product(all, g.rank()));
+  }
+  // Max/Min: G to the holders of the extremum, split evenly among ties.
+  Tensor mask = eq_mask(x, y);
+  Tensor count = mask.copy_data();
+  dist::all_reduce(g, count, ReduceOp::Sum);
+  return div(mul(total, mask), count);
+}
+
+// ------------------------------------------------------------------ all_reduce
+struct AllReduceFn : Function<AllReduceFn> {
+  static constexpr const char* kName = "AllReduceBackward";
+  ProcessGroup group;
+  ReduceOp op;
+  Tensor x, y;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    Tensor out = in[0].copy_data();
+    dist::all_reduce(group, out, op);
+    if (!linear(op)) {
+      x = in[0];
+      y = out;
+    }
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Tensor total = grads[0].copy_data();
+    dist::all_reduce(group, total, linear(op) ? op : ReduceOp::Sum);
+    if (linear(op)) return {total};
+    return {nonlinear_grad(op, group, x, y, total)};
+  }
+};
+
+// ------------------------------------------------------------------ broadcast
+struct BroadcastFn : Function<BroadcastFn> {
+  static constexpr const char* kName = "BroadcastBackward";
+  ProcessGroup group;
+  int src;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    Tensor out = in[0].copy_data();
+    dist::broadcast(group, out, src);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Tensor total = grads[0].copy_data();
+    dist::reduce(group, total, src, ReduceOp::Sum);
+    if (group.rank() != src) total.fill_(0.0);
+    return {total};
+  }
+};
+
+// ------------------------------------------------------------------ reduce
+struct ReduceFn : Function<ReduceFn> {
+  static constexpr const char* kName = "ReduceBackward";
+  ProcessGroup group;
+  int dst;
+  ReduceOp op;
+  Tensor x, y;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    Tensor out = in[0].copy_data();
+    dist::reduce(group, out, dst, op);
+    if (group.rank() != dst) out.fill_(0.0);  // defined: zeros off the root
+    if (!linear(op)) {
+      x = in[0];
+      y = out;
+    }
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    // Only dst's output depends on x; other ranks' outputs are constants.
+    Tensor total = grads[0].copy_data();
+    dist::broadcast(group, total, dst);
+    if (op == ReduceOp::Sum) return {total};
+    if (op == ReduceOp::Avg) return {scale(total, 1.0 / group.size())};
+    Tensor value = y.copy_data();
+    dist::broadcast(group, value, dst);
+    return {nonlinear_grad(op, group, x, value, total)};
+  }
+};
+
+// ------------------------------------------------------------------ gathers
+struct AllGatherFn : Function<AllGatherFn> {
+  static constexpr const char* kName = "AllGatherBackward";
+  ProcessGroup group;
+  GatherGrad mode;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    std::vector<Tensor> outs;
+    for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(in[0]));
+    dist::all_gather(group, outs, in[0]);
+    return outs;
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    if (mode == GatherGrad::Replicated) return {grads[static_cast<std::size_t>(group.rank())]};
+    Tensor dx = empty_like(grads[0]);
+    dist::reduce_scatter(group, dx, grads, ReduceOp::Sum);
+    return {dx};
+  }
+};
+
+struct AllGatherSingleFn : Function<AllGatherSingleFn> {
+  static constexpr const char* kName = "AllGatherSingleBackward";
+  ProcessGroup group;
+  GatherGrad mode;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    if (in[0].dim() == 0) fail("all_gather_single", group, "x is 0-d; it needs rows (dim 0)");
+    Shape shape = in[0].shape();
+    shape[0] *= group.size();
+    Tensor out = empty(shape, in[0].dtype(), in[0].device());
+    dist::all_gather_single(group, out, in[0]);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const int64_t rows = grads[0].size(0) / group.size();
+    if (mode == GatherGrad::Replicated) return {grads[0].row_view(group.rank() * rows, rows).copy_data()};
+    Shape shape = grads[0].shape();
+    shape[0] = rows;
+    Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
+    dist::reduce_scatter_single(group, dx, grads[0], ReduceOp::Sum);
+    return {dx};
+  }
+};
+
+struct AllGatherVFn : Function<AllGatherVFn> {
+  static constexpr const char* kName = "AllGatherVBackward";
+  ProcessGroup group;
+  Splits splits;
+  GatherGrad mode;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    if (in[0].dim() == 0) fail("all_gather_v", group, "x is 0-d; it needs rows (dim 0)");
+    Shape shape = in[0].shape();
+    shape[0] = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+    Tensor out = empty(shape, in[0].dtype(), in[0].device());
+    dist::all_gather_v(group, out, in[0], splits);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const auto r = static_cast<std::size_t>(group.rank());
+    Shape shape = grads[0].shape();
+    shape[0] = splits[r];
+    if (mode == GatherGrad::Replicated) {
+      const int64_t offset = std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(r), int64_t{0});
+      return {grads[0].row_view(offset, splits[r]).copy_data()};
+    }
+    Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
+    dist::reduce_scatter_v(group, dx, grads[0], splits, ReduceOp::Sum);
+    return {dx};
+  }
+};
+
+struct GatherFn : Function<GatherFn> {
+  static constexpr const char* kName = "GatherBackward";
+  ProcessGroup group;
+  int dst;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    std::vector<Tensor> outs;
+    const bool me = group.rank() == dst;
+    for (int s = 0; s < group.size(); ++s) outs.push_back(me ? empty_like(in[0]) : zeros_like(in[0]));
+    dist::gather(group, me ? outs : std::vector<Tensor>{}, in[0], dst);
+    return outs;
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Tensor dx = empty_like(grads[0]);
+    dist::scatter(group, dx, group.rank() == dst ? grads : std::vector<Tensor>{}, dst);
+    return {dx};
+  }
+};
+
+struct ScatterFn : Function<ScatterFn> {
+  static constexpr const char* kName = "ScatterBackward";
+  ProcessGroup group;
+  int src;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    Tensor out = empty_like(in[0]);
+    dist::scatter(group, out, group.rank() == src ? in : std::vector<Tensor>{}, src);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const auto n = static_cast<std::size_t>(group.size());
+    std::vector<Tensor> outs;
+    for (std::size_t s = 0; s < n; ++s) outs.push_back(zeros_like(grads[0]));
+    dist::gather(group, group.rank() == src ? outs : std::vector<Tensor>{}, grads[0], src);
+    return outs;
+  }
+};
+
+// ------------------------------------------------------------------ reduce-scatters
+struct ReduceScatterFn : Function<ReduceScatterFn> {
+  static constexpr const char* kName = "ReduceScatterBackward";
+  ProcessGroup group;
+  ReduceOp op;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    if (in.empty()) fail("reduce_scatter", group, "xs is empty; expected one tensor per member");
+    Tensor out = empty_like(in[0]);
+    dist::reduce_scatter(group, out, in, op);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    std::vector<Tensor> outs;
+    for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(grads[0]));
+    dist::all_gather(group, outs, grads[0]);
+    if (op == ReduceOp::Avg)
+      for (auto& t : outs) t = scale(t, 1.0 / group.size());
+    return outs;
+  }
+};
+
+struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
+  static constexpr const char* kName = "ReduceScatterSingleBackward";
+  ProcessGroup group;
+  ReduceOp op;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    const Tensor& x = in[0];
+    if (x.dim() == 0 || x.size(0) % group.size() != 0)
+      fail("reduce_scatter_single", group,
+           fmt::format("x {} needs a row count divisible by the group size {}", x.str(), group.size()));
+    Shape shape = x.shape();
+    shape[0] /= group.size();
+    Tensor out = empty(shape, x.dtype(), x.device());
+    dist::reduce_scatter_single(group, out, x, op);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Shape shape = grads[0].shape();
+    shape[0] *= group.size();
+    Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
+    dist::all_gather_single(group, dx, grads[0]);
+    return {op == ReduceOp::Avg ? scale(dx, 1.0 / group.size()) : dx};
+  }
+};
+
+struct ReduceScatterVFn : Function<ReduceScatterVFn> {
+  static constexpr const char* kName = "ReduceScatterVBackward";
+  ProcessGroup group;
+  Splits splits;
+  ReduceOp op;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    const Tensor& x = in[0];
+    if (x.dim() == 0) fail("reduce_scatter_v", group, "x is 0-d; it needs rows (dim 0)");
+    if (static_cast<int>(splits.size()) != group.size())
+      fail("reduce_scatter_v", group,
+           fmt::format("input_splits has {} entries, expected {}", splits.size(), group.size()));
+    Shape shape = x.shape();
+    shape[0] = splits[static_cast<std::size_t>(group.rank())];
+    if (shape[0] < 0) fail("reduce_scatter_v", group, "negative split");
+    Tensor out = empty(shape, x.dtype(), x.device());
+    dist::reduce_scatter_v(group, out, x, splits, op);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Shape shape = grads[0].shape();
+    shape[0] = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+    Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
+    dist::all_gather_v(group, dx, grads[0], splits);
+    return {op == ReduceOp::Avg ? scale(dx, 1.0 / group.size()) : dx};
+  }
+};
+
+// ------------------------------------------------------------------ all-to-alls
+struct AllToAllFn : Function<AllToAllFn> {
+  static constexpr const char* kName = "AllToAllBackward";
+  ProcessGroup group;
+  std::vector<Shape> out_shapes;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    const auto n = static_cast<std::size_t>(group.size());
+    if (in.size() != n)
+      fail("all_to_all", group, fmt::format("xs has {} tensors, expected {}", in.size(), n));
+    if (out_shapes.empty())
+      for (const auto& t : in) out_shapes.push_back(t.shape());
+    if (out_shapes.size() != n)
+      fail("all_to_all", group, fmt::format("output_shapes has {} entries, expected {}", out_shapes.size(), n));
+    std::vector<Tensor> outs;
+    for (const auto& s : out_shapes) outs.push_back(empty(s, in[0].dtype(), in[0].device()));
+    dist::all_to_all(group, outs, in);
+    return outs;
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    // The gradient of xs[j] comes back from member j: the exact reverse route.
+    std::vector<Tensor> dxs;
+    for (int s = 0; s < group.size(); ++s) dxs.push_back(empty(in_shapes[static_cast<std::size_t>(s)], grads[0].dtype(), grads[0].device()));
+    dist::all_to_all(group, dxs, grads);
+    return dxs;
+  }
+  std::vector<Shape> in_shapes;
+};
+
+struct AllToAllSingleFn : Function<AllToAllSingleFn> {
+  static constexpr const char* kName = "AllToAllSingleBackward";
+  ProcessGroup group;
+  Splits out_splits, in_splits;
+  Shape in_shape;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    const Tensor& x = in[0];
+    if (x.dim() == 0) fail("all_to_all_single", group, "x is 0-d; it needs rows (dim 0)");
+    in_shape = x.shape();
+    Shape shape = x.shape();
+    shape[0] = out_splits.empty() ? x.size(0)
+                                  : std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+    Tensor out = empty(shape, x.dtype(), x.device());
+    dist::all_to_all_single(group, out, x, out_splits, in_splits);
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Tensor dx = empty(in_shape, grads[0].dtype(), grads[0].device());
+    dist::all_to_all_single(group, dx, grads[0], in_splits, out_splits);
+    return {dx};
+  }
+};
+
+struct EmptyFromAnchorFn : Function<EmptyFromAnchorFn> {
+  static constexpr const char* kName = "CatOrEmptyBackward";
+  int64_t width;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    return {empty({0, width}, in[0].dtype(), in[0].device())};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    (void)grads;
+    return {Tensor{}};  // the anchor gets no contribution (the engine makes it zero)
+  }
+};
+
+}  // namespace
+
+Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op) {
+  check_defined("all_reduce", group, x, "x");
+  return AllReduceFn{{}, group, op, {}, {}}.apply({x})[0];
+}
+
+Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group) {
+  check_defined("broadcast", group, x, "x");
+  check_root("broadcast", group, src, "src");
+  return BroadcastFn{{}, group, src}.apply({x})[0];
+}
+
+Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op) {
+  check_defined("reduce", group, x, "x");
+  check_root("reduce", group, dst, "dst");
+  return ReduceFn{{}, group, dst, op, {}, {}}.apply({x})[0];
+}
+
+std::vector<Tensor> all_gather(const Tensor& x, const ProcessGroup& group, GatherGrad grad) {
+  check_defined("all_gather", group, x, "x");
+  return AllGatherFn{{}, group, grad}.apply({x});
+}
+
+Tensor all_gather_single(const Tensor& x, const ProcessGroup& group, GatherGrad grad) {
+  check_defined("all_gather_single", group, x, "x");
+  return AllGatherSingleFn{{}, group, grad}.apply({x})[0];
+}
+
+Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessGroup& group,
+                    GatherGrad grad) {
+  check_defined("all_gather_v", group, x, "x");
+  if (static_cast<int>(output_splits.size()) != group.size())
+    fail("all_gather_v", group, fmt::format("output_splits has {} entries, expected {}",
+                                            output_splits.size(), group.size()));
+  return AllGatherVFn{{}, group, output_splits, grad}.apply({x})[0];
+}
+
+std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group) {
+  check_defined("gather", group, x, "x");
+  check_root("gather", group, dst, "dst");
+  return GatherFn{{}, group, dst}.apply({x});
+}
+
+Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group) {
+  check_root("scatter", group, src, "src");
+  if (static_cast<int>(xs.size()) != group.size())
+    fail("scatter", group, fmt::format("xs has {} tensors, expected {} on every rank (values are "
+                                       "used on src only)",
+                                       xs.size(), group.size()));
+  for (const auto& t : xs) check_defined("scatter", group, t, "xs[i]");
+  return ScatterFn{{}, group, src}.apply(xs)[0];
+}
+
+Tensor reduce_scatter(const std::vector<Tensor>& xs, const ProcessGroup& group, ReduceOp op) {
+  refuse_nonlinear("reduce_scatter", group, op);
+  for (const auto& t : xs) check_defined("reduce_scatter", group, t, "xs[i]");
+  return ReduceScatterFn{{}, group, op}.apply(xs)[0];
+}
+
+Tensor reduce_scatter_single(const Tensor& x, const ProcessGroup& group, ReduceOp op) {
+  refuse_nonlinear("reduce_scatter_single", group, op);
+  check_defined("reduce_scatter_single", group, x, "x");
+  return ReduceScatterSingleFn{{}, group, op}.apply({x})[0];
+}
+
+Tensor reduce_scatter_v(const Tensor& x, const Splits& input_splits, const ProcessGroup& group,
+                        ReduceOp op) {
+  refuse_nonlinear("reduce_scatter_v", group, op);
+  check_defined("reduce_scatter_v", group, x, "x");
+  return ReduceScatterVFn{{}, group, input_splits, op}.apply({x})[0];
+}
+
+std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup& group,
+                               const std::vector<Shape>& output_shapes) {
+  for (const auto& t : xs) check_defined("all_to_all", group, t, "xs[i]");
+  AllToAllFn fn{{}, group, output_shapes, {}};
+  for (const auto& t : xs) fn.in_shapes.push_back(t.shape());
+  return std::move(fn).apply(xs);
+}
+
+Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Splits& input_splits,
+                         const ProcessGroup& group) {
+  check_defined("all_to_all_single", group, x, "x");
+  return AllToAllSingleFn{{}, group, output_splits, input_splits, {}}.apply({x})[0];
+}
+
+Tensor cat_or_empty(const std::vector<Tensor>& rows, const Tensor& anchor, int64_t width) {
+  if (width < 0) throw InvalidArgument(fmt::format("cat_or_empty: negative width {}", width));
+  if (!rows.empty()) {
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      if (!rows[i].defined() || rows[i].dim() != 2 || rows[i].size(1) != width)
+        throw InvalidArgument(fmt::format("cat_or_empty: rows[{}] is {}, expected [n, {}]", i,
+                                          rows[i].str(), width));
+    return cat(rows);
+  }
+  if (!anchor.defined()) throw InvalidArgument("cat_or_empty: no rows and an undefined anchor");
+  return EmptyFromAnchorFn{{}, width}.apply({anchor})[0];
+}
+
+}  // namespace diffcomm::nn
