@@ -1,0 +1,46 @@
+#pragma once
+// Routing encoder features to their decoder owners, differentiably.
+#include <vector>
+
+#include "diffcomm/dist/group.hpp"
+#include "diffcomm/encoder_parallel/contracts.hpp"
+#include "diffcomm/encoder_parallel/planner.hpp"
+
+namespace diffcomm::encoder_parallel {
+
+struct RoutedFeatures {
+  Tensor rows;                          ///< [sum of received output_rows, hidden]
+  std::vector<EncoderWorkItem> items;   ///< in row order: by source producer, then bucket order
+};
+
+/// Sends each producer's records to the exchange ranks that need them.
+///  - producer_records: this rank's complete features, exactly the items of
+///    the bucket it produces, in bucket order; empty on non-producers.
+///  - prototype: a [0, hidden] (or any [n, hidden]) tensor fixing dtype,
+///    device and width, and the autograd anchor of an empty sender (so a
+///    rank with nothing to send still runs the backward collective).
+///  - exchange_rank / group: this rank in the exchange group (the TP group
+///    in TP modes, the CP x TP parent group in the parent mode).
+///  - plan: buckets and destinations; group.size() must equal
+///    plan.encoder.buckets * plan.encoder.encoder_cp (InvalidArgument).
+///  - grad: the receivers' gradient convention (explicit; see ReceiverGrad).
+/// Local: no communication. TpVariableAllGather: every producer's records
+/// reach every rank (all_gather_v; ReplicatedOverTp keeps each rank's own
+/// copy in backward). A2A modes: each record goes only to its destinations
+/// (all_to_all_single with splits from the plan; ReplicatedOverTp counts the
+/// TP rank 0 copy of each CP owner). Throws InvalidArgument when the records
+/// disagree with the plan (items, order, row counts, width).
+RoutedFeatures route_features(FeatureExchangeMode mode,
+                              const std::vector<EncoderFeature>& producer_records,
+                              const Tensor& prototype, int exchange_rank,
+                              const ExchangePlan& plan, const dist::ProcessGroup& group,
+                              ReceiverGrad grad);
+
+/// Splits transported rows by the plan into records ordered by
+/// (batch_index, decoder_token_start, item_id). Each record's rows are a
+/// differentiable view. Throws InvalidArgument when rows' row count differs
+/// from the items' total output_rows (both counts in the message).
+std::vector<EncoderFeature> unpack_records(const Tensor& rows,
+                                           const std::vector<EncoderWorkItem>& received_items);
+
+}  // namespace diffcomm::encoder_parallel

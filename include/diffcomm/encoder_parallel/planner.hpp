@@ -1,0 +1,118 @@
+#pragma once
+// The exchange planner: from replicated batch metadata, every rank computes
+// the same plan — which encoder bucket computes each image (LPT on patches)
+// and which exchange ranks own its tokens.
+//
+// Token ownership, for one sample of length S (DESIGN.md):
+//  - contiguous CP: CP rank c owns [c*S/cp, (c+1)*S/cp);
+//  - zigzag CP: S is cut into 2*cp equal chunks; rank c owns chunks c and
+//    2*cp-1-c, in that order (its "local sequence");
+//  - SP: a CP rank's local sequence is cut into tp equal parts, TP rank t
+//    owning part t; without SP every TP rank owns its CP rank's tokens.
+// Exchange ranks: the TP rank in TP modes, c*tp + t in the parent mode. The
+// exchange group is also buckets x encoder_cp (encoder_cp fastest): bucket b
+// is computed by exchange ranks b*ecp .. b*ecp+ecp-1 and its producer is
+// exchange rank b*ecp.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "diffcomm/encoder_parallel/contracts.hpp"
+
+namespace diffcomm::encoder_parallel {
+
+/// One image in a sample: its decoder token span and encoder cost.
+struct ImageSpan {
+  int64_t token_start = 0;  ///< first image token within the sample
+  int64_t tokens = 0;       ///< decoder image tokens (= feature rows)
+  int64_t patches = 0;      ///< encoder patches (cost); 4 * tokens for Qwen2-VL
+  int64_t source_id = -1;   ///< e.g. the COCO image id (informational)
+};
+
+struct Sample {
+  int64_t seq_len = 0;
+  std::vector<ImageSpan> images;  ///< non-overlapping, inside [0, seq_len)
+};
+
+/// One micro-batch (of one data-parallel replica).
+struct Batch {
+  std::vector<Sample> samples;
+};
+
+enum class CpLayout { Contiguous, Zigzag };
+std::string cp_layout_name(CpLayout layout);
+
+struct DecoderMesh {
+  int cp = 1;
+  int tp = 1;
+  bool sp = false;
+  CpLayout layout = CpLayout::Contiguous;
+  MeshContext context(int cp_rank, int tp_rank) const { return {cp, tp, sp, cp_rank, tp_rank}; }
+};
+
+struct EncoderLayout {
+  int buckets = 1;
+  int encoder_cp = 1;
+};
+
+/// Token ranges [begin, end) of one sample owned by (cp_rank, tp_rank), in
+/// the rank's local order. Throws InvalidArgument when seq_len is not
+/// divisible by the layout (cp, 2*cp for zigzag, times tp with SP).
+std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const DecoderMesh& mesh,
+                                                      int cp_rank, int tp_rank);
+
+/// Rows and bytes from one exchange rank to another.
+struct PairTraffic {
+  int src = 0;
+  int dst = 0;
+  int64_t rows = 0;
+  uint64_t bytes = 0;
+};
+
+struct PlanStats {
+  std::vector<PairTraffic> pairs;    ///< every (src, dst) with rows > 0, src != dst included
+  uint64_t total_bytes = 0;          ///< bytes that cross ranks (src != dst)
+  uint64_t padded_all_gather_bytes = 0;  ///< pad-to-max all-gather: N*(N-1)*max_rows*row_bytes
+  double encoder_imbalance = 1.0;    ///< max / mean bucket cost (patches); 1 when balanced
+  std::vector<int64_t> bucket_patches;
+  std::vector<int64_t> rows_sent;      ///< per exchange rank, to other ranks
+  std::vector<int64_t> rows_received;  ///< per exchange rank, from other ranks
+};
+
+/// The plan of one micro-batch. Identical on every rank of the exchange.
+struct ExchangePlan {
+  FeatureExchangeMode mode = FeatureExchangeMode::Local;
+  DecoderMesh decoder;
+  EncoderLayout encoder;
+  int exchange_size = 1;
+  std::vector<int64_t> seq_lens;                ///< per sample
+  std::vector<EncoderWorkItem> items;           ///< items[i].item_id == i
+  std::vector<std::vector<int64_t>> buckets;    ///< item ids per bucket, in send order
+  std::vector<int> bucket_of;                   ///< per item
+  std::vector<std::vector<int>> destinations;   ///< per item: exchange ranks, ascending
+
+  /// Exchange rank of the producer of bucket b: b * encoder_cp.
+  int producer(int bucket) const { return bucket * encoder.encoder_cp; }
+  /// (cp_rank, tp_rank) of an exchange rank.
+  std::pair<int, int> coordinates(int exchange_rank) const;
+  /// Token ranges of a sample owned by an exchange rank (local order).
+  std::vector<std::pair<int64_t, int64_t>> owned(int64_t batch_index, int exchange_rank) const;
+  /// Traffic and balance statistics for feature rows of `hidden` elements.
+  PlanStats stats(int64_t hidden, DType dtype) const;
+  /// A text form of everything above (to compare plans across ranks).
+  std::string fingerprint() const;
+};
+
+/// Builds the plan. mode comes from select_feature_exchange; the exchange
+/// group has cp*tp ranks in the parent mode, tp otherwise, and must equal
+/// buckets * encoder_cp. Buckets: longest-processing-time first on patches
+/// (ties: lower item id first, then the least-loaded, lowest bucket); items
+/// within a bucket are sent in item-id order. Destinations: every exchange
+/// rank whose owned tokens intersect the image's span.
+/// Throws InvalidArgument on inconsistent layouts, overlapping or
+/// out-of-range images, or sequence lengths the layout cannot divide.
+ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
+                           const EncoderLayout& encoder);
+
+}  // namespace diffcomm::encoder_parallel

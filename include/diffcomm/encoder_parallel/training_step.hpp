@@ -1,0 +1,85 @@
+#pragma once
+// One encoder-parallel training step on synthetic weights, and its
+// single-rank reference. Backend-agnostic: the same run_step runs on the
+// simulated world (diffcomm-sim, property tests) and on MPI.
+//
+// Model (float64 by default):
+//  - encoder: features of an image = P @ W, P [tokens, in_features] its
+//    synthetic merged-patch features, W [in_features, hidden] the encoder
+//    parameter (replicated on every rank; its gradient is what we check);
+//  - the exchange routes features to decoder owners; merge_into_decoder
+//    writes them over the text embeddings of this rank's shard;
+//  - decoder (Megatron-style): without SP, E enters the TP region by
+//    "copy to TP region" (identity forward, all-reduce of the gradient over
+//    TP); with SP, by an all-gather over TP (reduce-scatter backward); then
+//    a column-parallel linear Y = X @ A[:, cols of this TP rank];
+//  - loss = sum over tokens of <E_row, U(sample, token)> + 0.5 |Y|^2, the
+//    first term counted once per token (on the TP rank 0 replica without SP).
+// Reference: one rank, closed form in float64 with plain loops:
+//   dW = sum over images P_i^T (U_rows + E_rows A A^T).
+#include <cstdint>
+#include <vector>
+
+#include "diffcomm/dist/group.hpp"
+#include "diffcomm/encoder_parallel/exchange.hpp"
+#include "diffcomm/encoder_parallel/planner.hpp"
+
+namespace diffcomm::encoder_parallel {
+
+struct StepConfig {
+  int dp = 1;
+  DecoderMesh decoder;
+  EncoderLayout encoder;
+  int64_t hidden = 16;
+  int64_t in_features = 8;
+  int64_t ffn = 8;  ///< columns of A; divisible by tp
+  DType dtype = DType::Float64;
+  uint64_t seed = 0;
+  /// world ranks = dp * cp * tp (mesh {dp, cp, tp}, TP fastest)
+  int world_size() const { return dp * decoder.cp * decoder.tp; }
+};
+
+/// What one rank observed in run_step.
+struct StepRankResult {
+  int rank = 0, dp_rank = 0, cp_rank = 0, tp_rank = 0, exchange_rank = 0;
+  FeatureExchangeMode mode = FeatureExchangeMode::Local;
+  Tensor decoder_input;  ///< merged shard [layout rows, hidden] (detached)
+  std::vector<std::pair<int64_t, int64_t>> shard_tokens;  ///< (sample, token) per shard row
+  Tensor routed_rows;                                      ///< rows the exchange delivered (detached)
+  std::vector<EncoderWorkItem> received_items;
+  Tensor encoder_grad;  ///< dL/dW summed over the world (same on every rank)
+  double loss = 0;      ///< this rank's loss term
+  std::string plan_fingerprint;
+};
+
+/// Runs the step on this rank of `world` (world.size() == cfg.world_size()).
+/// per_dp[d] is the micro-batch of DP replica d (replicated metadata). Calls
+/// collectives on world and on mesh groups it creates: every rank must call.
+/// Throws InvalidArgument for inconsistent configurations.
+StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
+                        const std::vector<Batch>& per_dp);
+
+/// The single-rank reference.
+struct StepReference {
+  /// embeddings[d][b]: the full decoder input [seq_len, hidden] (float64).
+  std::vector<std::vector<std::vector<double>>> embeddings;
+  std::vector<double> encoder_grad;  ///< [in_features * hidden], row-major
+  double loss = 0;
+};
+StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& per_dp);
+
+/// Result of comparing every rank's result with the reference.
+struct StepCheck {
+  double forward_max_abs_diff = 0;  ///< over every shard row of every rank
+  double grad_max_rel_diff = 0;     ///< max |dW - dW_ref| / max |dW_ref|, worst rank
+  double loss_rel_diff = 0;         ///< |sum of rank losses - reference| / |reference|
+  bool passed = false;              ///< within the dtype's tolerance (see tolerance())
+};
+StepCheck check_step(const StepConfig& cfg, const std::vector<Batch>& per_dp,
+                     const std::vector<StepRankResult>& ranks, const StepReference& ref);
+
+/// Tolerances of check_step: float64 forward exact and gradients 1e-12;
+/// float32 1e-5 / 1e-4; bfloat16 and float16 1e-2 / 5e-2.
+std::pair<double, double> tolerance(DType dtype);
+
+}  // namespace diffcomm::encoder_parallel

@@ -1,0 +1,152 @@
+#include "diffcomm/encoder_parallel/exchange.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+#include <tuple>
+
+#include "diffcomm/autograd.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/nn/functional.hpp"
+#include "diffcomm/ops.hpp"
+
+namespace diffcomm::encoder_parallel {
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw InvalidArgument("route_features: " + what);
+}
+
+// Forward: identity. Backward: zeros. Marks a TP replica's copy of received
+// rows whose gradient must not be counted again (ReplicatedOverTp).
+struct ReplicaCopyFn : Function<ReplicaCopyFn> {
+  static constexpr const char* kName = "ReplicaCopyBackward";
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0]}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) { return {zeros_like(grads[0])}; }
+};
+
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+}  // namespace
+
+RoutedFeatures route_features(FeatureExchangeMode mode,
+                              const std::vector<EncoderFeature>& producer_records,
+                              const Tensor& prototype, int exchange_rank,
+                              const ExchangePlan& plan, const dist::ProcessGroup& group,
+                              ReceiverGrad grad) {
+  const int n = group.size();
+  const int ecp = plan.encoder.encoder_cp;
+  if (mode != plan.mode)
+    fail(fmt::format("mode {} differs from the plan's {}", mode_name(mode), mode_name(plan.mode)));
+  if (n != plan.encoder.buckets * ecp || n != plan.exchange_size)
+    fail(fmt::format("exchange group '{}' has {} ranks but buckets x encoder_cp = {} x {} = {}",
+                     group.name(), n, plan.encoder.buckets, ecp, plan.encoder.buckets * ecp));
+  if (exchange_rank != group.rank())
+    fail(fmt::format("exchange_rank {} is not this rank's rank {} in group '{}'", exchange_rank,
+                     group.rank(), group.name()));
+  if (!prototype.defined() || prototype.dim() != 2)
+    fail(fmt::format("prototype must be a 2-d [n, hidden] tensor, got {}", prototype.str()));
+  const int64_t hidden = prototype.size(1);
+
+  // This rank's records must be exactly its bucket, in bucket order.
+  const bool producer = exchange_rank % ecp == 0;
+  const std::vector<int64_t> none;
+  const std::vector<int64_t>& mine =
+      producer ? plan.buckets[static_cast<std::size_t>(exchange_rank / ecp)] : none;
+  if (producer_records.size() != mine.size())
+    fail(fmt::format("exchange rank {} holds {} records but the plan gives it {} items",
+                     exchange_rank, producer_records.size(), mine.size()));
+  for (std::size_t k = 0; k < mine.size(); ++k) {
+    const EncoderFeature& f = producer_records[k];
+    const EncoderWorkItem& want = plan.items[static_cast<std::size_t>(mine[k])];
+    if (!(f.item == want))
+      fail(fmt::format("record {} on exchange rank {} is item {} but the plan expects item {} there",
+                       k, exchange_rank, f.item.item_id, want.item_id));
+    if (!f.rows.defined() || f.rows.dim() != 2 || f.rows.size(0) != want.output_rows ||
+        f.rows.size(1) != hidden || f.rows.dtype() != prototype.dtype())
+      fail(fmt::format("record of item {} has rows {}, expected {}[{}, {}]", want.item_id,
+                       f.rows.str(), dtype_name(prototype.dtype()), want.output_rows, hidden));
+  }
+  auto bucket_rows = [&](int b) {
+    int64_t r = 0;
+    for (int64_t id : plan.buckets[static_cast<std::size_t>(b)]) r += plan.items[static_cast<std::size_t>(id)].output_rows;
+    return r;
+  };
+
+  RoutedFeatures out;
+  if (mode == FeatureExchangeMode::Local) {
+    std::vector<Tensor> pieces;
+    for (const auto& f : producer_records) pieces.push_back(f.rows);
+    out.rows = nn::cat_or_empty(pieces, prototype, hidden);
+    for (int64_t id : mine) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
+    return out;
+  }
+
+  if (mode == FeatureExchangeMode::TpVariableAllGather) {
+    std::vector<Tensor> pieces;
+    for (const auto& f : producer_records) pieces.push_back(f.rows);
+    Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
+    dist::Splits splits(static_cast<std::size_t>(n), 0);
+    for (int b = 0; b < plan.encoder.buckets; ++b) {
+      splits[static_cast<std::size_t>(plan.producer(b))] = bucket_rows(b);
+      for (int64_t id : plan.buckets[static_cast<std::size_t>(b)]) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
+    }
+    out.rows = nn::all_gather_v(local, splits, group,
+                                grad == ReceiverGrad::ReplicatedOverTp ? nn::GatherGrad::Replicated
+                                                                       : nn::GatherGrad::Partial);
+    return out;
+  }
+
+  // A2A modes: each record goes to its destinations only.
+  std::vector<Tensor> pieces;
+  dist::Splits input_splits(static_cast<std::size_t>(n), 0);
+  for (int q = 0; q < n; ++q)
+    for (std::size_t k = 0; k < mine.size(); ++k)
+      if (contains(plan.destinations[static_cast<std::size_t>(mine[k])], q)) {
+        pieces.push_back(producer_records[k].rows);
+        input_splits[static_cast<std::size_t>(q)] += producer_records[k].rows.size(0);
+      }
+  dist::Splits output_splits(static_cast<std::size_t>(n), 0);
+  for (int b = 0; b < plan.encoder.buckets; ++b)
+    for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
+      if (contains(plan.destinations[static_cast<std::size_t>(id)], exchange_rank)) {
+        output_splits[static_cast<std::size_t>(plan.producer(b))] += plan.items[static_cast<std::size_t>(id)].output_rows;
+        out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
+      }
+  Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
+  out.rows = nn::all_to_all_single(local, output_splits, input_splits, group);
+  if (grad == ReceiverGrad::ReplicatedOverTp && plan.coordinates(exchange_rank).second != 0)
+    out.rows = ReplicaCopyFn{}.apply({out.rows})[0];
+  return out;
+}
+
+std::vector<EncoderFeature> unpack_records(const Tensor& rows,
+                                           const std::vector<EncoderWorkItem>& received_items) {
+  int64_t total = 0;
+  for (const auto& it : received_items) {
+    if (it.output_rows < 0)
+      throw InvalidArgument(fmt::format("unpack_records: item {} has negative output_rows {}",
+                                        it.item_id, it.output_rows));
+    total += it.output_rows;
+  }
+  if (!rows.defined() || rows.dim() != 2)
+    throw InvalidArgument(fmt::format("unpack_records: rows must be [n, hidden], got {}", rows.str()));
+  if (rows.size(0) != total)
+    throw InvalidArgument(fmt::format(
+        "unpack_records: rows has {} rows but the plan's {} received items total {} rows", rows.size(0),
+        received_items.size(), total));
+  std::vector<EncoderFeature> out;
+  int64_t at = 0;
+  for (const auto& it : received_items) {
+    out.push_back({it, narrow(rows, at, it.output_rows)});
+    at += it.output_rows;
+  }
+  std::stable_sort(out.begin(), out.end(), [](const EncoderFeature& a, const EncoderFeature& b) {
+    return std::tie(a.item.batch_index, a.item.decoder_token_start, a.item.item_id) <
+           std::tie(b.item.batch_index, b.item.decoder_token_start, b.item.item_id);
+  });
+  return out;
+}
+
+}  // namespace diffcomm::encoder_parallel

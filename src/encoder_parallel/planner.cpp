@@ -1,0 +1,214 @@
+#include "diffcomm/encoder_parallel/planner.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::encoder_parallel {
+
+std::string cp_layout_name(CpLayout layout) {
+  return layout == CpLayout::Contiguous ? "contiguous" : "zigzag";
+}
+
+std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const DecoderMesh& mesh,
+                                                      int cp_rank, int tp_rank) {
+  if (mesh.cp < 1 || mesh.tp < 1 || cp_rank < 0 || cp_rank >= mesh.cp || tp_rank < 0 ||
+      tp_rank >= mesh.tp)
+    throw InvalidArgument(fmt::format("owned_ranges: rank (cp {}, tp {}) outside mesh cp {} tp {}",
+                                      cp_rank, tp_rank, mesh.cp, mesh.tp));
+  const int64_t cp = mesh.cp;
+  std::vector<std::pair<int64_t, int64_t>> local;
+  if (mesh.layout == CpLayout::Contiguous) {
+    if (seq_len % cp != 0)
+      throw InvalidArgument(fmt::format(
+          "owned_ranges: sequence length {} is not divisible by cp {} (contiguous CP)", seq_len, cp));
+    const int64_t per = seq_len / cp;
+    local.push_back({cp_rank * per, (cp_rank + 1) * per});
+  } else {
+    if (seq_len % (2 * cp) != 0)
+      throw InvalidArgument(fmt::format(
+          "owned_ranges: sequence length {} is not divisible by 2*cp = {} (zigzag CP)", seq_len,
+          2 * cp));
+    const int64_t chunk = seq_len / (2 * cp);
+    local.push_back({cp_rank * chunk, (cp_rank + 1) * chunk});
+    local.push_back({(2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk});
+  }
+  if (!mesh.sp || mesh.tp == 1) return local;
+  int64_t local_len = 0;
+  for (auto& r : local) local_len += r.second - r.first;
+  if (local_len % mesh.tp != 0)
+    throw InvalidArgument(fmt::format(
+        "owned_ranges: a CP rank's {} tokens (sequence length {}) are not divisible by tp {} (SP)",
+        local_len, seq_len, mesh.tp));
+  const int64_t part = local_len / mesh.tp;
+  // Walk the local sequence and keep positions [t*part, (t+1)*part).
+  const int64_t want_begin = tp_rank * part, want_end = want_begin + part;
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t pos = 0;
+  for (auto& [b, e] : local) {
+    const int64_t len = e - b;
+    const int64_t lo = std::max(pos, want_begin), hi = std::min(pos + len, want_end);
+    if (lo < hi) out.push_back({b + (lo - pos), b + (hi - pos)});
+    pos += len;
+  }
+  return out;
+}
+
+std::pair<int, int> ExchangePlan::coordinates(int exchange_rank) const {
+  if (exchange_rank < 0 || exchange_rank >= exchange_size)
+    throw InvalidArgument(fmt::format("ExchangePlan: exchange rank {} outside [0, {})",
+                                      exchange_rank, exchange_size));
+  if (mode == FeatureExchangeMode::ParentVariableA2A)
+    return {exchange_rank / decoder.tp, exchange_rank % decoder.tp};
+  return {0, exchange_rank};
+}
+
+std::vector<std::pair<int64_t, int64_t>> ExchangePlan::owned(int64_t batch_index,
+                                                             int exchange_rank) const {
+  if (batch_index < 0 || batch_index >= static_cast<int64_t>(seq_lens.size()))
+    throw InvalidArgument(fmt::format("ExchangePlan: sample {} outside the batch of {}",
+                                      batch_index, seq_lens.size()));
+  const auto [c, t] = coordinates(exchange_rank);
+  return owned_ranges(seq_lens[static_cast<std::size_t>(batch_index)], decoder, c, t);
+}
+
+ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
+                           const EncoderLayout& encoder) {
+  ExchangePlan plan;
+  plan.decoder = decoder;
+  plan.encoder = encoder;
+  plan.mode = select_feature_exchange(decoder.context(0, 0));
+  plan.exchange_size =
+      plan.mode == FeatureExchangeMode::ParentVariableA2A ? decoder.cp * decoder.tp : decoder.tp;
+  if (encoder.buckets < 1 || encoder.encoder_cp < 1)
+    throw InvalidArgument(fmt::format("plan_exchange: buckets {} and encoder_cp {} must be >= 1",
+                                      encoder.buckets, encoder.encoder_cp));
+  if (encoder.buckets * encoder.encoder_cp != plan.exchange_size)
+    throw InvalidArgument(fmt::format(
+        "plan_exchange: buckets x encoder_cp = {} x {} = {} but the {} exchange group has {} "
+        "ranks (cp {} x tp {})",
+        encoder.buckets, encoder.encoder_cp, encoder.buckets * encoder.encoder_cp,
+        mode_name(plan.mode), plan.exchange_size, decoder.cp, decoder.tp));
+
+  // Items, with their spans validated.
+  for (std::size_t b = 0; b < batch.samples.size(); ++b) {
+    const Sample& s = batch.samples[b];
+    if (s.seq_len < 0) throw InvalidArgument(fmt::format("plan_exchange: sample {} has negative length", b));
+    plan.seq_lens.push_back(s.seq_len);
+    for (int r = 0; r < plan.exchange_size; ++r) owned_ranges(s.seq_len, decoder, plan.coordinates(r).first, plan.coordinates(r).second);
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (const ImageSpan& im : s.images) {
+      if (im.token_start < 0 || im.tokens < 0 || im.patches < 0 || im.token_start + im.tokens > s.seq_len)
+        throw InvalidArgument(fmt::format(
+            "plan_exchange: sample {} image at tokens [{}, {}) (patches {}) is outside the "
+            "sequence of {} tokens",
+            b, im.token_start, im.token_start + im.tokens, im.patches, s.seq_len));
+      spans.push_back({im.token_start, im.token_start + im.tokens});
+      EncoderWorkItem item;
+      item.item_id = static_cast<int64_t>(plan.items.size());
+      item.batch_index = static_cast<int64_t>(b);
+      item.decoder_token_start = im.token_start;
+      item.input_rows = im.patches;
+      item.output_rows = im.tokens;
+      plan.items.push_back(item);
+    }
+    std::sort(spans.begin(), spans.end());
+    for (std::size_t i = 1; i < spans.size(); ++i)
+      if (spans[i].first < spans[i - 1].second)
+        throw InvalidArgument(fmt::format("plan_exchange: sample {} has overlapping images at "
+                                          "tokens [{}, {}) and [{}, {})",
+                                          b, spans[i - 1].first, spans[i - 1].second,
+                                          spans[i].first, spans[i].second));
+  }
+
+  // Buckets: longest processing time first.
+  std::vector<int64_t> order(plan.items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return plan.items[static_cast<std::size_t>(a)].input_rows > plan.items[static_cast<std::size_t>(b)].input_rows;
+  });
+  std::vector<int64_t> load(static_cast<std::size_t>(encoder.buckets), 0);
+  plan.buckets.assign(static_cast<std::size_t>(encoder.buckets), {});
+  plan.bucket_of.assign(plan.items.size(), 0);
+  for (int64_t id : order) {
+    const auto b = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[b] += plan.items[static_cast<std::size_t>(id)].input_rows;
+    plan.buckets[b].push_back(id);
+    plan.bucket_of[static_cast<std::size_t>(id)] = static_cast<int>(b);
+  }
+  for (auto& bucket : plan.buckets) std::sort(bucket.begin(), bucket.end());
+
+  // Destinations: the exchange ranks whose tokens intersect the span.
+  plan.destinations.assign(plan.items.size(), {});
+  for (const auto& item : plan.items) {
+    const int64_t lo = item.decoder_token_start, hi = lo + item.output_rows;
+    for (int r = 0; r < plan.exchange_size; ++r)
+      for (const auto& [b, e] : plan.owned(item.batch_index, r))
+        if (std::max(lo, b) < std::min(hi, e)) {
+          plan.destinations[static_cast<std::size_t>(item.item_id)].push_back(r);
+          break;
+        }
+  }
+  return plan;
+}
+
+PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
+  PlanStats st;
+  const auto n = static_cast<std::size_t>(exchange_size);
+  const uint64_t row_bytes = static_cast<uint64_t>(hidden) * element_size(dtype);
+  std::map<std::pair<int, int>, int64_t> rows;
+  for (const auto& item : items) {
+    const int src = producer(bucket_of[static_cast<std::size_t>(item.item_id)]);
+    if (mode == FeatureExchangeMode::TpVariableAllGather) {
+      for (int d = 0; d < exchange_size; ++d) rows[{src, d}] += item.output_rows;
+    } else {
+      for (int d : destinations[static_cast<std::size_t>(item.item_id)]) rows[{src, d}] += item.output_rows;
+    }
+  }
+  st.rows_sent.assign(n, 0);
+  st.rows_received.assign(n, 0);
+  for (const auto& [k, r] : rows) {
+    if (r == 0) continue;
+    st.pairs.push_back({k.first, k.second, r, static_cast<uint64_t>(r) * row_bytes});
+    if (k.first != k.second) {
+      st.total_bytes += static_cast<uint64_t>(r) * row_bytes;
+      st.rows_sent[static_cast<std::size_t>(k.first)] += r;
+      st.rows_received[static_cast<std::size_t>(k.second)] += r;
+    }
+  }
+  int64_t max_rows = 0;
+  for (const auto& bucket : buckets) {
+    int64_t r = 0, p = 0;
+    for (int64_t id : bucket) {
+      r += items[static_cast<std::size_t>(id)].output_rows;
+      p += items[static_cast<std::size_t>(id)].input_rows;
+    }
+    max_rows = std::max(max_rows, r);
+    st.bucket_patches.push_back(p);
+  }
+  st.padded_all_gather_bytes = static_cast<uint64_t>(n) * (n - 1) * static_cast<uint64_t>(max_rows) * row_bytes;
+  const double total = std::accumulate(st.bucket_patches.begin(), st.bucket_patches.end(), 0.0);
+  const double mean = total / static_cast<double>(st.bucket_patches.size());
+  const double mx = static_cast<double>(*std::max_element(st.bucket_patches.begin(), st.bucket_patches.end()));
+  st.encoder_imbalance = mean > 0 ? mx / mean : 1.0;
+  return st;
+}
+
+std::string ExchangePlan::fingerprint() const {
+  std::string s = fmt::format("mode={} cp={} tp={} sp={} layout={} buckets={} ecp={} n={} seq=[{}]",
+                              mode_name(mode), decoder.cp, decoder.tp, decoder.sp,
+                              cp_layout_name(decoder.layout), encoder.buckets, encoder.encoder_cp,
+                              exchange_size, fmt::join(seq_lens, ","));
+  for (const auto& it : items)
+    s += fmt::format(" item{}(b{} t{} in{} out{} bucket{} dst[{}])", it.item_id, it.batch_index,
+                     it.decoder_token_start, it.input_rows, it.output_rows,
+                     bucket_of[static_cast<std::size_t>(it.item_id)],
+                     fmt::join(destinations[static_cast<std::size_t>(it.item_id)], ","));
+  return s;
+}
+
+}  // namespace diffcomm::encoder_parallel

@@ -1,0 +1,337 @@
+#include "diffcomm/encoder_parallel/training_step.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+
+#include "diffcomm/autograd.hpp"
+#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/dist/mesh.hpp"
+#include "diffcomm/encoder_parallel/merge.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/nn/functional.hpp"
+#include "diffcomm/ops.hpp"
+
+namespace diffcomm::encoder_parallel {
+namespace {
+
+// ------------------------------------------------------------ synthetic data
+// Every rank and the reference draw the same numbers from (seed, purpose,
+// indices), rounded to the step's dtype.
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t z = a ^ (b + 0x9E3779B97F4A7C15ull + (a << 6) + (a >> 2));
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+std::vector<double> draw(uint64_t seed, std::size_t count, double scale, DType dtype) {
+  Generator gen(seed);
+  std::vector<double> v(count);
+  for (double& x : v) x = scale * gen.normal();
+  // Round to dtype so distributed and reference start from the same values.
+  return from_vector(v, {static_cast<int64_t>(count)}, dtype).to_vector();
+}
+
+struct Synthetic {
+  const StepConfig& cfg;
+  std::vector<double> W() const {
+    return draw(mix(cfg.seed, 1), static_cast<std::size_t>(cfg.in_features * cfg.hidden),
+                1.0 / std::sqrt(static_cast<double>(cfg.in_features)), cfg.dtype);
+  }
+  std::vector<double> A() const {
+    return draw(mix(cfg.seed, 2), static_cast<std::size_t>(cfg.hidden * cfg.ffn),
+                1.0 / std::sqrt(static_cast<double>(cfg.hidden)), cfg.dtype);
+  }
+  std::vector<double> patches(int d, int64_t item_id, int64_t tokens) const {
+    return draw(mix(mix(cfg.seed, 3), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(item_id)),
+                static_cast<std::size_t>(tokens * cfg.in_features), 1.0, cfg.dtype);
+  }
+  std::vector<double> text(int d, int64_t b, int64_t seq_len) const {
+    return draw(mix(mix(cfg.seed, 4), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
+                static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
+  }
+  std::vector<double> u(int d, int64_t b, int64_t seq_len) const {
+    return draw(mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
+                static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
+  }
+};
+
+// Rows (sample, token) of per-sample [seq_len, hidden] tables, as a tensor.
+Tensor gather_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
+                   const std::function<const std::vector<double>&(int64_t)>& table, int64_t hidden,
+                   DType dtype) {
+  std::vector<double> v;
+  v.reserve(tokens.size() * static_cast<std::size_t>(hidden));
+  for (const auto& [b, t] : tokens) {
+    const auto& tab = table(b);
+    v.insert(v.end(), tab.begin() + t * hidden, tab.begin() + (t + 1) * hidden);
+  }
+  return from_vector(v, {static_cast<int64_t>(tokens.size()), hidden}, dtype);
+}
+
+// Megatron's "copy to tensor-parallel region": identity forward, all-reduce
+// of the input gradient over TP backward — after it every TP replica holds
+// the complete, equal gradient.
+struct CopyToTpRegionFn : Function<CopyToTpRegionFn> {
+  static constexpr const char* kName = "CopyToTpRegionBackward";
+  dist::ProcessGroup tp;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0]}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Tensor g = grads[0].copy_data();
+    dist::all_reduce(tp, g, dist::ReduceOp::Sum);
+    return {g};
+  }
+};
+
+void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
+  if (cfg.dp < 1 || cfg.decoder.cp < 1 || cfg.decoder.tp < 1)
+    throw InvalidArgument(fmt::format("training step: dp {}, cp {}, tp {} must be >= 1", cfg.dp,
+                                      cfg.decoder.cp, cfg.decoder.tp));
+  if (cfg.hidden < 1 || cfg.in_features < 1 || cfg.ffn < 1 || cfg.ffn % cfg.decoder.tp != 0)
+    throw InvalidArgument(fmt::format(
+        "training step: hidden {}, in_features {} must be >= 1 and ffn {} a positive multiple of "
+        "tp {}",
+        cfg.hidden, cfg.in_features, cfg.ffn, cfg.decoder.tp));
+  if (!is_floating(cfg.dtype))
+    throw InvalidArgument(fmt::format("training step: dtype {} is not floating point", dtype_name(cfg.dtype)));
+  if (static_cast<int>(per_dp.size()) != cfg.dp)
+    throw InvalidArgument(fmt::format("training step: {} micro-batches for dp {}", per_dp.size(), cfg.dp));
+}
+
+}  // namespace
+
+std::pair<double, double> tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::Float64: return {0.0, 1e-12};
+    case DType::Float32: return {1e-5, 1e-4};
+    default: return {1e-2, 5e-2};
+  }
+}
+
+StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
+                        const std::vector<Batch>& per_dp) {
+  validate(cfg, per_dp);
+  if (world.size() != cfg.world_size())
+    throw InvalidArgument(fmt::format("training step: world has {} ranks but dp x cp x tp = {}",
+                                      world.size(), cfg.world_size()));
+  const int tp = cfg.decoder.tp;
+  dist::DeviceMesh mesh(world, {{"dp", cfg.dp}, {"cp", cfg.decoder.cp}, {"tp", tp}});
+  StepRankResult res;
+  res.rank = world.rank();
+  res.dp_rank = mesh.coordinate("dp");
+  res.cp_rank = mesh.coordinate("cp");
+  res.tp_rank = mesh.coordinate("tp");
+  const Batch& batch = per_dp[static_cast<std::size_t>(res.dp_rank)];
+  const ExchangePlan plan = plan_exchange(batch, cfg.decoder, cfg.encoder);
+  const MeshContext ctx = cfg.decoder.context(res.cp_rank, res.tp_rank);
+  res.mode = plan.mode;
+  res.plan_fingerprint = plan.fingerprint();
+  const dist::ProcessGroup exchange = plan.mode == FeatureExchangeMode::ParentVariableA2A
+                                          ? mesh.group(std::vector<std::string>{"cp", "tp"})
+                                          : mesh.group("tp");
+  const int e = exchange.rank();
+  res.exchange_rank = e;
+  const Synthetic syn{cfg};
+
+  // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
+  Tensor W = from_vector(syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
+  W.set_requires_grad(true);
+  const int ecp = cfg.encoder.encoder_cp;
+  const int bucket = e / ecp, j = e % ecp;
+  const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
+  int64_t R = 0;
+  std::vector<double> p_all;
+  for (int64_t id : items) {
+    const auto& it = plan.items[static_cast<std::size_t>(id)];
+    const auto p = syn.patches(res.dp_rank, id, it.output_rows);
+    p_all.insert(p_all.end(), p.begin(), p.end());
+    R += it.output_rows;
+  }
+  auto slice_lo = [&](int k) { return R * k / ecp; };
+  const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
+  Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
+                                             p_all.begin() + hi * cfg.in_features),
+                         {hi - lo, cfg.in_features}, cfg.dtype);
+  Tensor features = matmul(P, W);
+  if (ecp > 1) {
+    auto enc_group = exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
+    dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
+    in[0] = hi - lo;
+    if (j == 0)
+      for (int k = 0; k < ecp; ++k) out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
+    features = nn::all_to_all_single(features, out, in, *enc_group);
+  }
+  std::vector<EncoderFeature> records;
+  if (j == 0) {
+    int64_t at = 0;
+    for (int64_t id : items) {
+      const auto& it = plan.items[static_cast<std::size_t>(id)];
+      records.push_back({it, narrow(features, at, it.output_rows)});
+      at += it.output_rows;
+    }
+  }
+
+  // ---- exchange, unpack, merge
+  // `features` is the prototype: on a rank that produces nothing it is the
+  // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
+  // send on it keeps that collective's backward reachable here too.
+  RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
+                                         receiver_grad_for(ctx));
+  res.routed_rows = routed.rows.detach();
+  res.received_items = routed.items;
+  const std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
+  const ShardLayout layout(plan, e);
+  res.shard_tokens = layout.tokens();
+  std::map<int64_t, std::vector<double>> text_cache, u_cache;
+  auto text_of = [&](int64_t b) -> const std::vector<double>& {
+    auto it = text_cache.find(b);
+    if (it == text_cache.end())
+      it = text_cache.emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)])).first;
+    return it->second;
+  };
+  auto u_of = [&](int64_t b) -> const std::vector<double>& {
+    auto it = u_cache.find(b);
+    if (it == u_cache.end())
+      it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)])).first;
+    return it->second;
+  };
+  // The text embeddings are a parameter's output in a real decoder: they
+  // require grad, so every rank's decoder graph is differentiable.
+  Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
+  base.set_requires_grad(true);
+  Tensor E = merge_into_decoder(base, received, layout, routed.rows);
+  res.decoder_input = E.detach();
+
+  // ---- decoder (Megatron-style TP / SP) and loss
+  const Tensor U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
+  const auto a = syn.A();
+  const int64_t cols = cfg.ffn / tp;
+  std::vector<double> a_cols;
+  for (int64_t r = 0; r < cfg.hidden; ++r)
+    for (int64_t c = res.tp_rank * cols; c < (res.tp_rank + 1) * cols; ++c)
+      a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
+  const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
+  const dist::ProcessGroup& tp_group = mesh.group("tp");
+  Tensor X, positional;
+  if (tp == 1) {
+    X = E;
+    positional = dot(E, U);
+  } else if (cfg.decoder.sp) {
+    positional = dot(E, U);
+    X = nn::all_gather_single(E, tp_group);
+  } else {
+    X = CopyToTpRegionFn{{}, tp_group}.apply({E})[0];
+    if (res.tp_rank == 0) positional = dot(X, U);
+  }
+  const Tensor Y = matmul(X, A_t);
+  Tensor loss = scale(dot(Y, Y), 0.5);
+  if (positional.defined()) loss = add(loss, positional);
+  res.loss = loss.item();
+  backward({loss});
+
+  Tensor g = W.grad().defined() ? W.grad().copy_data() : zeros_like(W);
+  dist::all_reduce(world, g, dist::ReduceOp::Sum);
+  res.encoder_grad = g;
+  return res;
+}
+
+StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
+  validate(cfg, per_dp);
+  const Synthetic syn{cfg};
+  const auto W = syn.W();
+  const auto A = syn.A();
+  const int64_t H = cfg.hidden, I = cfg.in_features, Fn = cfg.ffn;
+  auto round = [&](std::vector<double> v) {
+    return from_vector(v, {static_cast<int64_t>(v.size())}, cfg.dtype).to_vector();
+  };
+  StepReference ref;
+  ref.encoder_grad.assign(static_cast<std::size_t>(I * H), 0.0);
+  for (int d = 0; d < cfg.dp; ++d) {
+    const Batch& batch = per_dp[static_cast<std::size_t>(d)];
+    ref.embeddings.emplace_back();
+    int64_t item_id = 0;
+    for (std::size_t b = 0; b < batch.samples.size(); ++b) {
+      const Sample& s = batch.samples[b];
+      std::vector<double> E = syn.text(d, static_cast<int64_t>(b), s.seq_len);
+      const std::vector<double> U = syn.u(d, static_cast<int64_t>(b), s.seq_len);
+      struct Img {
+        int64_t start, tokens;
+        std::vector<double> P;
+      };
+      std::vector<Img> imgs;
+      for (const ImageSpan& im : s.images) {
+        Img img{im.token_start, im.tokens, syn.patches(d, item_id++, im.tokens)};
+        // F = P W, accumulated in float64 in the order of the inner index.
+        std::vector<double> F(static_cast<std::size_t>(im.tokens * H), 0.0);
+        for (int64_t r = 0; r < im.tokens; ++r)
+          for (int64_t k = 0; k < I; ++k)
+            for (int64_t h = 0; h < H; ++h)
+              F[static_cast<std::size_t>(r * H + h)] +=
+                  img.P[static_cast<std::size_t>(r * I + k)] * W[static_cast<std::size_t>(k * H + h)];
+        F = round(F);
+        std::copy(F.begin(), F.end(), E.begin() + im.token_start * H);
+        imgs.push_back(std::move(img));
+      }
+      // loss and dE = U + (E A) A^T
+      std::vector<double> dE(E.size());
+      for (int64_t t = 0; t < s.seq_len; ++t) {
+        const double* e = &E[static_cast<std::size_t>(t * H)];
+        std::vector<double> y(static_cast<std::size_t>(Fn), 0.0);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t c = 0; c < Fn; ++c) y[static_cast<std::size_t>(c)] += e[h] * A[static_cast<std::size_t>(h * Fn + c)];
+        for (int64_t h = 0; h < H; ++h) {
+          ref.loss += e[h] * U[static_cast<std::size_t>(t * H + h)];
+          double back = 0;
+          for (int64_t c = 0; c < Fn; ++c) back += y[static_cast<std::size_t>(c)] * A[static_cast<std::size_t>(h * Fn + c)];
+          dE[static_cast<std::size_t>(t * H + h)] = U[static_cast<std::size_t>(t * H + h)] + back;
+        }
+        for (double v : y) ref.loss += 0.5 * v * v;
+      }
+      // dW += P^T dE over each image's rows
+      for (const Img& img : imgs)
+        for (int64_t r = 0; r < img.tokens; ++r)
+          for (int64_t k = 0; k < I; ++k)
+            for (int64_t h = 0; h < H; ++h)
+              ref.encoder_grad[static_cast<std::size_t>(k * H + h)] +=
+                  img.P[static_cast<std::size_t>(r * I + k)] * dE[static_cast<std::size_t>((img.start + r) * H + h)];
+      ref.embeddings.back().push_back(std::move(E));
+    }
+  }
+  return ref;
+}
+
+StepCheck check_step(const StepConfig& cfg, const std::vector<Batch>& per_dp,
+                     const std::vector<StepRankResult>& ranks, const StepReference& ref) {
+  (void)per_dp;
+  StepCheck chk;
+  double ref_max = 0;
+  for (double v : ref.encoder_grad) ref_max = std::max(ref_max, std::abs(v));
+  double loss = 0;
+  for (const auto& r : ranks) {
+    loss += r.loss;
+    const auto got = r.decoder_input.to_vector();
+    for (std::size_t k = 0; k < r.shard_tokens.size(); ++k) {
+      const auto [b, t] = r.shard_tokens[k];
+      const auto& row = ref.embeddings[static_cast<std::size_t>(r.dp_rank)][static_cast<std::size_t>(b)];
+      for (int64_t h = 0; h < cfg.hidden; ++h)
+        chk.forward_max_abs_diff =
+            std::max(chk.forward_max_abs_diff,
+                     std::abs(got[k * static_cast<std::size_t>(cfg.hidden) + static_cast<std::size_t>(h)] -
+                              row[static_cast<std::size_t>(t * cfg.hidden + h)]));
+    }
+    const auto g = r.encoder_grad.to_vector();
+    double worst = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(g[i] - ref.encoder_grad[i]));
+    chk.grad_max_rel_diff = std::max(chk.grad_max_rel_diff, ref_max > 0 ? worst / ref_max : worst);
+  }
+  chk.loss_rel_diff = std::abs(loss - ref.loss) / std::max(std::abs(ref.loss), 1e-300);
+  const auto [fwd_tol, grad_tol] = tolerance(cfg.dtype);
+  chk.passed = chk.forward_max_abs_diff <= fwd_tol && chk.grad_max_rel_diff <= grad_tol &&
+               chk.loss_rel_diff <= std::max(grad_tol, 1e-12);
+  return chk;
+}
+
+}  // namespace diffcomm::encoder_parallel
