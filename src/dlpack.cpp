@@ -3,6 +3,8 @@
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
 
+#include <memory>
+
 #include "diffcomm/error.hpp"
 #include "diffcomm/tensor.hpp"
 
@@ -82,7 +84,10 @@ Tensor from_dlpack(DLManagedTensor* managed) {
 }
 
 DLManagedTensor* to_dlpack(const Tensor& tensor) {
-  auto* ctx = new ExportCtx;
+  // Owned by a unique_ptr until handed to the consumer, so a throw below
+  // (e.g. an undefined tensor) does not leak it.
+  auto owner = std::make_unique<ExportCtx>();
+  ExportCtx* ctx = owner.get();
   ctx->tensor = tensor.detach();
   ctx->shape = tensor.shape();
   ctx->strides.assign(ctx->shape.size(), 1);
@@ -101,7 +106,7 @@ DLManagedTensor* to_dlpack(const Tensor& tensor) {
   ctx->managed.deleter = [](DLManagedTensor* self) {
     delete static_cast<ExportCtx*>(self->manager_ctx);
   };
-  return &ctx->managed;
+  return &owner.release()->managed;
 }
 
 }  // namespace diffcomm

@@ -140,10 +140,10 @@ int64_t Tensor::numel() const { return shape_numel(shape()); }
 
 int64_t Tensor::size(int64_t d) const {
   const int64_t n = dim();
-  if (d < 0) d += n;
-  if (d < 0 || d >= n)
+  const int64_t i = d < 0 ? d + n : d;
+  if (i < 0 || i >= n)
     throw InvalidArgument(fmt::format("Tensor::size: dim {} out of range for {}", d, str()));
-  return shape()[static_cast<std::size_t>(d)];
+  return shape()[static_cast<std::size_t>(i)];
 }
 
 int64_t Tensor::row_numel() const {

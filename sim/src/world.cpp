@@ -485,7 +485,10 @@ class SimBackend final : public dist::Backend {
 }  // namespace
 
 void World::Impl::complete(Rendezvous& rv) {
-  std::string mismatch = compare(rv);
+  // A send/recv pair has two different ops by design; point_to_point()
+  // compared its dtype and shape already.
+  const bool p2p = rv.calls[0]->op == OpType::Send;
+  std::string mismatch = p2p ? std::string() : compare(rv);
   double start = 0;
   for (std::size_t i = 0; i < rv.calls.size(); ++i)
     start = std::max(start, ranks[static_cast<std::size_t>(rv.globals[i])].clock_us);
@@ -732,6 +735,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
   Impl& w = *impl_;
   const int n = w.options.ranks;
   w.ranks.assign(static_cast<std::size_t>(n), RankState{});
+  for (auto& rs : w.ranks) rs.stats = std::make_shared<dist::Stats>();  // one per rank, not shared
   w.groups.clear();
   w.pending.clear();
   w.trace.clear();

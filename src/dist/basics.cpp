@@ -58,6 +58,7 @@ bool has_root(OpType op) {
 }  // namespace
 
 std::string Call::signature() const {
+  if (op == OpType::NewGroup) return fmt::format("new_group(members=[{}])", fmt::join(output_splits, ","));
   std::string s = op_name(op) + "(";
   if (op != OpType::Barrier && op != OpType::NewGroup) {
     s += dtype_name(dtype);
@@ -72,8 +73,7 @@ std::string Call::signature() const {
   if (!input_splits.empty() && op != OpType::NewGroup)
     s += fmt::format(", input_splits=[{}]", fmt::join(input_splits, ","));
   if (!output_splits.empty())
-    s += fmt::format(", {}=[{}]", op == OpType::NewGroup ? "ranks" : "output_splits",
-                     fmt::join(output_splits, ","));
+    s += fmt::format(", output_splits=[{}]", fmt::join(output_splits, ","));
   return s + ")";
 }
 
