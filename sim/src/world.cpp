@@ -63,7 +63,7 @@ enum class Status { Running, Blocked, Finished, Failed };
 
 struct RankState {
   Status status = Status::Running;
-  std::string waiting_in;
+  const Call* waiting_in = nullptr;  // lives on the waiting rank's stack while it waits
   int calls = 0;
   double clock_us = 0;
   std::shared_ptr<dist::Stats> stats = std::make_shared<dist::Stats>();
@@ -117,7 +117,7 @@ struct World::Impl {
       RankState& rs = ranks[static_cast<std::size_t>(rv.globals[static_cast<std::size_t>(slot)])];
       if (rs.status == Status::Blocked) {
         rs.status = Status::Running;
-        rs.waiting_in.clear();
+        rs.waiting_in = nullptr;
         --blocked;
       }
     }
@@ -132,7 +132,10 @@ struct World::Impl {
     for (std::size_t r = 0; r < ranks.size(); ++r) {
       const RankState& rs = ranks[r];
       switch (rs.status) {
-        case Status::Blocked: report += fmt::format("  rank {}: waiting in {}\n", r, rs.waiting_in); break;
+        case Status::Blocked:
+          report += fmt::format("  rank {}: waiting in {}: {}\n", r, rs.waiting_in->where(),
+                                rs.waiting_in->signature());
+          break;
         case Status::Finished: report += fmt::format("  rank {}: finished\n", r); break;
         case Status::Failed: report += fmt::format("  rank {}: failed ({})\n", r, rs.error_message); break;
         case Status::Running: report += fmt::format("  rank {}: running\n", r); break;
@@ -150,7 +153,7 @@ struct World::Impl {
   void wait(Rendezvous& rv, int global, const Call& call) {
     RankState& rs = ranks[static_cast<std::size_t>(global)];
     rs.status = Status::Blocked;
-    rs.waiting_in = fmt::format("{}: {}", call.where(), call.signature());
+    rs.waiting_in = &call;  // formatted only if a deadlock report needs it
     ++blocked;
     pending.insert(&rv);
     check_deadlock();
@@ -201,6 +204,7 @@ struct World::Impl {
     if (options.fault && options.fault->rank == global && options.fault->at_call == rs.calls)
       throw RankFailure(fmt::format("rank {}: injected fault at its call #{}: {}: {}", global,
                                     rs.calls, call.where(), call.signature()));
+    if (failures == 0) return;  // the common case: no scan of the members
     for (int m : g.members)
       if (ranks[static_cast<std::size_t>(m)].status == Status::Failed)
         throw RankFailure(fmt::format("{}: member global rank {} failed earlier: {}", call.where(),
