@@ -21,19 +21,12 @@ double inner(const Tensor& a, const Tensor& b) {
   return s;
 }
 
-// Everything that must agree across ranks, drawn once from the seed.
-struct Case {
-  std::vector<int> members;               // global ranks, group order
-  int root = 0;
-  int64_t width = 1;
-  std::vector<int64_t> rows;              // per group rank
-  std::vector<std::vector<int64_t>> m;    // m[i][j]: rows from group rank i to j
-};
+}  // namespace
 
-Case draw_case(int ranks, uint64_t seed) {
+AdjointCase draw_adjoint_case(int ranks, uint64_t seed) {
   Generator g(seed);
   auto pick = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(g.next_u64() % static_cast<uint64_t>(hi - lo + 1)); };
-  Case c;
+  AdjointCase c;
   std::vector<int> perm(static_cast<std::size_t>(ranks));
   std::iota(perm.begin(), perm.end(), 0);
   for (std::size_t i = perm.size(); i > 1; --i) std::swap(perm[i - 1], perm[g.next_u64() % i]);
@@ -56,8 +49,6 @@ Case draw_case(int ranks, uint64_t seed) {
   return c;
 }
 
-}  // namespace
-
 const std::vector<std::string>& differentiable_ops() {
   static const std::vector<std::string> ops{
       "all_reduce",     "broadcast",         "reduce",         "all_gather",
@@ -65,6 +56,86 @@ const std::vector<std::string>& differentiable_ops() {
       "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v", "all_to_all",
       "all_to_all_single"};
   return ops;
+}
+
+std::pair<double, double> adjoint_terms(const std::string& op, const dist::ProcessGroup& world,
+                                        const AdjointCase& c, DType dtype, Generator& gen) {
+  auto group = world.new_group(c.members);
+  if (!group) return {0.0, 0.0};
+  const int r = group->rank();
+  const auto n = static_cast<std::size_t>(group->size());
+  const int64_t w = c.width;
+  // Small integers keep every dtype exact in the data itself.
+  auto data = [&](int64_t rows) {
+    Tensor t = rand_uniform({rows, w}, gen, -4.0, 4.0, DType::Float64);
+    std::vector<double> v = t.to_vector();
+    for (double& x : v) x = std::round(x);
+    Tensor out = from_vector(v, {rows, w}, dtype);
+    return out;
+  };
+  const auto me = static_cast<std::size_t>(r);
+  std::vector<Tensor> xs, outs;
+  if (op == "all_reduce") {
+    xs = {data(c.rows[0])};
+    outs = {nn::all_reduce(xs[0].set_requires_grad(), *group)};
+  } else if (op == "broadcast") {
+    xs = {data(c.rows[0])};
+    outs = {nn::broadcast(xs[0].set_requires_grad(), c.root, *group)};
+  } else if (op == "reduce") {
+    xs = {data(c.rows[0])};
+    outs = {nn::reduce(xs[0].set_requires_grad(), c.root, *group)};
+  } else if (op == "all_gather") {
+    xs = {data(c.rows[0])};
+    outs = nn::all_gather(xs[0].set_requires_grad(), *group);
+  } else if (op == "all_gather_single") {
+    xs = {data(c.rows[0])};
+    outs = {nn::all_gather_single(xs[0].set_requires_grad(), *group)};
+  } else if (op == "all_gather_v") {
+    xs = {data(c.rows[me])};
+    outs = {nn::all_gather_v(xs[0].set_requires_grad(), std::vector<int64_t>(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n)), *group)};
+  } else if (op == "gather") {
+    xs = {data(c.rows[0])};
+    outs = nn::gather(xs[0].set_requires_grad(), c.root, *group);
+  } else if (op == "scatter") {
+    for (std::size_t i = 0; i < n; ++i) xs.push_back(data(c.rows[0]).set_requires_grad());
+    outs = {nn::scatter(xs, c.root, *group)};
+  } else if (op == "reduce_scatter") {
+    for (std::size_t i = 0; i < n; ++i) xs.push_back(data(c.rows[0]).set_requires_grad());
+    outs = {nn::reduce_scatter(xs, *group)};
+  } else if (op == "reduce_scatter_single") {
+    xs = {data(c.rows[0] * static_cast<int64_t>(n))};
+    outs = {nn::reduce_scatter_single(xs[0].set_requires_grad(), *group)};
+  } else if (op == "reduce_scatter_v") {
+    const std::vector<int64_t> splits(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n));
+    xs = {data(std::accumulate(splits.begin(), splits.end(), int64_t{0}))};
+    outs = {nn::reduce_scatter_v(xs[0].set_requires_grad(), splits, *group)};
+  } else if (op == "all_to_all") {
+    std::vector<Shape> out_shapes;
+    for (std::size_t j = 0; j < n; ++j) {
+      xs.push_back(data(c.m[me][j]).set_requires_grad());
+      out_shapes.push_back({c.m[j][me], w});
+    }
+    outs = nn::all_to_all(xs, *group, out_shapes);
+  } else {  // all_to_all_single
+    std::vector<int64_t> in_splits, out_splits;
+    for (std::size_t j = 0; j < n; ++j) {
+      in_splits.push_back(c.m[me][j]);
+      out_splits.push_back(c.m[j][me]);
+    }
+    xs = {data(std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0}))};
+    outs = {nn::all_to_all_single(xs[0].set_requires_grad(), out_splits, in_splits, *group)};
+  }
+  std::vector<Tensor> cots;
+  double l = 0;
+  for (const auto& o : outs) {
+    Tensor y = data(o.size(0)).view_as_shape(o.shape());
+    cots.push_back(y);
+    l += inner(o, y);
+  }
+  const std::vector<Tensor> grads = grad(outs, xs, cots);
+  double rr = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) rr += inner(xs[i], grads[i]);
+  return {l, rr};
 }
 
 AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DType dtype) {
@@ -76,7 +147,7 @@ AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DTy
     throw InvalidArgument(fmt::format("check_adjoint: ranks {} outside 1..4096", ranks));
   if (!is_floating(dtype))
     throw InvalidArgument(fmt::format("check_adjoint: dtype {} is not floating point", dtype_name(dtype)));
-  const Case c = draw_case(ranks, seed);
+  const AdjointCase c = draw_adjoint_case(ranks, seed);
   AdjointReport rep;
   rep.op = op;
   rep.ranks = ranks;
@@ -90,84 +161,9 @@ AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DTy
   options.seed = seed;
   World world(options);
   world.run([&](Rank& rank) {
-    auto group = rank.world().new_group(c.members);
-    if (!group) return;
-    const int r = group->rank();
-    const auto n = static_cast<std::size_t>(group->size());
-    const int64_t w = c.width;
-    Generator& gen = rank.generator();
-    // Small integers keep every dtype exact in the data itself.
-    auto data = [&](int64_t rows) {
-      Tensor t = rand_uniform({rows, w}, gen, -4.0, 4.0, DType::Float64);
-      std::vector<double> v = t.to_vector();
-      for (double& x : v) x = std::round(x);
-      Tensor out = from_vector(v, {rows, w}, dtype);
-      return out;
-    };
-    const auto me = static_cast<std::size_t>(r);
-    std::vector<Tensor> xs, outs;
-    if (op == "all_reduce") {
-      xs = {data(c.rows[0])};
-      outs = {nn::all_reduce(xs[0].set_requires_grad(), *group)};
-    } else if (op == "broadcast") {
-      xs = {data(c.rows[0])};
-      outs = {nn::broadcast(xs[0].set_requires_grad(), c.root, *group)};
-    } else if (op == "reduce") {
-      xs = {data(c.rows[0])};
-      outs = {nn::reduce(xs[0].set_requires_grad(), c.root, *group)};
-    } else if (op == "all_gather") {
-      xs = {data(c.rows[0])};
-      outs = nn::all_gather(xs[0].set_requires_grad(), *group);
-    } else if (op == "all_gather_single") {
-      xs = {data(c.rows[0])};
-      outs = {nn::all_gather_single(xs[0].set_requires_grad(), *group)};
-    } else if (op == "all_gather_v") {
-      xs = {data(c.rows[me])};
-      outs = {nn::all_gather_v(xs[0].set_requires_grad(), std::vector<int64_t>(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n)), *group)};
-    } else if (op == "gather") {
-      xs = {data(c.rows[0])};
-      outs = nn::gather(xs[0].set_requires_grad(), c.root, *group);
-    } else if (op == "scatter") {
-      for (std::size_t i = 0; i < n; ++i) xs.push_back(data(c.rows[0]).set_requires_grad());
-      outs = {nn::scatter(xs, c.root, *group)};
-    } else if (op == "reduce_scatter") {
-      for (std::size_t i = 0; i < n; ++i) xs.push_back(data(c.rows[0]).set_requires_grad());
-      outs = {nn::reduce_scatter(xs, *group)};
-    } else if (op == "reduce_scatter_single") {
-      xs = {data(c.rows[0] * static_cast<int64_t>(n))};
-      outs = {nn::reduce_scatter_single(xs[0].set_requires_grad(), *group)};
-    } else if (op == "reduce_scatter_v") {
-      const std::vector<int64_t> splits(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n));
-      xs = {data(std::accumulate(splits.begin(), splits.end(), int64_t{0}))};
-      outs = {nn::reduce_scatter_v(xs[0].set_requires_grad(), splits, *group)};
-    } else if (op == "all_to_all") {
-      std::vector<Shape> out_shapes;
-      for (std::size_t j = 0; j < n; ++j) {
-        xs.push_back(data(c.m[me][j]).set_requires_grad());
-        out_shapes.push_back({c.m[j][me], w});
-      }
-      outs = nn::all_to_all(xs, *group, out_shapes);
-    } else {  // all_to_all_single
-      std::vector<int64_t> in_splits, out_splits;
-      for (std::size_t j = 0; j < n; ++j) {
-        in_splits.push_back(c.m[me][j]);
-        out_splits.push_back(c.m[j][me]);
-      }
-      xs = {data(std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0}))};
-      outs = {nn::all_to_all_single(xs[0].set_requires_grad(), out_splits, in_splits, *group)};
-    }
-    std::vector<Tensor> cots;
-    double l = 0;
-    for (const auto& o : outs) {
-      Tensor y = data(o.size(0)).view_as_shape(o.shape());
-      cots.push_back(y);
-      l += inner(o, y);
-    }
-    const std::vector<Tensor> grads = grad(outs, xs, cots);
-    double rr = 0;
-    for (std::size_t i = 0; i < xs.size(); ++i) rr += inner(xs[i], grads[i]);
+    const auto [l, r] = adjoint_terms(op, rank.world(), c, dtype, rank.generator());
     lhs[static_cast<std::size_t>(rank.rank())] = l;
-    rhs[static_cast<std::size_t>(rank.rank())] = rr;
+    rhs[static_cast<std::size_t>(rank.rank())] = r;
   });
   // Sum over ranks here, outside the world (not with diffcomm's all_reduce).
   rep.lhs = std::accumulate(lhs.begin(), lhs.end(), 0.0);

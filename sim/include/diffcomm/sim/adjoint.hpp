@@ -6,7 +6,9 @@
 #include <string>
 #include <vector>
 
+#include "diffcomm/dist/group.hpp"
 #include "diffcomm/dtype.hpp"
+#include "diffcomm/tensor.hpp"
 
 namespace diffcomm::sim {
 
@@ -28,6 +30,26 @@ struct AdjointReport {
 /// reduce_scatter, reduce_scatter_single, reduce_scatter_v, all_to_all,
 /// all_to_all_single.
 const std::vector<std::string>& differentiable_ops();
+
+/// What every rank must agree on, drawn from a seed: the sub-group (global
+/// ranks, group order; never starting at global rank 0 when ranks > 1),
+/// root, row width, rows per member and the member-to-member row matrix
+/// (zeros included).
+struct AdjointCase {
+  std::vector<int> members;
+  int root = 0;
+  int64_t width = 1;
+  std::vector<int64_t> rows;
+  std::vector<std::vector<int64_t>> m;
+};
+AdjointCase draw_adjoint_case(int ranks, uint64_t seed);
+
+/// This rank's two terms of the identity, <A(x), y> and <x, A^T(y)>, for one
+/// op on any backend: builds the case's sub-group from `world` (collective
+/// over world), draws x and the cotangent y from gen (small integers, exact
+/// in every dtype), runs forward and backward. Non-members return {0, 0}.
+std::pair<double, double> adjoint_terms(const std::string& op, const dist::ProcessGroup& world,
+                                        const AdjointCase& c, DType dtype, Generator& gen);
 
 /// Draws from seed: a sub-group of 1..ranks members in random order (not
 /// starting at global rank 0 when ranks > 1), roots, row counts and splits

@@ -1,0 +1,54 @@
+#pragma once
+// diffcomm::mpi — the dist::Backend on Open MPI (CPU tensors), so the whole
+// layer (nn, encoder_parallel) runs across real processes.
+//
+//  - Groups: from MPI_COMM_WORLD or a caller's communicator (borrowed: never
+//    freed by diffcomm); sub-groups through MPI_Comm_split (owned, freed when
+//    the last handle goes away, if MPI is still initialised).
+//  - Every communicator diffcomm touches gets MPI_ERRORS_RETURN; a failing
+//    call raises BackendError with MPI's error string, the op and the rank.
+//  - bfloat16/float16 reductions use user-defined MPI ops that compute each
+//    pairwise combine in float32; Avg is a Sum followed by a scale.
+//  - Counts above 2^31-1 elements: fixed-size collectives are issued in
+//    chunks; variable ones (all_gather_v, reduce_scatter_v,
+//    all_to_all_single, all_to_all) and send/recv fall back to per-peer
+//    non-blocking point-to-point messages in chunks. The chunk limit is
+//    max_count() (INT_MAX unless lowered for tests).
+//  - Thread model: MPI calls come from the thread that calls diffcomm.
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+
+#include "diffcomm/dist/group.hpp"
+
+namespace diffcomm::mpi {
+
+/// Calls MPI_Init_thread (MPI_THREAD_FUNNELED) unless MPI is already
+/// initialised, and MPI_Finalize on destruction if it initialised it.
+class Environment {
+ public:
+  Environment(int* argc, char*** argv);
+  ~Environment();
+  Environment(const Environment&) = delete;
+  Environment& operator=(const Environment&) = delete;
+
+ private:
+  bool owns_ = false;
+};
+
+/// The group of every process (MPI_COMM_WORLD, borrowed). Requires MPI to be
+/// initialised (BackendError otherwise).
+dist::ProcessGroup world();
+
+/// A group over a caller's communicator, borrowed: diffcomm sets
+/// MPI_ERRORS_RETURN on it but never frees it. The caller keeps it valid
+/// while any handle to the group lives.
+dist::ProcessGroup from_comm(MPI_Comm comm, std::string name = "mpi");
+
+/// Largest element count passed to one MPI call (default INT_MAX). Tests
+/// lower it to exercise the chunked, large-count paths with small buffers.
+int64_t max_count();
+void set_max_count(int64_t count);
+
+}  // namespace diffcomm::mpi
