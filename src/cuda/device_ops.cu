@@ -2,7 +2,7 @@
 // for gradient accumulation, scale), on the CUDA runtime and thrust.
 // Every call is checked; failures raise BackendError with CUDA's own text.
 #include <cuda_runtime.h>
-#include <fmt/format.h>
+#include <string>
 #include <thrust/execution_policy.h>
 #include <thrust/fill.h>
 #include <thrust/transform.h>
@@ -17,8 +17,9 @@ namespace {
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
-    throw BackendError(fmt::format("CUDA error in {}: {} ({})", what, cudaGetErrorString(err),
-                                   static_cast<int>(err)));
+    // (std::string rather than fmt: nvcc rejects fmt's consteval format checks)
+    throw BackendError(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err) + " (" +
+                       std::to_string(static_cast<int>(err)) + ")");
 }
 
 // Device-side element types for each DType.
