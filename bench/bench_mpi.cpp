@@ -1,0 +1,135 @@
+// Each MPI-backend primitive against the raw MPI call it wraps, same sizes,
+// same run, same buffers. Run under mpirun, e.g.
+//   mpirun -np 2 --oversubscribe --allow-run-as-root --mca btl self,vader bench/bench_mpi
+// Every iteration times `reps` raw calls and `reps` diffcomm calls back to
+// back (alternating which goes first), each bracketed by barriers, taking the
+// slowest process's time. Counters: raw_us and diffcomm_us per call,
+// overhead_pct = (diffcomm / raw - 1) * 100, MBps = per-rank bytes / time.
+// Only process 0 prints.
+#include <benchmark/benchmark.h>
+#include <mpi.h>
+
+#include <vector>
+
+#include "diffcomm/backends/mpi.hpp"
+#include "diffcomm/dist/collectives.hpp"
+
+using namespace diffcomm;
+
+namespace {
+
+enum class Op { AllReduce, Broadcast, AllGatherSingle, ReduceScatterSingle, AllToAllSingle };
+
+double slowest(double local) {
+  double out = 0;
+  MPI_Allreduce(&local, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+template <class F>
+double timed(int reps, F&& f) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double t0 = MPI_Wtime();
+  for (int i = 0; i < reps; ++i) f();
+  MPI_Barrier(MPI_COMM_WORLD);
+  return slowest(MPI_Wtime() - t0) / reps;
+}
+
+void run(benchmark::State& state, Op op) {
+  const auto group = mpi::world();
+  const int n = group.size();
+  const int64_t bytes = state.range(0);  // per rank
+  const int64_t elems = std::max<int64_t>(bytes / 4, n) / n * n;
+  const int reps = bytes >= (1 << 20) ? 5 : 50;
+  Tensor in = full({elems}, 1.0, DType::Float32);
+  Tensor out_big = empty({elems * n}, DType::Float32);
+  Tensor out_small = empty({elems / n}, DType::Float32);
+  Tensor out_same = empty({elems}, DType::Float32);
+  const int count = static_cast<int>(elems);
+  auto raw = [&] {
+    switch (op) {
+      case Op::AllReduce: MPI_Allreduce(MPI_IN_PLACE, in.data_ptr(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
+      case Op::Broadcast: MPI_Bcast(in.data_ptr(), count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
+      case Op::AllGatherSingle:
+        MPI_Allgather(in.data_ptr(), count, MPI_FLOAT, out_big.data_ptr(), count, MPI_FLOAT, MPI_COMM_WORLD);
+        break;
+      case Op::ReduceScatterSingle:
+        MPI_Reduce_scatter_block(in.data_ptr(), out_small.data_ptr(), count / n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        break;
+      case Op::AllToAllSingle:
+        MPI_Alltoall(in.data_ptr(), count / n, MPI_FLOAT, out_same.data_ptr(), count / n, MPI_FLOAT, MPI_COMM_WORLD);
+        break;
+    }
+  };
+  auto ours = [&] {
+    switch (op) {
+      case Op::AllReduce: dist::all_reduce(group, in); break;
+      case Op::Broadcast: dist::broadcast(group, in, 0); break;
+      case Op::AllGatherSingle: dist::all_gather_single(group, out_big, in); break;
+      case Op::ReduceScatterSingle: dist::reduce_scatter_single(group, out_small, in); break;
+      case Op::AllToAllSingle: dist::all_to_all_single(group, out_same, in); break;
+    }
+  };
+  double raw_total = 0, ours_total = 0;
+  int64_t k = 0;
+  for (auto _ : state) {
+    double r, o;
+    if (k++ % 2 == 0) {
+      r = timed(reps, raw);
+      o = timed(reps, ours);
+    } else {
+      o = timed(reps, ours);
+      r = timed(reps, raw);
+    }
+    raw_total += r;
+    ours_total += o;
+    state.SetIterationTime(o);
+  }
+  const double raw_us = raw_total / static_cast<double>(k) * 1e6;
+  const double ours_us = ours_total / static_cast<double>(k) * 1e6;
+  state.counters["raw_us"] = raw_us;
+  state.counters["diffcomm_us"] = ours_us;
+  state.counters["overhead_pct"] = (ours_us / raw_us - 1.0) * 100.0;
+  state.counters["MBps"] = static_cast<double>(bytes) / ours_us;
+  state.counters["ranks"] = n;
+}
+
+void Sizes(benchmark::internal::Benchmark* b) {
+  for (int64_t s : {int64_t{1} << 10, int64_t{64} << 10, int64_t{1} << 20, int64_t{16} << 20}) b->Arg(s);
+  b->UseManualTime()->Iterations(20);
+}
+
+void BM_AllReduce(benchmark::State& s) { run(s, Op::AllReduce); }
+void BM_Broadcast(benchmark::State& s) { run(s, Op::Broadcast); }
+void BM_AllGatherSingle(benchmark::State& s) { run(s, Op::AllGatherSingle); }
+void BM_ReduceScatterSingle(benchmark::State& s) { run(s, Op::ReduceScatterSingle); }
+void BM_AllToAllSingle(benchmark::State& s) { run(s, Op::AllToAllSingle); }
+
+BENCHMARK(BM_AllReduce)->Apply(Sizes);
+BENCHMARK(BM_Broadcast)->Apply(Sizes);
+BENCHMARK(BM_AllGatherSingle)->Apply(Sizes);
+BENCHMARK(BM_ReduceScatterSingle)->Apply(Sizes);
+BENCHMARK(BM_AllToAllSingle)->Apply(Sizes);
+
+class NullReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mpi::Environment env(&argc, &argv);
+  benchmark::Initialize(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    NullReporter quiet;
+    benchmark::RunSpecifiedBenchmarks(&quiet);
+  }
+  benchmark::Shutdown();
+  return 0;
+}
