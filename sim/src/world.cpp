@@ -573,10 +573,10 @@ void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, C
     if (s.dtype != r.dtype || s.inputs[0].shape() != r.outputs[0].shape()) {
       rv->error = ErrorKind::Mismatch;
       rv->message = fmt::format(
-          "collective mismatch: rank {} sends {}{} (tag {}) but rank {} receives into {}{}: shape "
+          "collective mismatch: {} sends {}{} (tag {}) but {} receives into {}{}: shape "
           "or dtype differs",
-          src, dtype_name(s.dtype), shape_str(s.inputs[0].shape()), call.tag, dst,
-          dtype_name(r.dtype), shape_str(r.outputs[0].shape()));
+          rank_label(*g, src), dtype_name(s.dtype), shape_str(s.inputs[0].shape()), call.tag,
+          rank_label(*g, dst), dtype_name(r.dtype), shape_str(r.outputs[0].shape()));
       wake(*rv);
     } else {
       complete(*rv);
@@ -741,6 +741,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
   w.ranks.assign(static_cast<std::size_t>(n), RankState{});
   for (auto& rs : w.ranks) rs.stats = std::make_shared<dist::Stats>();  // one per rank, not shared
   w.groups.clear();
+  w.next_group_id = 0;  // group ids enter trace_hash(): same seed, same hash on every run
   w.pending.clear();
   w.trace.clear();
   w.trace_hash = 1469598103934665603ull;

@@ -343,10 +343,17 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   c.has_rows(input, "input");
   c.has_rows(output, "output");
   c.same_trailing(output, input, "output", "input");
-  Splits in = input_splits.empty() ? even_splits(input.size(0), c.size(), "all_to_all_single")
-                                   : input_splits;
-  Splits out = output_splits.empty() ? even_splits(output.size(0), c.size(), "all_to_all_single")
-                                     : output_splits;
+  // Empty splits mean even blocks; an indivisible row count is reported by
+  // the checker, so the message names the group and rank like every other.
+  auto even = [&](const Tensor& t, const char* role) {
+    if (t.size(0) % c.size() != 0)
+      c.fail(fmt::format(
+          "{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits", role,
+          t.size(0), c.size(), role));
+    return even_splits(t.size(0), c.size(), "all_to_all_single");
+  };
+  Splits in = input_splits.empty() ? even(input, "input") : input_splits;
+  Splits out = output_splits.empty() ? even(output, "output") : output_splits;
   c.splits(in, "input_splits");
   c.splits(out, "output_splits");
   if (split_sum(in) != input.size(0))

@@ -72,11 +72,13 @@ std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& rank
           "new_group on group '{}' (rank {} of {}): rank {} out of range [0, {})", name(), rank(),
           size(), r, size()));
     if (seen[static_cast<std::size_t>(r)]++)
-      throw InvalidArgument(fmt::format("new_group on group '{}' (rank {}): rank {} listed twice",
-                                        name(), rank(), r));
+      throw InvalidArgument(
+          fmt::format("new_group on group '{}' (rank {} of {}): rank {} listed twice", name(),
+                      rank(), size(), r));
   }
   if (ranks.empty())
-    throw InvalidArgument(fmt::format("new_group on group '{}': empty rank list", name()));
+    throw InvalidArgument(fmt::format("new_group on group '{}' (rank {} of {}): empty rank list",
+                                      name(), rank(), size()));
   auto pos = std::find(ranks.begin(), ranks.end(), rank());
   const int color = pos == ranks.end() ? -1 : 0;
   const int key = static_cast<int>(pos - ranks.begin());
