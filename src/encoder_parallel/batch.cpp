@@ -25,6 +25,15 @@ std::vector<std::string> split_csv(const std::string& line) {
   }
   return out;
 }
+
+// A whole cell as an integer: std::stoll alone would read "640.5" or "20px"
+// as 640 or 20.
+int64_t parse_integer(const std::string& cell) {
+  std::size_t used = 0;
+  const long long v = std::stoll(cell, &used);
+  if (used != cell.size()) throw std::invalid_argument("'" + cell + "' is not an integer");
+  return v;
+}
 }  // namespace
 
 std::vector<ImageSize> load_image_sizes(const std::string& path) {
@@ -47,7 +56,7 @@ std::vector<ImageSize> load_image_sizes(const std::string& path) {
     const auto cells = split_csv(line);
     try {
       if (cells.size() <= std::max({ci, cw, ch})) throw std::invalid_argument("too few columns");
-      ImageSize s{std::stoll(cells[ci]), std::stoll(cells[cw]), std::stoll(cells[ch])};
+      ImageSize s{parse_integer(cells[ci]), parse_integer(cells[cw]), parse_integer(cells[ch])};
       if (s.width <= 0 || s.height <= 0) throw std::invalid_argument("non-positive size");
       out.push_back(s);
     } catch (const std::exception& e) {
