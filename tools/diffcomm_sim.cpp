@@ -33,6 +33,15 @@ struct BadArgs : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// CLI11 2.1 reads "-1" into a uint64_t as 2^64 - 1; seeds take digits only.
+const CLI::Validator kSeed(
+    [](std::string& v) {
+      return !v.empty() && v.find_first_not_of("0123456789") == std::string::npos
+                 ? std::string{}
+                 : "expected a non-negative integer, got '" + v + "'";
+    },
+    "", "Seed");
+
 struct StepArgs {
   int ranks = 0;  // 0: dp * cp * tp
   int dp = 0;     // 0: ranks / (cp * tp), or 1
@@ -72,7 +81,8 @@ void add_step_options(CLI::App& app, StepArgs& a) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--dtype", a.dtype, "float64, float32, bfloat16 or float16")
       ->check(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}));
-  app.add_option("--seed", a.seed, "seed of the batch, the weights and the interleaving");
+  app.add_option("--seed", a.seed, "seed of the batch, the weights and the interleaving")
+      ->check(kSeed);
   app.add_option("--images", a.images, "CSV of image sizes (default: the shipped COCO val2017)");
   app.add_flag("--json", a.json, "print one JSON object instead of the report");
 }
@@ -87,7 +97,13 @@ std::optional<Fault> parse_fault(const std::string& s, int ranks) {
   std::smatch m;
   if (!std::regex_match(s, m, re))
     throw BadArgs(fmt::format("--fault '{}': expected rank:R:at:K (e.g. rank:3:at:2)", s));
-  const int r = std::stoi(m[1]), k = std::stoi(m[2]);
+  int r = 0, k = 0;
+  try {
+    r = std::stoi(m[1]);
+    k = std::stoi(m[2]);
+  } catch (const std::out_of_range&) {
+    throw BadArgs(fmt::format("--fault '{}': rank or call number out of range", s));
+  }
   if (r >= ranks) throw BadArgs(fmt::format("--fault: rank {} is outside the world of {} ranks", r, ranks));
   if (k < 1) throw BadArgs("--fault: K counts calls from 1");
   return Fault{r, k};
@@ -162,7 +178,12 @@ StepOutcome run_step_command(StepArgs a) {
   bo.images_per_sample = a.images_per_sample;
   bo.seq_multiple = ep::required_seq_multiple(cfg.decoder);
   bo.seed = a.seed;
-  const auto per_dp = ep::build_batches(images, cfg.dp, bo);
+  std::vector<ep::Batch> per_dp;
+  try {
+    per_dp = ep::build_batches(images, cfg.dp, bo);
+  } catch (const diffcomm::InvalidArgument& e) {
+    throw BadArgs(fmt::format("--images {}: {}", a.images, e.what()));
+  }
   std::vector<ep::ExchangePlan> plans;
   try {
     for (const auto& b : per_dp) plans.push_back(ep::plan_exchange(b, cfg.decoder, cfg.encoder));
@@ -339,7 +360,7 @@ int main(int argc, char** argv) {
   auto* check_cmd = app.add_subcommand("check", "adjoint identity of one differentiable op on a random world");
   check_cmd->add_option("--op", op, "op name")->required()->check(CLI::IsMember(diffcomm::sim::differentiable_ops()));
   check_cmd->add_option("--ranks", check_ranks, "world size")->required()->check(CLI::Range(1, 4096));
-  check_cmd->add_option("--seed", check_seed, "seed")->required();
+  check_cmd->add_option("--seed", check_seed, "seed")->required()->check(kSeed);
   check_cmd->add_option("--dtype", check_dtype, "float64, float32, bfloat16 or float16")
       ->check(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}));
   check_cmd->add_flag("--json", check_json, "print JSON");
@@ -393,7 +414,13 @@ int main(int argc, char** argv) {
       static const std::regex re(R"((\d+)\.\.(\d+))");
       std::smatch m;
       if (!std::regex_match(seeds, m, re)) throw BadArgs(fmt::format("--seeds '{}': expected A..B", seeds));
-      const uint64_t lo = std::stoull(m[1]), hi = std::stoull(m[2]);
+      uint64_t lo = 0, hi = 0;
+      try {
+        lo = std::stoull(m[1]);
+        hi = std::stoull(m[2]);
+      } catch (const std::out_of_range&) {
+        throw BadArgs(fmt::format("--seeds {}: a seed is out of range", seeds));
+      }
       if (hi < lo) throw BadArgs(fmt::format("--seeds {}: B < A", seeds));
       make_config(sweep);  // validate once, resolve defaults for the repro line
       const bool tty = isatty(fileno(stdout)) != 0;
