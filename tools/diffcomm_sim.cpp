@@ -60,6 +60,7 @@ struct StepArgs {
   bool json = false;
   std::string fault;
   std::string trace;
+  std::string receiver_grad = "auto";
 };
 
 void add_step_options(CLI::App& app, StepArgs& a) {
@@ -85,6 +86,10 @@ void add_step_options(CLI::App& app, StepArgs& a) {
       ->check(kSeed);
   app.add_option("--images", a.images, "CSV of image sizes (default: the shipped COCO val2017)");
   app.add_flag("--json", a.json, "print one JSON object instead of the report");
+  app.add_option("--receiver-grad", a.receiver_grad,
+                 "exchange gradient convention: auto (the mesh's), partial or replicated-over-tp; "
+                 "forcing the wrong one shows the reference check fail")
+      ->check(CLI::IsMember({"auto", "partial", "replicated-over-tp"}));
 }
 
 struct Fault {
@@ -141,6 +146,8 @@ ep::StepConfig make_config(StepArgs& a) {
   cfg.ffn = a.ffn;
   cfg.dtype = diffcomm::parse_dtype(a.dtype);
   cfg.seed = a.seed;
+  if (a.receiver_grad == "partial") cfg.receiver_grad = ep::ReceiverGrad::Partial;
+  if (a.receiver_grad == "replicated-over-tp") cfg.receiver_grad = ep::ReceiverGrad::ReplicatedOverTp;
   if (a.images.empty()) {
     a.images = ep::default_image_sizes_path();
     if (a.images.empty()) throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
@@ -337,6 +344,7 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
                    "--hidden {} --ffn {} --dtype {} --seed {}",
                    a.cp_layout, a.buckets, a.encoder_cp, a.batch, a.images_per_sample, a.hidden, a.ffn,
                    a.dtype, seed);
+  if (a.receiver_grad != "auto") s += " --receiver-grad " + a.receiver_grad;
   if (!a.images.empty()) s += fmt::format(" --images {}", a.images);
   return s;
 }
@@ -422,6 +430,8 @@ int main(int argc, char** argv) {
         throw BadArgs(fmt::format("--seeds {}: a seed is out of range", seeds));
       }
       if (hi < lo) throw BadArgs(fmt::format("--seeds {}: B < A", seeds));
+      if (hi - lo >= 1000000)
+        throw BadArgs(fmt::format("--seeds {}: at most 1000000 seeds per sweep", seeds));
       make_config(sweep);  // validate once, resolve defaults for the repro line
       const bool tty = isatty(fileno(stdout)) != 0;
       int failures = 0;

@@ -42,7 +42,9 @@ AdjointCase draw_adjoint_case(int ranks, uint64_t seed) {
   const auto n = c.members.size();
   c.root = static_cast<int>(pick(0, static_cast<int64_t>(n) - 1));
   c.width = pick(1, 3);
-  for (std::size_t i = 0; i < n; ++i) c.rows.push_back(pick(0, 3));
+  // rows[0] sizes the uniform ops' tensors: at least one row, so both sides
+  // of the identity are non-trivial; the other entries (splits) may be zero.
+  for (std::size_t i = 0; i < n; ++i) c.rows.push_back(pick(i == 0 ? 1 : 0, 3));
   c.m.assign(n, std::vector<int64_t>(n, 0));
   for (auto& row : c.m)
     for (auto& v : row) v = pick(0, 3);

@@ -179,7 +179,7 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
   // send on it keeps that collective's backward reachable here too.
   RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
-                                         receiver_grad_for(ctx));
+                                         cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
   res.routed_rows = routed.rows.detach();
   res.received_items = routed.items;
   const std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);

@@ -523,6 +523,35 @@ def sweep(cli):
 
 
 @scenario
+def step_check_fails_exit_1(cli):
+    # Forcing the wrong receiver-gradient convention on TP replicas (tp 4, no
+    # SP) sums tp equal copies: the encoder gradient is 4x the reference, the
+    # check fails, exit 1. The forward (routing) is still exact.
+    j = cli.json("step", "--ranks", 4, "--tp", 4, "--receiver-grad", "partial", rc=FAILED)
+    expect(j["check"]["passed"] is False, f"check must fail: {j['check']}")
+    expect(j["check"]["forward_max_abs_diff"] == 0.0, f"forward stays exact: {j['check']}")
+    expect(abs(j["check"]["grad_max_rel_diff"] - 3.0) < 1e-9,
+           f"gradient is tp = 4 times the reference (rel diff 3): {j['check']}")
+    r = cli.run("step", "--ranks", 4, "--tp", 4, "--receiver-grad", "partial", rc=FAILED)
+    expect("FAILED" in r.out, r.describe())
+    # The same forced convention where it is the right one (SP) passes.
+    j = cli.json("step", "--ranks", 4, "--tp", 4, "--sp", "--receiver-grad", "partial", rc=PASSED)
+    expect(j["check"]["passed"] is True, f"{j['check']}")
+
+
+@scenario
+def sweep_failure_reproduces(cli):
+    r = cli.run("sweep", "--seeds", "5..6", "--tp", 2, "--receiver-grad", "partial", rc=FAILED)
+    expect(re.search(r"^sweep: 2 seeds, 0 passed, 2 failed$", r.out, re.M), r.describe())
+    repro = re.findall(r"^  reproduce: (diffcomm-sim step .*)$", r.out, re.M)
+    expect(len(repro) == 2 and "--seed 5" in repro[0] and "--seed 6" in repro[1], r.describe())
+    # The printed command line reproduces the failure exactly.
+    args = repro[0].split()[1:]
+    again = cli.run(*args, rc=FAILED)
+    expect("FAILED" in again.out, again.describe())
+
+
+@scenario
 def sweep_bad_args(cli):
     for args, needle in [(["--seeds", "3..1"], "--seeds"), (["--seeds", "x"], "--seeds"),
                          (["--seeds", "0..99999999999999999999999"], "--seeds"),

@@ -18,6 +18,7 @@
 // Reference: one rank, closed form in float64 with plain loops:
 //   dW = sum over images P_i^T (U_rows + E_rows A A^T).
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "diffcomm/dist/group.hpp"
@@ -35,6 +36,10 @@ struct StepConfig {
   int64_t ffn = 8;  ///< columns of A; divisible by tp
   DType dtype = DType::Float64;
   uint64_t seed = 0;
+  /// The exchange's receiver-gradient convention. Unset: receiver_grad_for
+  /// the mesh (the correct one). Set, it is forced on every rank — a way to
+  /// watch the wrong convention fail the reference check (tp x the gradient).
+  std::optional<ReceiverGrad> receiver_grad;
   /// world ranks = dp * cp * tp (mesh {dp, cp, tp}, TP fastest)
   int world_size() const { return dp * decoder.cp * decoder.tp; }
 };
