@@ -1,1 +1,222 @@
+# Install rules and the CMake package (find_package(diffcomm CONFIG)).
+#
+# Included at the end of the top-level CMakeLists.txt, once every target
+# exists. Installs:
+#   include/diffcomm/...                   public headers (core + sim) and the
+#                                          generated diffcomm/config.hpp
+#   lib/libdiffcomm_*.a                    the libraries
+#   lib/cmake/diffcomm/                    diffcomm-config.cmake, version file,
+#                                          diffcommTargets*.cmake
+# Consumers:
+#   find_package(diffcomm CONFIG REQUIRED)           # or COMPONENTS sim
+#   target_link_libraries(app PRIVATE diffcomm::core) # diffcomm::sim, ...
+#
+# The libraries are static by default, so the exported link interface carries
+# their private dependencies ($<LINK_ONLY:fmt::fmt>, ...); the package config
+# must find those packages again. Which ones is read from the targets' link
+# interfaces below rather than hard-coded, so a new dependency cannot be
+# forgotten silently.
 include(CMakePackageConfigHelpers)
+
+set(DIFFCOMM_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/diffcomm)
+
+# ---- headers ---------------------------------------------------------------
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/diffcomm
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+if(EXISTS ${PROJECT_SOURCE_DIR}/sim/include/diffcomm)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/sim/include/diffcomm
+          DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endif()
+install(FILES ${PROJECT_BINARY_DIR}/generated/diffcomm/config.hpp
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/diffcomm)
+
+# ---- libraries -------------------------------------------------------------
+# diffcomm_core is always there; the others are exported when they exist
+# (target name : export name, imported as diffcomm::<export name>).
+set(_diffcomm_export_targets diffcomm_core)
+foreach(_pair IN ITEMS diffcomm_sim:sim diffcomm_mpi:mpi diffcomm_nccl:nccl)
+  string(REPLACE ":" ";" _pair "${_pair}")
+  list(GET _pair 0 _target)
+  list(GET _pair 1 _export_name)
+  if(TARGET ${_target})
+    get_target_property(_current ${_target} EXPORT_NAME)
+    if(NOT _current)
+      set_target_properties(${_target} PROPERTIES EXPORT_NAME ${_export_name})
+    endif()
+    list(APPEND _diffcomm_export_targets ${_target})
+  endif()
+endforeach()
+
+# A sanitized static library needs the sanitizer runtime wherever it is
+# linked; the project applies -fsanitize through directory-wide options, which
+# are not exported, so the installed interface carries it explicitly.
+if(DIFFCOMM_SANITIZE)
+  foreach(_target IN LISTS _diffcomm_export_targets)
+    get_target_property(_type ${_target} TYPE)
+    if(_type STREQUAL "STATIC_LIBRARY" OR _type STREQUAL "OBJECT_LIBRARY")
+      target_link_options(${_target} INTERFACE
+        $<INSTALL_INTERFACE:-fsanitize=${DIFFCOMM_SANITIZE}>)
+    endif()
+  endforeach()
+endif()
+
+install(TARGETS ${_diffcomm_export_targets}
+  EXPORT diffcommTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+
+install(EXPORT diffcommTargets
+  NAMESPACE diffcomm::
+  DESTINATION ${DIFFCOMM_INSTALL_CMAKEDIR})
+
+# The command-line simulator, when built.
+if(TARGET diffcomm-sim)
+  install(TARGETS diffcomm-sim RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+
+# ---- dependencies the package config must find -----------------------------
+# Read from the exported link interfaces (static libraries carry their private
+# dependencies as $<LINK_ONLY:...>) and written out as find_dependency() calls.
+set(_diffcomm_links "")
+foreach(_target IN LISTS _diffcomm_export_targets)
+  get_target_property(_libs ${_target} INTERFACE_LINK_LIBRARIES)
+  if(_libs)
+    list(APPEND _diffcomm_links ${_libs})
+  endif()
+endforeach()
+string(REGEX MATCHALL "[A-Za-z0-9_.+-]+::[A-Za-z0-9_.+-]+" _diffcomm_imported
+       "${_diffcomm_links}")
+list(REMOVE_DUPLICATES _diffcomm_imported)
+
+set(_dep_fmt OFF)
+set(_dep_threads OFF)
+set(_dep_json OFF)
+set(_dep_cuda OFF)
+set(_dep_boost OFF)
+set(_boost_components "")
+set(_mpi_components "")
+foreach(_lib IN LISTS _diffcomm_imported)
+  if(_lib MATCHES "^diffcomm::")
+    # our own targets
+  elseif(_lib MATCHES "^fmt::")
+    set(_dep_fmt ON)
+  elseif(_lib MATCHES "^Threads::")
+    set(_dep_threads ON)
+  elseif(_lib MATCHES "^nlohmann_json::")
+    set(_dep_json ON)
+  elseif(_lib MATCHES "^CUDA::")
+    set(_dep_cuda ON)
+  elseif(_lib MATCHES "^Boost::(.+)$")
+    set(_dep_boost ON)
+    set(_component ${CMAKE_MATCH_1})
+    # Boost::headers and the like are not components.
+    if(NOT _component MATCHES "^(boost|headers|disable_autolinking|diagnostic_definitions|dynamic_linking)$")
+      list(APPEND _boost_components ${_component})
+    endif()
+  elseif(_lib MATCHES "^MPI::MPI_(C|CXX|Fortran)$")
+    list(APPEND _mpi_components ${CMAKE_MATCH_1})
+  else()
+    message(WARNING "cmake/Install.cmake: the installed diffcomm targets link ${_lib}, "
+                    "which diffcomm-config.cmake does not know how to find; teach "
+                    "cmake/Install.cmake about it.")
+  endif()
+endforeach()
+
+set(DIFFCOMM_FIND_DEPENDENCIES "")
+if(_dep_fmt)
+  string(APPEND DIFFCOMM_FIND_DEPENDENCIES "find_dependency(fmt)\n")
+endif()
+if(_dep_threads)
+  string(APPEND DIFFCOMM_FIND_DEPENDENCIES "find_dependency(Threads)\n")
+endif()
+if(_dep_json)
+  string(APPEND DIFFCOMM_FIND_DEPENDENCIES "find_dependency(nlohmann_json 3)\n")
+endif()
+if(_dep_boost)
+  set(_boost_version 1.74)
+  if(DEFINED Boost_VERSION_MAJOR AND DEFINED Boost_VERSION_MINOR)
+    set(_boost_version ${Boost_VERSION_MAJOR}.${Boost_VERSION_MINOR})
+  endif()
+  set(_line "find_dependency(Boost ${_boost_version}")
+  if(_boost_components)
+    list(REMOVE_DUPLICATES _boost_components)
+    list(JOIN _boost_components " " _joined)
+    string(APPEND _line " COMPONENTS ${_joined}")
+  endif()
+  string(APPEND DIFFCOMM_FIND_DEPENDENCIES "${_line})\n")
+endif()
+if(_dep_cuda)
+  # The toolkit this build used is a hint for consumers whose nvcc is not on
+  # PATH (FindCUDAToolkit also looks in /usr/local/cuda by itself).
+  if(CUDAToolkit_BIN_DIR)
+    get_filename_component(_cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
+    string(APPEND DIFFCOMM_FIND_DEPENDENCIES
+      "if(NOT DEFINED CUDAToolkit_ROOT AND NOT DEFINED ENV{CUDAToolkit_ROOT}\n"
+      "   AND NOT CMAKE_CUDA_COMPILER AND EXISTS \"${_cuda_root}\")\n"
+      "  set(CUDAToolkit_ROOT \"${_cuda_root}\")\n"
+      "endif()\n")
+  endif()
+  string(APPEND DIFFCOMM_FIND_DEPENDENCIES "find_dependency(CUDAToolkit)\n")
+endif()
+if(_mpi_components)
+  list(REMOVE_DUPLICATES _mpi_components)
+  # FindMPI only looks for the components of enabled languages.
+  foreach(_lang IN LISTS _mpi_components)
+    string(APPEND DIFFCOMM_FIND_DEPENDENCIES
+      "if(NOT CMAKE_${_lang}_COMPILER_LOADED)\n"
+      "  enable_language(${_lang})\n"
+      "endif()\n")
+  endforeach()
+  list(JOIN _mpi_components " " _joined)
+  string(APPEND DIFFCOMM_FIND_DEPENDENCIES "find_dependency(MPI COMPONENTS ${_joined})\n")
+endif()
+
+set(DIFFCOMM_EXPORTED_COMPONENTS "")
+foreach(_target IN LISTS _diffcomm_export_targets)
+  get_target_property(_name ${_target} EXPORT_NAME)
+  list(APPEND DIFFCOMM_EXPORTED_COMPONENTS ${_name})
+endforeach()
+list(JOIN DIFFCOMM_EXPORTED_COMPONENTS " " DIFFCOMM_EXPORTED_COMPONENTS)
+
+configure_package_config_file(
+  ${PROJECT_SOURCE_DIR}/cmake/diffcomm-config.cmake.in
+  ${PROJECT_BINARY_DIR}/diffcomm-config.cmake
+  INSTALL_DESTINATION ${DIFFCOMM_INSTALL_CMAKEDIR})
+# 0.x: minor versions may break the API, so only the same minor is compatible.
+write_basic_package_version_file(
+  ${PROJECT_BINARY_DIR}/diffcomm-config-version.cmake
+  VERSION ${PROJECT_VERSION}
+  COMPATIBILITY SameMinorVersion)
+install(FILES
+  ${PROJECT_BINARY_DIR}/diffcomm-config.cmake
+  ${PROJECT_BINARY_DIR}/diffcomm-config-version.cmake
+  DESTINATION ${DIFFCOMM_INSTALL_CMAKEDIR})
+
+# ---- test: an outside project builds against the installed package ----------
+if(DIFFCOMM_BUILD_TESTS)
+  get_property(_diffcomm_multi_config GLOBAL PROPERTY GENERATOR_IS_MULTI_CONFIG)
+  if(_diffcomm_multi_config)
+    set(_diffcomm_consumer_config $<CONFIG>)
+  else()
+    set(_diffcomm_consumer_config ${CMAKE_BUILD_TYPE})
+  endif()
+  add_test(NAME install_consumer
+    COMMAND ${CMAKE_COMMAND}
+      -D DIFFCOMM_BUILD_DIR=${PROJECT_BINARY_DIR}
+      -D DIFFCOMM_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+      -D WORK_DIR=${PROJECT_BINARY_DIR}/install_consumer
+      -D GENERATOR=${CMAKE_GENERATOR}
+      -D MAKE_PROGRAM=${CMAKE_MAKE_PROGRAM}
+      -D CXX_COMPILER=${CMAKE_CXX_COMPILER}
+      -D CUDA_COMPILER=${CMAKE_CUDA_COMPILER}
+      -D BUILD_TYPE=${_diffcomm_consumer_config}
+      -P ${PROJECT_SOURCE_DIR}/cmake/ConsumerTest.cmake)
+  set_tests_properties(install_consumer PROPERTIES
+    LABELS unit
+    TIMEOUT 900
+    # It installs into and builds under the build tree: keep it out of the
+    # way of a concurrent copy of itself.
+    RESOURCE_LOCK diffcomm_install_consumer)
+endif()
