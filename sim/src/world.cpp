@@ -16,6 +16,10 @@
 #include "diffcomm/error.hpp"
 #include "scheduler.hpp"
 
+#if DIFFCOMM_SIM_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
+
 namespace diffcomm::sim {
 
 using dist::Call;
@@ -90,6 +94,7 @@ struct World::Impl {
   std::vector<TraceEvent> trace;
   uint64_t trace_hash = 1469598103934665603ull;
   std::vector<std::exception_ptr> errors;
+  detail::SeededAlgorithm* algo = nullptr;  // installed on this thread by run()
 
   std::shared_ptr<SimGroup> make_group(std::vector<int> members) {
     auto g = std::make_shared<SimGroup>();
@@ -158,7 +163,10 @@ struct World::Impl {
     pending.insert(&rv);
     check_deadlock();
     NoLock lock;
-    while (!rv.done) rv.cv.wait(lock);
+    while (!rv.done) {
+      rv.cv.wait(lock);
+      algo->on_resumed();
+    }
   }
 
   void on_rank_exit(int global, std::exception_ptr error, std::string message) {
@@ -714,6 +722,25 @@ void World::write_trace(const std::string& path) const {
 }
 
 namespace {
+// A fiber stack allocator that reports the stack it allocated, so the
+// scheduler can tell AddressSanitizer where each fiber's stack lies.
+struct RecordingStack {
+  boost::fibers::protected_fixedsize_stack inner;
+  boost::context::stack_context* last;
+  boost::context::stack_context allocate() {
+    boost::context::stack_context s = inner.allocate();
+#if DIFFCOMM_SIM_ASAN
+    // Memory of an earlier fiber's stack may come back from mmap with that
+    // fiber's last frames still poisoned in ASan's shadow (a fiber's bottom
+    // frames never return): start every stack clean.
+    __asan_unpoison_memory_region(static_cast<char*>(s.sp) - s.size, s.size);
+#endif
+    *last = s;
+    return s;
+  }
+  void deallocate(boost::context::stack_context& s) noexcept { inner.deallocate(s); }
+};
+
 // Re-raises a rank's exception with the rank named, keeping its type.
 [[noreturn]] void rethrow_named(const std::exception_ptr& e, int rank, const std::string& what) {
   const std::string msg = what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", rank, what);
@@ -750,8 +777,8 @@ void World::run(const std::function<void(Rank&)>& fn) {
   w.failures = 0;
   w.errors.assign(static_cast<std::size_t>(n), nullptr);
 
-  boost::fibers::use_scheduling_algorithm<detail::SeededAlgorithm>(
-      w.options.seed, w.options.schedule == Schedule::Random);
+  w.algo = new detail::SeededAlgorithm(w.options.seed, w.options.schedule == Schedule::Random);
+  boost::fibers::context::active()->get_scheduler()->set_algo(w.algo);  // takes ownership
 
   std::vector<int> all(static_cast<std::size_t>(n));
   std::iota(all.begin(), all.end(), 0);
@@ -759,10 +786,12 @@ void World::run(const std::function<void(Rank&)>& fn) {
 
   std::vector<boost::fibers::fiber> fibers;
   fibers.reserve(static_cast<std::size_t>(n));
+  boost::context::stack_context last_stack;
   for (int r = 0; r < n; ++r) {
     fibers.emplace_back(
-        std::allocator_arg, boost::fibers::protected_fixedsize_stack(w.options.stack_size),
+        std::allocator_arg, RecordingStack{boost::fibers::protected_fixedsize_stack(w.options.stack_size), &last_stack},
         [this, &w, &fn, world_group, r] {
+          w.algo->on_resumed();
           auto backend = std::make_shared<SimBackend>(&w, world_group, r);
           // Per-rank generator seed: a SplitMix64 step over (seed, rank).
           uint64_t z = w.options.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
@@ -785,9 +814,17 @@ void World::run(const std::function<void(Rank&)>& fn) {
           }
           w.errors[static_cast<std::size_t>(r)] = error;
           w.on_rank_exit(r, error, std::move(message));
+          static_cast<detail::FiberProps*>(boost::fibers::context::active()->get_properties())
+              ->terminating = true;
         });
+    auto& props = fibers.back().properties<detail::FiberProps>();
+    props.stack_bottom = static_cast<char*>(last_stack.sp) - last_stack.size;
+    props.stack_size = last_stack.size;
   }
-  for (auto& f : fibers) f.join();
+  for (auto& f : fibers) {
+    f.join();
+    w.algo->on_resumed();
+  }
 
   // Report the first failure (in failure order) on the caller.
   int first = -1;
