@@ -48,16 +48,21 @@ void run(benchmark::State& state, Op op) {
   const int count = static_cast<int>(elems);
   auto raw = [&] {
     switch (op) {
-      case Op::AllReduce: MPI_Allreduce(MPI_IN_PLACE, in.data_ptr(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
+      case Op::AllReduce:
+        MPI_Allreduce(MPI_IN_PLACE, in.data_ptr(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        break;
       case Op::Broadcast: MPI_Bcast(in.data_ptr(), count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
       case Op::AllGatherSingle:
-        MPI_Allgather(in.data_ptr(), count, MPI_FLOAT, out_big.data_ptr(), count, MPI_FLOAT, MPI_COMM_WORLD);
+        MPI_Allgather(in.data_ptr(), count, MPI_FLOAT, out_big.data_ptr(), count, MPI_FLOAT,
+                      MPI_COMM_WORLD);
         break;
       case Op::ReduceScatterSingle:
-        MPI_Reduce_scatter_block(in.data_ptr(), out_small.data_ptr(), count / n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        MPI_Reduce_scatter_block(in.data_ptr(), out_small.data_ptr(), count / n, MPI_FLOAT, MPI_SUM,
+                                 MPI_COMM_WORLD);
         break;
       case Op::AllToAllSingle:
-        MPI_Alltoall(in.data_ptr(), count / n, MPI_FLOAT, out_same.data_ptr(), count / n, MPI_FLOAT, MPI_COMM_WORLD);
+        MPI_Alltoall(in.data_ptr(), count / n, MPI_FLOAT, out_same.data_ptr(), count / n, MPI_FLOAT,
+                     MPI_COMM_WORLD);
         break;
     }
   };
@@ -95,7 +100,8 @@ void run(benchmark::State& state, Op op) {
 }
 
 void Sizes(benchmark::internal::Benchmark* b) {
-  for (int64_t s : {int64_t{1} << 10, int64_t{64} << 10, int64_t{1} << 20, int64_t{16} << 20}) b->Arg(s);
+  for (int64_t s : {int64_t{1} << 10, int64_t{64} << 10, int64_t{1} << 20, int64_t{16} << 20})
+    b->Arg(s);
   b->UseManualTime()->Iterations(20);
 }
 

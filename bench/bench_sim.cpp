@@ -46,7 +46,8 @@ sim::WorldOptions options(int ranks) {
   return o;
 }
 
-void report(benchmark::State& state, double seconds, int rounds, int64_t ranks, double bytes_moved) {
+void report(benchmark::State& state, double seconds, int rounds, int64_t ranks,
+            double bytes_moved) {
   const double per_op = seconds / rounds;
   state.SetIterationTime(per_op);
   state.counters["us_per_op"] = per_op * 1e6;
@@ -87,8 +88,9 @@ void BM_Memcpy(benchmark::State& state) {
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     state.SetIterationTime(s);
   }
-  state.counters["GBps"] = benchmark::Counter(static_cast<double>(bytes) * static_cast<double>(state.iterations()),
-                                              benchmark::Counter::kIsRate);
+  state.counters["GBps"] =
+      benchmark::Counter(static_cast<double>(bytes) * static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate);
 }
 
 // ---------------------------------------------------------------- sim collectives
@@ -134,15 +136,28 @@ void BM_SimAllToAllSingle(benchmark::State& s) { run_sim(s, Op::AllToAllSingle);
 // ranks x bytes-per-rank, capped so one world holds at most ~256 MiB of data.
 void Matrix(benchmark::internal::Benchmark* b) {
   for (int64_t ranks : {8, 64, 512, 4096})
-    for (int64_t bytes : {int64_t{8}, int64_t{4096}, int64_t{1} << 16, int64_t{1} << 20, int64_t{16} << 20})
+    for (int64_t bytes :
+         {int64_t{8}, int64_t{4096}, int64_t{1} << 16, int64_t{1} << 20, int64_t{16} << 20})
       if (ranks * bytes <= (int64_t{256} << 20)) b->Args({ranks, bytes});
 }
 
 }  // namespace
 
-BENCHMARK(BM_BareFiberBarrier)->Arg(8)->Arg(64)->Arg(512)->Arg(4096)->UseManualTime()->Iterations(3);
+BENCHMARK(BM_BareFiberBarrier)
+    ->Arg(8)
+    ->Arg(64)
+    ->Arg(512)
+    ->Arg(4096)
+    ->UseManualTime()
+    ->Iterations(3);
 BENCHMARK(BM_Memcpy)->RangeMultiplier(16)->Range(8, 16 << 20)->UseManualTime();
-BENCHMARK(BM_SimBarrier)->Args({8, 0})->Args({64, 0})->Args({512, 0})->Args({4096, 0})->UseManualTime()->Iterations(3);
+BENCHMARK(BM_SimBarrier)
+    ->Args({8, 0})
+    ->Args({64, 0})
+    ->Args({512, 0})
+    ->Args({4096, 0})
+    ->UseManualTime()
+    ->Iterations(3);
 BENCHMARK(BM_SimAllReduce)->Apply(Matrix)->UseManualTime()->Iterations(2);
 BENCHMARK(BM_SimAllToAllSingle)->Apply(Matrix)->UseManualTime()->Iterations(2);
 

@@ -41,7 +41,9 @@ class AccumulateGrad final : public Node {
 };
 
 struct ReadyOrder {
-  bool operator()(const Node* a, const Node* b) const { return a->sequence_nr() < b->sequence_nr(); }
+  bool operator()(const Node* a, const Node* b) const {
+    return a->sequence_nr() < b->sequence_nr();
+  }
 };
 
 struct Capture {
@@ -50,13 +52,13 @@ struct Capture {
 };
 
 // One run of the engine over the graph reachable from the roots.
-std::vector<Tensor> run_engine(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
-                               bool retain_graph, bool accumulate,
-                               const std::vector<Edge>& capture_edges) {
+std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
+                               const std::vector<Tensor>& grad_roots, bool retain_graph,
+                               bool accumulate, const std::vector<Edge>& capture_edges) {
   const char* who = accumulate ? "backward" : "grad";
   if (!grad_roots.empty() && grad_roots.size() != roots.size())
-    throw InvalidArgument(fmt::format("{}: {} roots but {} root gradients", who, roots.size(),
-                                      grad_roots.size()));
+    throw InvalidArgument(
+        fmt::format("{}: {} roots but {} root gradients", who, roots.size(), grad_roots.size()));
   std::unordered_map<Node*, std::vector<Tensor>> buffers;
   std::unordered_map<Node*, int> deps;
   std::vector<std::shared_ptr<Node>> root_nodes;
@@ -73,14 +75,14 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots, const std::vect
     if (!r.defined()) throw InvalidArgument(fmt::format("{}: root {} is undefined", who, i));
     Edge e = gradient_edge(r);
     if (!e.valid())
-      throw InvalidArgument(fmt::format(
-          "{}: root {} ({}) does not require grad and has no grad_fn", who, i, r.str()));
+      throw InvalidArgument(fmt::format("{}: root {} ({}) does not require grad and has no grad_fn",
+                                        who, i, r.str()));
     Tensor g;
     if (grad_roots.empty()) {
       if (r.numel() != 1)
-        throw InvalidArgument(fmt::format(
-            "{}: root {} ({}) has {} elements; pass its gradient explicitly", who, i, r.str(),
-            r.numel()));
+        throw InvalidArgument(
+            fmt::format("{}: root {} ({}) has {} elements; pass its gradient explicitly", who, i,
+                        r.str(), r.numel()));
       g = ones(r.shape(), r.dtype(), r.device());
     } else {
       g = grad_roots[i].detach();
@@ -115,7 +117,8 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots, const std::vect
   std::vector<Capture> captures(capture_edges.size());
   std::vector<Tensor> captured(capture_edges.size());
   for (std::size_t i = 0; i < capture_edges.size(); ++i)
-    if (capture_edges[i].valid()) captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
+    if (capture_edges[i].valid())
+      captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
 
   std::priority_queue<Node*, std::vector<Node*>, ReadyOrder> ready;
   {
@@ -140,9 +143,9 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots, const std::vect
         continue;
       }
       if (buf[s].shape() != m.shape || buf[s].dtype() != m.dtype)
-        throw InvalidArgument(fmt::format(
-            "{}: gradient for output {} of {} is {}, but that output is {}{}", who, s, node->name(),
-            buf[s].str(), dtype_name(m.dtype), shape_str(m.shape)));
+        throw InvalidArgument(
+            fmt::format("{}: gradient for output {} of {} is {}, but that output is {}{}", who, s,
+                        node->name(), buf[s].str(), dtype_name(m.dtype), shape_str(m.shape)));
     }
     for (std::size_t i = 0; i < captures.size(); ++i)
       if (captures[i].node == node) captured[i] = buf[static_cast<std::size_t>(captures[i].slot)];
@@ -211,7 +214,8 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
   metas.clear();
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined())
-      throw InvalidArgument(fmt::format("{}: forward returned an undefined output {}", node->name(), i));
+      throw InvalidArgument(
+          fmt::format("{}: forward returned an undefined output {}", node->name(), i));
     // A fresh handle per output, so two outputs sharing data (or an output
     // that is an input's data) still get their own grad_fn slot.
     outputs[i] = outputs[i].detach();
@@ -234,7 +238,8 @@ std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Ten
     if (!inputs[i].defined()) throw InvalidArgument(fmt::format("grad: input {} is undefined", i));
     edges.push_back(gradient_edge(inputs[i]));
   }
-  std::vector<Tensor> out = run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges);
+  std::vector<Tensor> out =
+      run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges);
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (out[i].defined()) continue;
     if (!allow_unused)

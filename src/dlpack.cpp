@@ -12,7 +12,8 @@ namespace diffcomm {
 namespace {
 
 DType from_dl_dtype(const DLDataType& t) {
-  if (t.lanes != 1) throw InvalidArgument(fmt::format("from_dlpack: vector lanes {} unsupported", t.lanes));
+  if (t.lanes != 1)
+    throw InvalidArgument(fmt::format("from_dlpack: vector lanes {} unsupported", t.lanes));
   if (t.code == kDLFloat && t.bits == 32) return DType::Float32;
   if (t.code == kDLFloat && t.bits == 64) return DType::Float64;
   if (t.code == kDLFloat && t.bits == 16) return DType::Float16;

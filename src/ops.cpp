@@ -15,8 +15,8 @@ namespace {
 void check_same(const char* op, const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined()) throw InvalidArgument(fmt::format("{}: undefined tensor", op));
   if (a.dtype() != b.dtype() || a.shape() != b.shape() || a.device() != b.device())
-    throw InvalidArgument(fmt::format("{}: operands differ: {} vs {} (no broadcasting)", op,
-                                      a.str(), b.str()));
+    throw InvalidArgument(
+        fmt::format("{}: operands differ: {} vs {} (no broadcasting)", op, a.str(), b.str()));
 }
 
 void require_cpu(const char* op, const Tensor& t) {
@@ -67,7 +67,8 @@ Tensor raw_scale(const Tensor& x, double alpha) {
     const T* px = static_cast<const T*>(x.data_ptr());
     T* po = static_cast<T*>(out.data_ptr());
     const C a = static_cast<C>(alpha);
-    for (int64_t i = 0; i < x.numel(); ++i) po[i] = static_cast<T>(static_cast<C>(a * static_cast<C>(px[i])));
+    for (int64_t i = 0; i < x.numel(); ++i)
+      po[i] = static_cast<T>(static_cast<C>(a * static_cast<C>(px[i])));
   });
   return out;
 }
@@ -118,8 +119,8 @@ Tensor expand_scalar(const Tensor& g, const Shape& shape) {
 
 Tensor raw_matmul(const Tensor& a, const Tensor& b) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) || a.dtype() != b.dtype())
-    throw InvalidArgument(fmt::format("matmul: needs [m, k] x [k, n] of one dtype, got {} x {}",
-                                      a.str(), b.str()));
+    throw InvalidArgument(
+        fmt::format("matmul: needs [m, k] x [k, n] of one dtype, got {} x {}", a.str(), b.str()));
   require_cpu("matmul", a);
   require_cpu("matmul", b);
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
@@ -136,16 +137,19 @@ Tensor raw_matmul(const Tensor& a, const Tensor& b) {
       std::fill(row.begin(), row.end(), Acc{0});
       for (int64_t p = 0; p < k; ++p) {
         const Acc av = static_cast<Acc>(static_cast<C>(pa[i * k + p]));
-        for (int64_t j = 0; j < n; ++j) row[static_cast<std::size_t>(j)] += av * static_cast<Acc>(static_cast<C>(pb[p * n + j]));
+        for (int64_t j = 0; j < n; ++j)
+          row[static_cast<std::size_t>(j)] += av * static_cast<Acc>(static_cast<C>(pb[p * n + j]));
       }
-      for (int64_t j = 0; j < n; ++j) po[i * n + j] = static_cast<T>(static_cast<C>(row[static_cast<std::size_t>(j)]));
+      for (int64_t j = 0; j < n; ++j)
+        po[i * n + j] = static_cast<T>(static_cast<C>(row[static_cast<std::size_t>(j)]));
     }
   });
   return out;
 }
 
 Tensor raw_transpose(const Tensor& x) {
-  if (x.dim() != 2) throw InvalidArgument(fmt::format("transpose: needs a 2-d tensor, got {}", x.str()));
+  if (x.dim() != 2)
+    throw InvalidArgument(fmt::format("transpose: needs a 2-d tensor, got {}", x.str()));
   require_cpu("transpose", x);
   const int64_t r = x.size(0), c = x.size(1);
   Tensor out = empty({c, r}, x.dtype());
@@ -154,7 +158,8 @@ Tensor raw_transpose(const Tensor& x) {
   char* dst = static_cast<char*>(out.data_ptr());
   for (int64_t i = 0; i < r; ++i)
     for (int64_t j = 0; j < c; ++j)
-      std::memcpy(dst + static_cast<std::size_t>(j * r + i) * es, src + static_cast<std::size_t>(i * c + j) * es, es);
+      std::memcpy(dst + static_cast<std::size_t>(j * r + i) * es,
+                  src + static_cast<std::size_t>(i * c + j) * es, es);
   return out;
 }
 
@@ -163,7 +168,9 @@ Tensor raw_transpose(const Tensor& x) {
 struct AddFn : Function<AddFn> {
   static constexpr const char* kName = "AddBackward";
   double alpha_b = 1.0;  // 1 for add, -1 for sub
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {raw_add(in[0], in[1], alpha_b)}; }
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    return {raw_add(in[0], in[1], alpha_b)};
+  }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
     return {g[0], alpha_b == 1.0 ? g[0] : raw_scale(g[0], -1.0)};
   }
@@ -177,7 +184,9 @@ struct MulFn : Function<MulFn> {
     b = in[1];
     return {raw_mul(a, b)};
   }
-  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {raw_mul(g[0], b), raw_mul(g[0], a)}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    return {raw_mul(g[0], b), raw_mul(g[0], a)};
+  }
 };
 
 struct DivFn : Function<DivFn> {
@@ -210,7 +219,9 @@ struct SumFn : Function<SumFn> {
     shape = in[0].shape();
     return {raw_sum(in[0])};
   }
-  std::vector<Tensor> backward(const std::vector<Tensor>& g) { return {expand_scalar(g[0], shape)}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    return {expand_scalar(g[0], shape)};
+  }
 };
 
 struct DotFn : Function<DotFn> {
@@ -258,7 +269,8 @@ struct CatFn : Function<CatFn> {
     for (std::size_t i = 0; i < in.size(); ++i) {
       const Tensor& t = in[i];
       Shape tt(t.shape().begin() + std::min<std::ptrdiff_t>(1, t.dim()), t.shape().end());
-      if (t.dim() == 0 || tt != trailing || t.dtype() != first.dtype() || t.device() != first.device())
+      if (t.dim() == 0 || tt != trailing || t.dtype() != first.dtype() ||
+          t.device() != first.device())
         throw InvalidArgument(fmt::format(
             "cat: tensor {} is {}, but tensor 0 is {} (trailing dims, dtype and device must agree)",
             i, t.str(), first.str()));
@@ -342,7 +354,8 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
 Tensor clone(const Tensor& x) { return CloneFn{}.apply({x})[0]; }
 
 Tensor eq_mask(const Tensor& a, const Tensor& b) {
-  return binary_cpu("eq_mask", a, b, [](auto x, auto y) { return x == y ? decltype(x){1} : decltype(x){0}; });
+  return binary_cpu("eq_mask", a, b,
+                    [](auto x, auto y) { return x == y ? decltype(x){1} : decltype(x){0}; });
 }
 Tensor maximum(const Tensor& a, const Tensor& b) {
   return binary_cpu("maximum", a, b, [](auto x, auto y) { return x < y ? y : x; });

@@ -66,7 +66,8 @@ uint16_t float16::from_float(float f) {
   const uint32_t x = std::bit_cast<uint32_t>(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t abs = x & 0x7FFFFFFFu;
-  if (abs >= 0x7F800000u) return static_cast<uint16_t>(sign | (abs > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  if (abs >= 0x7F800000u)
+    return static_cast<uint16_t>(sign | (abs > 0x7F800000u ? 0x7E00u : 0x7C00u));
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to inf
   if (abs < 0x38800000u) {
     // Subnormal (or zero) half: count units of 2^-24; the scaling is exact and
@@ -111,9 +112,9 @@ std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
   }
   // 64-byte alignment keeps SIMD loads aligned; at least 1 byte so a
   // zero-element tensor still has a distinct, valid address.
-  void* p = ::operator new(nbytes == 0 ? 1 : nbytes, std::align_val_t{64});
+  void* p = ::operator new (nbytes == 0 ? 1 : nbytes, std::align_val_t{64});
   return std::make_shared<Storage>(
-      p, nbytes, device, [](void* ptr) { ::operator delete(ptr, std::align_val_t{64}); });
+      p, nbytes, device, [](void* ptr) { ::operator delete (ptr, std::align_val_t{64}); });
 }
 
 // ---------------------------------------------------------------- shapes
@@ -290,7 +291,8 @@ std::string Tensor::str() const {
 // ---------------------------------------------------------------- factories
 Tensor empty(const Shape& shape, DType dtype, Device device) {
   for (int64_t d : shape)
-    if (d < 0) throw InvalidArgument(fmt::format("empty: negative dim in shape {}", shape_str(shape)));
+    if (d < 0)
+      throw InvalidArgument(fmt::format("empty: negative dim in shape {}", shape_str(shape)));
   auto impl = std::make_shared<TensorImpl>();
   impl->storage =
       Storage::allocate(static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype), device);
@@ -318,7 +320,8 @@ Tensor arange(double start, double end, double step, DType dtype) {
   const double n = std::ceil((end - start) / step);
   const int64_t count = n > 0 ? static_cast<int64_t>(n) : 0;
   std::vector<double> v(static_cast<std::size_t>(count));
-  for (int64_t i = 0; i < count; ++i) v[static_cast<std::size_t>(i)] = start + step * static_cast<double>(i);
+  for (int64_t i = 0; i < count; ++i)
+    v[static_cast<std::size_t>(i)] = start + step * static_cast<double>(i);
   return from_vector(v, {count}, dtype);
 }
 
@@ -339,7 +342,8 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType 
 Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
                  Storage::Deleter deleter) {
   for (int64_t d : shape)
-    if (d < 0) throw InvalidArgument(fmt::format("from_blob: negative dim in {}", shape_str(shape)));
+    if (d < 0)
+      throw InvalidArgument(fmt::format("from_blob: negative dim in {}", shape_str(shape)));
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::make_shared<Storage>(
       data, static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype), device,

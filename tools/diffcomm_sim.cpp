@@ -3,10 +3,10 @@
 //
 // Exit codes: 0 checks passed; 1 a check failed; 2 bad arguments; 3 an
 // injected fault ended the run.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -65,19 +65,23 @@ struct StepArgs {
 
 void add_step_options(CLI::App& app, StepArgs& a) {
   app.add_option("--ranks", a.ranks, "world size (default dp*cp*tp)")->check(CLI::Range(1, 16384));
-  app.add_option("--dp", a.dp, "data-parallel replicas (default ranks/(cp*tp))")->check(CLI::Range(1, 16384));
+  app.add_option("--dp", a.dp, "data-parallel replicas (default ranks/(cp*tp))")
+      ->check(CLI::Range(1, 16384));
   app.add_option("--cp", a.cp, "context-parallel size")->check(CLI::Range(1, 1024));
   app.add_option("--tp", a.tp, "tensor-parallel size")->check(CLI::Range(1, 1024));
   app.add_flag("--sp", a.sp, "sequence parallel (TP ranks own distinct token shards)");
   app.add_option("--cp-layout", a.cp_layout, "contiguous or zigzag")
       ->check(CLI::IsMember({"contiguous", "zigzag"}));
-  app.add_option("--encoder-buckets", a.buckets, "encoder buckets (default exchange size / encoder_cp)")
+  app.add_option("--encoder-buckets", a.buckets,
+                 "encoder buckets (default exchange size / encoder_cp)")
       ->check(CLI::Range(1, 16384));
-  app.add_option("--encoder-cp", a.encoder_cp, "encoder context-parallel size")->check(CLI::Range(1, 16384));
+  app.add_option("--encoder-cp", a.encoder_cp, "encoder context-parallel size")
+      ->check(CLI::Range(1, 16384));
   app.add_option("--batch", a.batch, "samples per micro-batch")->check(CLI::Range(0, 1 << 20));
   app.add_option("--images-per-sample", a.images_per_sample, "images in each sample")
       ->check(CLI::Range(0, 1 << 16));
-  app.add_option("--hidden", a.hidden, "feature width")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--hidden", a.hidden, "feature width")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--ffn", a.ffn, "columns of the decoder's column-parallel layer (multiple of tp)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--dtype", a.dtype, "float64, float32, bfloat16 or float16")
@@ -109,7 +113,8 @@ std::optional<Fault> parse_fault(const std::string& s, int ranks) {
   } catch (const std::out_of_range&) {
     throw BadArgs(fmt::format("--fault '{}': rank or call number out of range", s));
   }
-  if (r >= ranks) throw BadArgs(fmt::format("--fault: rank {} is outside the world of {} ranks", r, ranks));
+  if (r >= ranks)
+    throw BadArgs(fmt::format("--fault: rank {} is outside the world of {} ranks", r, ranks));
   if (k < 1) throw BadArgs("--fault: K counts calls from 1");
   return Fault{r, k};
 }
@@ -127,7 +132,8 @@ ep::StepConfig make_config(StepArgs& a) {
     throw BadArgs(fmt::format("--ranks {} != dp*cp*tp = {}*{}*{}", a.ranks, a.dp, a.cp, a.tp));
   ep::StepConfig cfg;
   cfg.dp = a.dp;
-  cfg.decoder = {a.cp, a.tp, a.sp, a.cp_layout == "zigzag" ? ep::CpLayout::Zigzag : ep::CpLayout::Contiguous};
+  cfg.decoder = {a.cp, a.tp, a.sp,
+                 a.cp_layout == "zigzag" ? ep::CpLayout::Zigzag : ep::CpLayout::Contiguous};
   const int exchange = a.cp > 1 ? cptp : a.tp;
   if (a.buckets == 0) {
     if (exchange % a.encoder_cp != 0)
@@ -137,9 +143,10 @@ ep::StepConfig make_config(StepArgs& a) {
   }
   if (a.buckets * a.encoder_cp != exchange)
     throw BadArgs(fmt::format(
-        "--encoder-buckets {} x --encoder-cp {} must equal the exchange group size {} ({})", a.buckets,
-        a.encoder_cp, exchange, a.cp > 1 ? "cp*tp" : "tp"));
-  if (a.ffn % a.tp != 0) throw BadArgs(fmt::format("--ffn {} is not a multiple of --tp {}", a.ffn, a.tp));
+        "--encoder-buckets {} x --encoder-cp {} must equal the exchange group size {} ({})",
+        a.buckets, a.encoder_cp, exchange, a.cp > 1 ? "cp*tp" : "tp"));
+  if (a.ffn % a.tp != 0)
+    throw BadArgs(fmt::format("--ffn {} is not a multiple of --tp {}", a.ffn, a.tp));
   cfg.encoder = {a.buckets, a.encoder_cp};
   cfg.hidden = a.hidden;
   cfg.in_features = 16;
@@ -147,10 +154,12 @@ ep::StepConfig make_config(StepArgs& a) {
   cfg.dtype = diffcomm::parse_dtype(a.dtype);
   cfg.seed = a.seed;
   if (a.receiver_grad == "partial") cfg.receiver_grad = ep::ReceiverGrad::Partial;
-  if (a.receiver_grad == "replicated-over-tp") cfg.receiver_grad = ep::ReceiverGrad::ReplicatedOverTp;
+  if (a.receiver_grad == "replicated-over-tp")
+    cfg.receiver_grad = ep::ReceiverGrad::ReplicatedOverTp;
   if (a.images.empty()) {
     a.images = ep::default_image_sizes_path();
-    if (a.images.empty()) throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
+    if (a.images.empty())
+      throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
   }
   return cfg;
 }
@@ -214,13 +223,14 @@ StepOutcome run_step_command(StepArgs a) {
   } catch (const diffcomm::Error& e) {
     failure = e.what();
   }
-  const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (!a.trace.empty()) world.write_trace(a.trace);
 
   json j;
   j["mode"] = ep::mode_name(plans[0].mode);
-  j["mesh"] = {{"ranks", a.ranks}, {"dp", cfg.dp}, {"cp", a.cp}, {"tp", a.tp}, {"sp", a.sp},
-               {"cp_layout", a.cp_layout}};
+  j["mesh"] = {{"ranks", a.ranks}, {"dp", cfg.dp}, {"cp", a.cp},
+               {"tp", a.tp},       {"sp", a.sp},   {"cp_layout", a.cp_layout}};
   j["encoder"] = {{"buckets", a.buckets}, {"encoder_cp", a.encoder_cp}};
   j["seed"] = a.seed;
   j["dtype"] = a.dtype;
@@ -277,33 +287,36 @@ StepOutcome run_step_command(StepArgs a) {
       a.ranks, cfg.dp, a.cp, a.tp, a.sp ? "on" : "off", a.cp_layout, ep::mode_name(plans[0].mode),
       cfg.dp, a.batch, n_images, image_tokens, tokens, a.hidden, a.dtype, a.seed, a.buckets,
       a.encoder_cp, imbalance, human_bytes(static_cast<double>(total)),
-      human_bytes(static_cast<double>(padded)), padded ? static_cast<double>(total) / static_cast<double>(padded) : 0.0);
-  text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n", "rank", "dp", "cp",
-                      "tp", "rows_sent", "rows_recv", "bytes_sent", "bytes_recv", "calls");
+      human_bytes(static_cast<double>(padded)),
+      padded ? static_cast<double>(total) / static_cast<double>(padded) : 0.0);
+  text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n", "rank", "dp",
+                      "cp", "tp", "rows_sent", "rows_recv", "bytes_sent", "bytes_recv", "calls");
   for (const auto& pr : per_rank)
-    text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n", pr["rank"].get<int>(),
-                        pr["dp"].get<int>(), pr["cp"].get<int>(), pr["tp"].get<int>(),
-                        pr["rows_sent"].get<int64_t>(), pr["rows_received"].get<int64_t>(),
-                        pr["bytes_sent"].get<uint64_t>(), pr["bytes_received"].get<uint64_t>(),
-                        pr["calls"].get<uint64_t>());
-  text += fmt::format("simulated time: {:.1f} us (alpha {} us/step, {} GB/s)\n", world.sim_time_us(),
-                      wo.cost.alpha_us, wo.cost.bandwidth_gbps);
+    text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n",
+                        pr["rank"].get<int>(), pr["dp"].get<int>(), pr["cp"].get<int>(),
+                        pr["tp"].get<int>(), pr["rows_sent"].get<int64_t>(),
+                        pr["rows_received"].get<int64_t>(), pr["bytes_sent"].get<uint64_t>(),
+                        pr["bytes_received"].get<uint64_t>(), pr["calls"].get<uint64_t>());
+  text += fmt::format("simulated time: {:.1f} us (alpha {} us/step, {} GB/s)\n",
+                      world.sim_time_us(), wo.cost.alpha_us, wo.cost.bandwidth_gbps);
 
   if (!failure.empty()) {
     const auto messages = world.error_messages();
-    const bool injected =
-        fault && messages[static_cast<std::size_t>(fault->rank)].find("injected fault") != std::string::npos;
+    const bool injected = fault && messages[static_cast<std::size_t>(fault->rank)].find(
+                                       "injected fault") != std::string::npos;
     j["check"] = {{"passed", false}};
     j["error"] = failure;
     if (injected) {
       const std::string& what = messages[static_cast<std::size_t>(fault->rank)];
-      j["fault"] = {{"rank", fault->rank}, {"at_call", fault->at}, {"triggered", true}, {"call", what}};
+      j["fault"] = {
+          {"rank", fault->rank}, {"at_call", fault->at}, {"triggered", true}, {"call", what}};
       text += fmt::format("injected fault: {}\n", what);
       int affected = 0;
       for (const auto& msg : messages)
         if (!msg.empty()) ++affected;
-      text += fmt::format("{} of {} ranks ended with an error (RankFailure on the others), none hung\n",
-                          affected, a.ranks);
+      text +=
+          fmt::format("{} of {} ranks ended with an error (RankFailure on the others), none hung\n",
+                      affected, a.ranks);
     } else {
       text += fmt::format("run ended: {}\n", failure);
     }
@@ -320,11 +333,13 @@ StepOutcome run_step_command(StepArgs a) {
                   {"passed", chk.passed}};
     if (fault) {
       j["fault"] = {{"rank", fault->rank}, {"at_call", fault->at}, {"triggered", false}};
-      text += fmt::format("note: --fault rank:{}:at:{} never triggered (that rank made fewer calls)\n",
-                          fault->rank, fault->at);
+      text +=
+          fmt::format("note: --fault rank:{}:at:{} never triggered (that rank made fewer calls)\n",
+                      fault->rank, fault->at);
     }
     text += fmt::format(
-        "check vs single-rank reference: forward max |diff| = {:.3g} (tol {:.0e}), encoder grad max "
+        "check vs single-rank reference: forward max |diff| = {:.3g} (tol {:.0e}), encoder grad "
+        "max "
         "rel diff = {:.3g} (tol {:.0e}), loss rel diff = {:.3g} -> {}\n",
         chk.forward_max_abs_diff, ftol, chk.grad_max_rel_diff, gtol, chk.loss_rel_diff,
         chk.passed ? "PASSED" : "FAILED");
@@ -340,10 +355,11 @@ StepOutcome run_step_command(StepArgs a) {
 std::string step_command_line(const StepArgs& a, uint64_t seed) {
   std::string s = fmt::format("diffcomm-sim step --ranks {} --cp {} --tp {}", a.ranks, a.cp, a.tp);
   if (a.sp) s += " --sp";
-  s += fmt::format(" --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
-                   "--hidden {} --ffn {} --dtype {} --seed {}",
-                   a.cp_layout, a.buckets, a.encoder_cp, a.batch, a.images_per_sample, a.hidden, a.ffn,
-                   a.dtype, seed);
+  s += fmt::format(
+      " --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
+      "--hidden {} --ffn {} --dtype {} --seed {}",
+      a.cp_layout, a.buckets, a.encoder_cp, a.batch, a.images_per_sample, a.hidden, a.ffn, a.dtype,
+      seed);
   if (a.receiver_grad != "auto") s += " --receiver-grad " + a.receiver_grad;
   if (!a.images.empty()) s += fmt::format(" --images {}", a.images);
   return s;
@@ -356,18 +372,25 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   StepArgs step;
-  auto* step_cmd = app.add_subcommand("step", "one seeded encoder-parallel training step vs its reference");
+  auto* step_cmd =
+      app.add_subcommand("step", "one seeded encoder-parallel training step vs its reference");
   add_step_options(*step_cmd, step);
-  step_cmd->add_option("--fault", step.fault, "inject a failure: rank:R:at:K (rank R fails at its K-th call)");
+  step_cmd->add_option("--fault", step.fault,
+                       "inject a failure: rank:R:at:K (rank R fails at its K-th call)");
   step_cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file");
 
   std::string op = "all_reduce", check_dtype = "float64";
   int check_ranks = 4;
   uint64_t check_seed = 0;
   bool check_json = false;
-  auto* check_cmd = app.add_subcommand("check", "adjoint identity of one differentiable op on a random world");
-  check_cmd->add_option("--op", op, "op name")->required()->check(CLI::IsMember(diffcomm::sim::differentiable_ops()));
-  check_cmd->add_option("--ranks", check_ranks, "world size")->required()->check(CLI::Range(1, 4096));
+  auto* check_cmd =
+      app.add_subcommand("check", "adjoint identity of one differentiable op on a random world");
+  check_cmd->add_option("--op", op, "op name")
+      ->required()
+      ->check(CLI::IsMember(diffcomm::sim::differentiable_ops()));
+  check_cmd->add_option("--ranks", check_ranks, "world size")
+      ->required()
+      ->check(CLI::Range(1, 4096));
   check_cmd->add_option("--seed", check_seed, "seed")->required()->check(kSeed);
   check_cmd->add_option("--dtype", check_dtype, "float64, float32, bfloat16 or float16")
       ->check(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}));
@@ -381,7 +404,8 @@ int main(int argc, char** argv) {
 
   std::string tokens_images, model = "qwen2vl";
   auto* tokens_cmd = app.add_subcommand("tokens", "image_id,tokens for every image of a CSV");
-  tokens_cmd->add_option("--images", tokens_images, "CSV of image sizes (default: the shipped COCO val2017)");
+  tokens_cmd->add_option("--images", tokens_images,
+                         "CSV of image sizes (default: the shipped COCO val2017)");
   tokens_cmd->add_option("--model", model, "token rule")->check(CLI::IsMember({"qwen2vl"}));
 
   try {
@@ -401,17 +425,20 @@ int main(int argc, char** argv) {
       return o.code;
     }
     if (*check_cmd) {
-      const auto rep = diffcomm::sim::check_adjoint(op, check_ranks, check_seed, diffcomm::parse_dtype(check_dtype));
+      const auto rep = diffcomm::sim::check_adjoint(op, check_ranks, check_seed,
+                                                    diffcomm::parse_dtype(check_dtype));
       if (check_json) {
-        std::cout << json{{"op", rep.op},         {"ranks", rep.ranks},     {"seed", rep.seed},
-                          {"dtype", check_dtype}, {"group", rep.group},     {"lhs", rep.lhs},
-                          {"rhs", rep.rhs},       {"rel_err", rep.rel_err}, {"tolerance", rep.tolerance},
-                          {"passed", rep.passed}}
-                         .dump()
-                  << "\n";
+        std::cout
+            << json{{"op", rep.op},         {"ranks", rep.ranks},     {"seed", rep.seed},
+                    {"dtype", check_dtype}, {"group", rep.group},     {"lhs", rep.lhs},
+                    {"rhs", rep.rhs},       {"rel_err", rep.rel_err}, {"tolerance", rep.tolerance},
+                    {"passed", rep.passed}}
+                   .dump()
+            << "\n";
       } else {
         std::cout << fmt::format(
-            "check {} on {} ranks, seed {}, {}: group (global ranks) [{}]\n  sum <A x, y>   = {:.17g}\n  "
+            "check {} on {} ranks, seed {}, {}: group (global ranks) [{}]\n  sum <A x, y>   = "
+            "{:.17g}\n  "
             "sum <x, A^T y> = {:.17g}\n  relative error = {:.3g} (tolerance {:.0e}) -> {}\n",
             rep.op, rep.ranks, rep.seed, check_dtype, fmt::join(rep.group, ", "), rep.lhs, rep.rhs,
             rep.rel_err, rep.tolerance, rep.passed ? "PASSED" : "FAILED");
@@ -421,7 +448,8 @@ int main(int argc, char** argv) {
     if (*sweep_cmd) {
       static const std::regex re(R"((\d+)\.\.(\d+))");
       std::smatch m;
-      if (!std::regex_match(seeds, m, re)) throw BadArgs(fmt::format("--seeds '{}': expected A..B", seeds));
+      if (!std::regex_match(seeds, m, re))
+        throw BadArgs(fmt::format("--seeds '{}': expected A..B", seeds));
       uint64_t lo = 0, hi = 0;
       try {
         lo = std::stoull(m[1]);
@@ -453,14 +481,16 @@ int main(int argc, char** argv) {
           const uint64_t done = s - lo + 1;
           const int width = 30;
           const int filled = static_cast<int>(width * done / count);
-          std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed", std::string(static_cast<std::size_t>(filled), '#'),
-                                   std::string(static_cast<std::size_t>(width - filled), '.'), done, count, failures)
+          std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed",
+                                   std::string(static_cast<std::size_t>(filled), '#'),
+                                   std::string(static_cast<std::size_t>(width - filled), '.'), done,
+                                   count, failures)
                     << std::flush;
         }
       }
       if (tty) std::cout << "\n";
-      std::cout << fmt::format("sweep: {} seeds, {} passed, {} failed\n", count, count - static_cast<uint64_t>(failures),
-                               failures);
+      std::cout << fmt::format("sweep: {} seeds, {} passed, {} failed\n", count,
+                               count - static_cast<uint64_t>(failures), failures);
       return failures ? kFailed : kPassed;
     }
     if (*tokens_cmd) {

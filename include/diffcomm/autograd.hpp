@@ -157,7 +157,6 @@ std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Ten
 /// cotangent is compared with the numeric one. Returns the largest absolute
 /// difference over all input elements (the caller judges the tolerance).
 double gradcheck_max_error(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
-                           const std::vector<Tensor>& inputs, double eps = 1e-6,
-                           uint64_t seed = 1);
+                           const std::vector<Tensor>& inputs, double eps = 1e-6, uint64_t seed = 1);
 
 }  // namespace diffcomm

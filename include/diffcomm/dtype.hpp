@@ -28,7 +28,7 @@ struct bfloat16 {
   static uint16_t from_float(float f) {
     uint32_t x = std::bit_cast<uint32_t>(f);
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN stays NaN
-    x += 0x7FFFu + ((x >> 16) & 1u);                      // round to nearest even
+    x += 0x7FFFu + ((x >> 16) & 1u);                     // round to nearest even
     return static_cast<uint16_t>(x >> 16);
   }
 };
@@ -46,19 +46,33 @@ struct float16 {
 template <class T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::Float32; }
+constexpr DType dtype_of<float>() {
+  return DType::Float32;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::Float64; }
+constexpr DType dtype_of<double>() {
+  return DType::Float64;
+}
 template <>
-constexpr DType dtype_of<bfloat16>() { return DType::BFloat16; }
+constexpr DType dtype_of<bfloat16>() {
+  return DType::BFloat16;
+}
 template <>
-constexpr DType dtype_of<float16>() { return DType::Float16; }
+constexpr DType dtype_of<float16>() {
+  return DType::Float16;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::Int32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::Int32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::Int64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::Int64;
+}
 template <>
-constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
+constexpr DType dtype_of<uint8_t>() {
+  return DType::UInt8;
+}
 
 /// Throws InvalidArgument "<where>: expected dtype X, got Y".
 [[noreturn]] void throw_dtype_mismatch(const char* where, DType expected, DType got);

@@ -25,7 +25,9 @@ double inner(const Tensor& a, const Tensor& b) {
 
 AdjointCase draw_adjoint_case(int ranks, uint64_t seed) {
   Generator g(seed);
-  auto pick = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(g.next_u64() % static_cast<uint64_t>(hi - lo + 1)); };
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return lo + static_cast<int64_t>(g.next_u64() % static_cast<uint64_t>(hi - lo + 1));
+  };
   AdjointCase c;
   std::vector<int> perm(static_cast<std::size_t>(ranks));
   std::iota(perm.begin(), perm.end(), 0);
@@ -52,11 +54,19 @@ AdjointCase draw_adjoint_case(int ranks, uint64_t seed) {
 }
 
 const std::vector<std::string>& differentiable_ops() {
-  static const std::vector<std::string> ops{
-      "all_reduce",     "broadcast",         "reduce",         "all_gather",
-      "all_gather_single", "all_gather_v",   "gather",         "scatter",
-      "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v", "all_to_all",
-      "all_to_all_single"};
+  static const std::vector<std::string> ops{"all_reduce",
+                                            "broadcast",
+                                            "reduce",
+                                            "all_gather",
+                                            "all_gather_single",
+                                            "all_gather_v",
+                                            "gather",
+                                            "scatter",
+                                            "reduce_scatter",
+                                            "reduce_scatter_single",
+                                            "reduce_scatter_v",
+                                            "all_to_all",
+                                            "all_to_all_single"};
   return ops;
 }
 
@@ -94,7 +104,10 @@ std::pair<double, double> adjoint_terms(const std::string& op, const dist::Proce
     outs = {nn::all_gather_single(xs[0].set_requires_grad(), *group)};
   } else if (op == "all_gather_v") {
     xs = {data(c.rows[me])};
-    outs = {nn::all_gather_v(xs[0].set_requires_grad(), std::vector<int64_t>(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n)), *group)};
+    outs = {nn::all_gather_v(
+        xs[0].set_requires_grad(),
+        std::vector<int64_t>(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n)),
+        *group)};
   } else if (op == "gather") {
     xs = {data(c.rows[0])};
     outs = nn::gather(xs[0].set_requires_grad(), c.root, *group);
@@ -108,7 +121,8 @@ std::pair<double, double> adjoint_terms(const std::string& op, const dist::Proce
     xs = {data(c.rows[0] * static_cast<int64_t>(n))};
     outs = {nn::reduce_scatter_single(xs[0].set_requires_grad(), *group)};
   } else if (op == "reduce_scatter_v") {
-    const std::vector<int64_t> splits(c.rows.begin(), c.rows.begin() + static_cast<std::ptrdiff_t>(n));
+    const std::vector<int64_t> splits(c.rows.begin(),
+                                      c.rows.begin() + static_cast<std::ptrdiff_t>(n));
     xs = {data(std::accumulate(splits.begin(), splits.end(), int64_t{0}))};
     outs = {nn::reduce_scatter_v(xs[0].set_requires_grad(), splits, *group)};
   } else if (op == "all_to_all") {
@@ -148,7 +162,8 @@ AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DTy
   if (ranks < 1 || ranks > 4096)
     throw InvalidArgument(fmt::format("check_adjoint: ranks {} outside 1..4096", ranks));
   if (!is_floating(dtype))
-    throw InvalidArgument(fmt::format("check_adjoint: dtype {} is not floating point", dtype_name(dtype)));
+    throw InvalidArgument(
+        fmt::format("check_adjoint: dtype {} is not floating point", dtype_name(dtype)));
   const AdjointCase c = draw_adjoint_case(ranks, seed);
   AdjointReport rep;
   rep.op = op;
@@ -156,7 +171,8 @@ AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DTy
   rep.seed = seed;
   rep.dtype = dtype;
   rep.group = c.members;
-  std::vector<double> lhs(static_cast<std::size_t>(ranks), 0.0), rhs(static_cast<std::size_t>(ranks), 0.0);
+  std::vector<double> lhs(static_cast<std::size_t>(ranks), 0.0),
+      rhs(static_cast<std::size_t>(ranks), 0.0);
 
   WorldOptions options;
   options.ranks = ranks;
@@ -170,7 +186,8 @@ AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DTy
   // Sum over ranks here, outside the world (not with diffcomm's all_reduce).
   rep.lhs = std::accumulate(lhs.begin(), lhs.end(), 0.0);
   rep.rhs = std::accumulate(rhs.begin(), rhs.end(), 0.0);
-  rep.rel_err = std::abs(rep.lhs - rep.rhs) / std::max({std::abs(rep.lhs), std::abs(rep.rhs), 1e-300});
+  rep.rel_err =
+      std::abs(rep.lhs - rep.rhs) / std::max({std::abs(rep.lhs), std::abs(rep.rhs), 1e-300});
   rep.tolerance = dtype == DType::Float64 ? 1e-12 : dtype == DType::Float32 ? 1e-5 : 2e-2;
   rep.passed = rep.rel_err <= rep.tolerance;
   return rep;

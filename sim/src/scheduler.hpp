@@ -15,7 +15,6 @@
 #include <boost/fiber/context.hpp>
 #include <boost/fiber/properties.hpp>
 #include <boost/fiber/scheduler.hpp>
-
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -62,7 +61,9 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
 #endif
   }
 
-  void awakened(boost::fibers::context* ctx, FiberProps&) noexcept override { ready_.push_back(ctx); }
+  void awakened(boost::fibers::context* ctx, FiberProps&) noexcept override {
+    ready_.push_back(ctx);
+  }
 
   boost::fibers::context* pick_next() noexcept override {
     if (ready_.empty()) return nullptr;

@@ -142,7 +142,9 @@ struct World::Impl {
                                 rs.waiting_in->signature());
           break;
         case Status::Finished: report += fmt::format("  rank {}: finished\n", r); break;
-        case Status::Failed: report += fmt::format("  rank {}: failed ({})\n", r, rs.error_message); break;
+        case Status::Failed:
+          report += fmt::format("  rank {}: failed ({})\n", r, rs.error_message);
+          break;
         case Status::Running: report += fmt::format("  rank {}: running\n", r); break;
       }
     }
@@ -226,8 +228,9 @@ struct World::Impl {
     const SimGroup& g = *rv.group;
     const std::size_t n = c.size();
     auto differ = [&](std::size_t a, std::size_t b, const std::string& field) {
-      return fmt::format("{} called {} but {} called {}: {} differs", rank_label(g, static_cast<int>(a)),
-                         c[a]->signature(), rank_label(g, static_cast<int>(b)), c[b]->signature(), field);
+      return fmt::format("{} called {} but {} called {}: {} differs",
+                         rank_label(g, static_cast<int>(a)), c[a]->signature(),
+                         rank_label(g, static_cast<int>(b)), c[b]->signature(), field);
     };
     for (std::size_t i = 1; i < n; ++i) {
       if (c[i]->op != c[0]->op) return differ(0, i, "op");
@@ -267,18 +270,21 @@ struct World::Impl {
       case OpType::AllGatherV:
         for (std::size_t i = 1; i < n; ++i) {
           if (c[i]->output_splits != c[0]->output_splits) return differ(0, i, "output_splits");
-          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0])) return differ(0, i, "row shape");
+          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
+            return differ(0, i, "row shape");
         }
         break;
       case OpType::ReduceScatterV:
         for (std::size_t i = 1; i < n; ++i) {
           if (c[i]->input_splits != c[0]->input_splits) return differ(0, i, "input_splits");
-          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0])) return differ(0, i, "row shape");
+          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
+            return differ(0, i, "row shape");
         }
         break;
       case OpType::AllToAllSingle:
         for (std::size_t i = 0; i < n; ++i) {
-          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0])) return differ(0, i, "row shape");
+          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
+            return differ(0, i, "row shape");
           for (std::size_t j = 0; j < n; ++j)
             if (c[i]->input_splits[j] != c[j]->output_splits[i])
               return fmt::format(
@@ -327,7 +333,8 @@ struct World::Impl {
   }
 
   static int64_t offset_of(const std::vector<int64_t>& splits, std::size_t upto) {
-    return std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(upto), int64_t{0});
+    return std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(upto),
+                           int64_t{0});
   }
 
   static void move_data(std::vector<Call*>& c) {
@@ -399,7 +406,8 @@ struct World::Impl {
         for (std::size_t i = 0; i < n; ++i) {
           const int64_t rows = c[i]->outputs[0].size(0);
           std::vector<Tensor> ins;
-          for (auto* cs : c) ins.push_back(cs->inputs[0].row_view(static_cast<int64_t>(i) * rows, rows));
+          for (auto* cs : c)
+            ins.push_back(cs->inputs[0].row_view(static_cast<int64_t>(i) * rows, rows));
           dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
         }
         break;
@@ -407,7 +415,8 @@ struct World::Impl {
         for (std::size_t i = 0; i < n; ++i) {
           std::vector<Tensor> ins;
           for (auto* cs : c)
-            ins.push_back(cs->inputs[0].row_view(offset_of(cs->input_splits, i), cs->input_splits[i]));
+            ins.push_back(
+                cs->inputs[0].row_view(offset_of(cs->input_splits, i), cs->input_splits[i]));
           dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
         }
         break;
@@ -568,7 +577,8 @@ void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, C
     entry = std::make_shared<Rendezvous>();
     entry->group = g.get();
     entry->calls.assign(2, nullptr);
-    entry->globals = {g->members[static_cast<std::size_t>(src)], g->members[static_cast<std::size_t>(dst)]};
+    entry->globals = {g->members[static_cast<std::size_t>(src)],
+                      g->members[static_cast<std::size_t>(dst)]};
   }
   std::shared_ptr<Rendezvous> rv = entry;
   const int my_slot = sending ? 0 : 1;
@@ -618,7 +628,8 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
       std::map<int64_t, std::vector<std::pair<int64_t, int>>> by_color;
       for (std::size_t i = 0; i < n; ++i) {
         const int64_t color = rv->calls[i]->input_splits[0];
-        if (color >= 0) by_color[color].push_back({rv->calls[i]->input_splits[1], static_cast<int>(i)});
+        if (color >= 0)
+          by_color[color].push_back({rv->calls[i]->input_splits[1], static_cast<int>(i)});
       }
       rv->split_results.assign(n, nullptr);
       for (auto& [color, members] : by_color) {
@@ -650,7 +661,9 @@ dist::DeviceMesh Rank::mesh(dist::DeviceMesh::Dims dims) const {
   return dist::DeviceMesh(world_group_, std::move(dims));
 }
 
-double Rank::now_us() const { return world_->impl_->ranks[static_cast<std::size_t>(rank_)].clock_us; }
+double Rank::now_us() const {
+  return world_->impl_->ranks[static_cast<std::size_t>(rank_)].clock_us;
+}
 
 void Rank::advance_us(double us) {
   if (us < 0) throw InvalidArgument(fmt::format("advance_us: negative time {}", us));
@@ -662,13 +675,13 @@ World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
   if (options.ranks < 1 || options.ranks > 16384)
     throw InvalidArgument(fmt::format("sim::World: ranks = {}, expected 1..16384", options.ranks));
   if (options.stack_size < 16 * 1024)
-    throw InvalidArgument(fmt::format("sim::World: stack_size = {} bytes, expected >= 16384",
-                                      options.stack_size));
+    throw InvalidArgument(
+        fmt::format("sim::World: stack_size = {} bytes, expected >= 16384", options.stack_size));
   if (options.fault && (options.fault->rank < 0 || options.fault->rank >= options.ranks ||
                         options.fault->at_call < 1))
-    throw InvalidArgument(fmt::format(
-        "sim::World: fault rank {} at call {} is invalid (rank in [0, {}), call >= 1)",
-        options.fault->rank, options.fault->at_call, options.ranks));
+    throw InvalidArgument(
+        fmt::format("sim::World: fault rank {} at call {} is invalid (rank in [0, {}), call >= 1)",
+                    options.fault->rank, options.fault->at_call, options.ranks));
   if (options.cost.bandwidth_gbps <= 0 || options.cost.alpha_us < 0)
     throw InvalidArgument("sim::World: cost model needs alpha_us >= 0 and bandwidth_gbps > 0");
   impl_->options = options;
@@ -701,7 +714,10 @@ std::vector<std::string> World::error_messages() const {
 void World::write_trace(const std::string& path) const {
   nlohmann::json events = nlohmann::json::array();
   for (std::size_t r = 0; r < impl_->ranks.size(); ++r)
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r},
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 0},
+                      {"tid", r},
                       {"args", {{"name", fmt::format("rank {}", r)}}}});
   for (const auto& e : impl_->trace)
     events.push_back({{"name", e.op},
@@ -743,7 +759,8 @@ struct RecordingStack {
 
 // Re-raises a rank's exception with the rank named, keeping its type.
 [[noreturn]] void rethrow_named(const std::exception_ptr& e, int rank, const std::string& what) {
-  const std::string msg = what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", rank, what);
+  const std::string msg =
+      what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", rank, what);
   try {
     std::rethrow_exception(e);
   } catch (const Deadlock&) {
@@ -789,7 +806,8 @@ void World::run(const std::function<void(Rank&)>& fn) {
   boost::context::stack_context last_stack;
   for (int r = 0; r < n; ++r) {
     fibers.emplace_back(
-        std::allocator_arg, RecordingStack{boost::fibers::protected_fixedsize_stack(w.options.stack_size), &last_stack},
+        std::allocator_arg,
+        RecordingStack{boost::fibers::protected_fixedsize_stack(w.options.stack_size), &last_stack},
         [this, &w, &fn, world_group, r] {
           w.algo->on_resumed();
           auto backend = std::make_shared<SimBackend>(&w, world_group, r);
@@ -798,7 +816,9 @@ void World::run(const std::function<void(Rank&)>& fn) {
           z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
           z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
           z ^= z >> 31;
-          Rank rank(this, r, dist::ProcessGroup(backend, "world", w.ranks[static_cast<std::size_t>(r)].stats), z);
+          Rank rank(
+              this, r,
+              dist::ProcessGroup(backend, "world", w.ranks[static_cast<std::size_t>(r)].stats), z);
           std::exception_ptr error;
           std::string message;
           try {
@@ -830,7 +850,8 @@ void World::run(const std::function<void(Rank&)>& fn) {
   int first = -1;
   for (int r = 0; r < n; ++r) {
     const RankState& rs = w.ranks[static_cast<std::size_t>(r)];
-    if (rs.error && (first < 0 || rs.failure_order < w.ranks[static_cast<std::size_t>(first)].failure_order))
+    if (rs.error &&
+        (first < 0 || rs.failure_order < w.ranks[static_cast<std::size_t>(first)].failure_order))
       first = r;
   }
   if (first >= 0) {

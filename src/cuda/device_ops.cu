@@ -1,13 +1,14 @@
 // CUDA storage and the arithmetic autograd needs on CUDA tensors (fill, add
 // for gradient accumulation, scale), on the CUDA runtime and thrust.
 // Every call is checked; failures raise BackendError with CUDA's own text.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <string>
 #include <thrust/execution_policy.h>
 #include <thrust/fill.h>
 #include <thrust/transform.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+
+#include <string>
 
 #include "detail/device_ops.hpp"
 #include "diffcomm/error.hpp"
@@ -18,8 +19,8 @@ namespace {
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
     // (std::string rather than fmt: nvcc rejects fmt's consteval format checks)
-    throw BackendError(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err) + " (" +
-                       std::to_string(static_cast<int>(err)) + ")");
+    throw BackendError(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err) +
+                       " (" + std::to_string(static_cast<int>(err)) + ")");
 }
 
 // Device-side element types for each DType.
@@ -37,7 +38,9 @@ void dispatch_device(DType dtype, F&& f) {
 }
 
 template <class T>
-__host__ __device__ float to_f(T v) { return static_cast<float>(v); }
+__host__ __device__ float to_f(T v) {
+  return static_cast<float>(v);
+}
 
 template <class T>
 struct Axpby {
@@ -84,8 +87,10 @@ void cuda_free(void* ptr, int device) noexcept {
 
 void cuda_memcpy(void* dst, const Device& dst_device, const void* src, const Device& src_device,
                  std::size_t nbytes) {
-  if (dst_device.is_cuda()) set_device(dst_device.index);
-  else if (src_device.is_cuda()) set_device(src_device.index);
+  if (dst_device.is_cuda())
+    set_device(dst_device.index);
+  else if (src_device.is_cuda())
+    set_device(src_device.index);
   check(cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault), "cudaMemcpy");
 }
 

@@ -18,7 +18,9 @@ namespace {
 bool cuda_available() { return false; }
 void* cuda_malloc(std::size_t, int) { no_cuda("cuda_malloc"); }
 void cuda_free(void*, int) noexcept {}
-void cuda_memcpy(void*, const Device&, const void*, const Device&, std::size_t) { no_cuda("copy to/from CUDA"); }
+void cuda_memcpy(void*, const Device&, const void*, const Device&, std::size_t) {
+  no_cuda("copy to/from CUDA");
+}
 void cuda_fill(const Tensor&, double) { no_cuda("fill_ on CUDA"); }
 void cuda_add(const Tensor&, const Tensor&, const Tensor&, double) { no_cuda("add on CUDA"); }
 void cuda_scale(const Tensor&, const Tensor&, double) { no_cuda("scale on CUDA"); }

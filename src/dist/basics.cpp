@@ -58,7 +58,8 @@ bool has_root(OpType op) {
 }  // namespace
 
 std::string Call::signature() const {
-  if (op == OpType::NewGroup) return fmt::format("new_group(members=[{}])", fmt::join(output_splits, ","));
+  if (op == OpType::NewGroup)
+    return fmt::format("new_group(members=[{}])", fmt::join(output_splits, ","));
   std::string s = op_name(op) + "(";
   if (op != OpType::Barrier && op != OpType::NewGroup) {
     s += dtype_name(dtype);

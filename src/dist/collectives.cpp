@@ -65,15 +65,18 @@ class Checker {
   }
   void same_shape(const Tensor& t, const Shape& expected, const std::string& role) {
     if (t.shape() != expected)
-      fail(fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()), shape_str(expected)));
+      fail(fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()),
+                       shape_str(expected)));
   }
   void list_size(const std::vector<Tensor>& ts, std::size_t expected, const std::string& role) {
     if (ts.size() != expected)
-      fail(fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(), expected));
+      fail(fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(),
+                       expected));
   }
   void root(int r, const char* what) {
     if (r < 0 || r >= size())
-      fail(fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
+      fail(
+          fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
     call_.root = r;
   }
   void splits(const Splits& s, const std::string& role) {
@@ -166,7 +169,8 @@ void broadcast(const ProcessGroup& group, const Tensor& tensor, int src) {
   c.call().inputs = {tensor};
   c.call().outputs = {tensor};
   const bool me = c.rank() == src;
-  c.dispatch(me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0, me ? 0 : nbytes(tensor));
+  c.dispatch(me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0,
+             me ? 0 : nbytes(tensor));
 }
 
 void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op) {
@@ -177,10 +181,12 @@ void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp o
   c.call().inputs = {tensor};
   c.call().outputs = {tensor};
   const bool me = c.rank() == dst;
-  c.dispatch(me ? 0 : nbytes(tensor), me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0);
+  c.dispatch(me ? 0 : nbytes(tensor),
+             me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0);
 }
 
-void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input) {
+void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                const Tensor& input) {
   Checker c(group, OpType::AllGather);
   c.tensor(input, "input");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
@@ -347,9 +353,9 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   // the checker, so the message names the group and rank like every other.
   auto even = [&](const Tensor& t, const char* role) {
     if (t.size(0) % c.size() != 0)
-      c.fail(fmt::format(
-          "{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits", role,
-          t.size(0), c.size(), role));
+      c.fail(
+          fmt::format("{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits",
+                      role, t.size(0), c.size(), role));
     return even_splits(t.size(0), c.size(), "all_to_all_single");
   };
   Splits in = input_splits.empty() ? even(input, "input") : input_splits;
@@ -357,7 +363,8 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   c.splits(in, "input_splits");
   c.splits(out, "output_splits");
   if (split_sum(in) != input.size(0))
-    c.fail(fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));
+    c.fail(
+        fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));
   if (split_sum(out) != output.size(0))
     c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(out),
                        output.size(0)));

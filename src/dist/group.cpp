@@ -68,9 +68,9 @@ std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& rank
   std::vector<int> seen(static_cast<std::size_t>(size()), 0);
   for (int r : ranks) {
     if (r < 0 || r >= size())
-      throw InvalidArgument(fmt::format(
-          "new_group on group '{}' (rank {} of {}): rank {} out of range [0, {})", name(), rank(),
-          size(), r, size()));
+      throw InvalidArgument(
+          fmt::format("new_group on group '{}' (rank {} of {}): rank {} out of range [0, {})",
+                      name(), rank(), size(), r, size()));
     if (seen[static_cast<std::size_t>(r)]++)
       throw InvalidArgument(
           fmt::format("new_group on group '{}' (rank {} of {}): rank {} listed twice", name(),

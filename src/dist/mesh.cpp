@@ -15,12 +15,14 @@ std::string dims_str(const DeviceMesh::Dims& dims) {
 }
 }  // namespace
 
-DeviceMesh::DeviceMesh(ProcessGroup world, Dims dims) : world_(std::move(world)), dims_(std::move(dims)) {
+DeviceMesh::DeviceMesh(ProcessGroup world, Dims dims)
+    : world_(std::move(world)), dims_(std::move(dims)) {
   int64_t product = 1;
   std::set<std::string> names;
   for (const auto& [n, s] : dims_) {
     if (n.empty() || !names.insert(n).second)
-      throw InvalidArgument(fmt::format("DeviceMesh: empty or repeated dim name in {}", dims_str(dims_)));
+      throw InvalidArgument(
+          fmt::format("DeviceMesh: empty or repeated dim name in {}", dims_str(dims_)));
     if (s < 1) throw InvalidArgument(fmt::format("DeviceMesh: dim '{}' has size {} (< 1)", n, s));
     product *= s;
   }
@@ -39,7 +41,8 @@ DeviceMesh::DeviceMesh(ProcessGroup world, Dims dims) : world_(std::move(world))
 std::size_t DeviceMesh::index_of(const std::string& dim) const {
   for (std::size_t i = 0; i < dims_.size(); ++i)
     if (dims_[i].first == dim) return i;
-  throw InvalidArgument(fmt::format("DeviceMesh: unknown dim '{}' (mesh {})", dim, dims_str(dims_)));
+  throw InvalidArgument(
+      fmt::format("DeviceMesh: unknown dim '{}' (mesh {})", dim, dims_str(dims_)));
 }
 
 int DeviceMesh::size(const std::string& dim) const { return dims_[index_of(dim)].second; }

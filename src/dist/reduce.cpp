@@ -11,10 +11,11 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
   if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
   for (const auto& t : inputs)
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
-      throw InvalidArgument(fmt::format("reduce_into: input {} does not match output {}", t.str(),
-                                        out.str()));
+      throw InvalidArgument(
+          fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
   if (op == ReduceOp::Avg && !is_floating(out.dtype()))
-    throw InvalidArgument(fmt::format("reduce_into: avg is undefined for {}", dtype_name(out.dtype())));
+    throw InvalidArgument(
+        fmt::format("reduce_into: avg is undefined for {}", dtype_name(out.dtype())));
   dispatch_dtype(out.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;

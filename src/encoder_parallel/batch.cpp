@@ -40,13 +40,14 @@ std::vector<ImageSize> load_image_sizes(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw InvalidArgument(fmt::format("load_image_sizes: cannot open '{}'", path));
   std::string line;
-  if (!std::getline(in, line)) throw InvalidArgument(fmt::format("load_image_sizes: '{}' is empty", path));
+  if (!std::getline(in, line))
+    throw InvalidArgument(fmt::format("load_image_sizes: '{}' is empty", path));
   const auto header = split_csv(line);
   auto column = [&](const char* name) {
     auto it = std::find(header.begin(), header.end(), name);
     if (it == header.end())
-      throw InvalidArgument(fmt::format("load_image_sizes: '{}' has no column '{}' (header: {})", path,
-                                        name, line));
+      throw InvalidArgument(
+          fmt::format("load_image_sizes: '{}' has no column '{}' (header: {})", path, name, line));
     return static_cast<std::size_t>(it - header.begin());
   };
   const std::size_t ci = column("image_id"), cw = column("width"), ch = column("height");
@@ -60,8 +61,8 @@ std::vector<ImageSize> load_image_sizes(const std::string& path) {
       if (s.width <= 0 || s.height <= 0) throw std::invalid_argument("non-positive size");
       out.push_back(s);
     } catch (const std::exception& e) {
-      throw InvalidArgument(fmt::format("load_image_sizes: '{}' line {}: {} ('{}')", path, lineno,
-                                        e.what(), line));
+      throw InvalidArgument(
+          fmt::format("load_image_sizes: '{}' line {}: {} ('{}')", path, lineno, e.what(), line));
     }
   }
   return out;
@@ -97,7 +98,8 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
     std::swap(order[i - 1], order[gen.next_u64() % i]);
   std::size_t cursor = 0;
   auto text = [&] {
-    return o.text_min + static_cast<int64_t>(gen.next_u64() % static_cast<uint64_t>(o.text_max - o.text_min + 1));
+    return o.text_min + static_cast<int64_t>(gen.next_u64() %
+                                             static_cast<uint64_t>(o.text_max - o.text_min + 1));
   };
   std::vector<Batch> out(static_cast<std::size_t>(dp));
   for (auto& batch : out)

@@ -26,15 +26,16 @@ struct ReplicaCopyFn : Function<ReplicaCopyFn> {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) { return {zeros_like(grads[0])}; }
 };
 
-bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+bool contains(const std::vector<int>& v, int x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
 
 }  // namespace
 
 RoutedFeatures route_features(FeatureExchangeMode mode,
                               const std::vector<EncoderFeature>& producer_records,
-                              const Tensor& prototype, int exchange_rank,
-                              const ExchangePlan& plan, const dist::ProcessGroup& group,
-                              ReceiverGrad grad) {
+                              const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
+                              const dist::ProcessGroup& group, ReceiverGrad grad) {
   const int n = group.size();
   const int ecp = plan.encoder.encoder_cp;
   if (mode != plan.mode)
@@ -61,8 +62,9 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
     const EncoderFeature& f = producer_records[k];
     const EncoderWorkItem& want = plan.items[static_cast<std::size_t>(mine[k])];
     if (!(f.item == want))
-      fail(fmt::format("record {} on exchange rank {} is item {} but the plan expects item {} there",
-                       k, exchange_rank, f.item.item_id, want.item_id));
+      fail(
+          fmt::format("record {} on exchange rank {} is item {} but the plan expects item {} there",
+                      k, exchange_rank, f.item.item_id, want.item_id));
     if (!f.rows.defined() || f.rows.dim() != 2 || f.rows.size(0) != want.output_rows ||
         f.rows.size(1) != hidden || f.rows.dtype() != prototype.dtype())
       fail(fmt::format("record of item {} has rows {}, expected {}[{}, {}]", want.item_id,
@@ -70,7 +72,8 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   }
   auto bucket_rows = [&](int b) {
     int64_t r = 0;
-    for (int64_t id : plan.buckets[static_cast<std::size_t>(b)]) r += plan.items[static_cast<std::size_t>(id)].output_rows;
+    for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
+      r += plan.items[static_cast<std::size_t>(id)].output_rows;
     return r;
   };
 
@@ -90,7 +93,8 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
     dist::Splits splits(static_cast<std::size_t>(n), 0);
     for (int b = 0; b < plan.encoder.buckets; ++b) {
       splits[static_cast<std::size_t>(plan.producer(b))] = bucket_rows(b);
-      for (int64_t id : plan.buckets[static_cast<std::size_t>(b)]) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
+      for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
+        out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
     }
     out.rows = nn::all_gather_v(local, splits, group,
                                 grad == ReceiverGrad::ReplicatedOverTp ? nn::GatherGrad::Replicated
@@ -111,7 +115,8 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   for (int b = 0; b < plan.encoder.buckets; ++b)
     for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
       if (contains(plan.destinations[static_cast<std::size_t>(id)], exchange_rank)) {
-        output_splits[static_cast<std::size_t>(plan.producer(b))] += plan.items[static_cast<std::size_t>(id)].output_rows;
+        output_splits[static_cast<std::size_t>(plan.producer(b))] +=
+            plan.items[static_cast<std::size_t>(id)].output_rows;
         out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
       }
   Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
@@ -131,11 +136,12 @@ std::vector<EncoderFeature> unpack_records(const Tensor& rows,
     total += it.output_rows;
   }
   if (!rows.defined() || rows.dim() != 2)
-    throw InvalidArgument(fmt::format("unpack_records: rows must be [n, hidden], got {}", rows.str()));
+    throw InvalidArgument(
+        fmt::format("unpack_records: rows must be [n, hidden], got {}", rows.str()));
   if (rows.size(0) != total)
     throw InvalidArgument(fmt::format(
-        "unpack_records: rows has {} rows but the plan's {} received items total {} rows", rows.size(0),
-        received_items.size(), total));
+        "unpack_records: rows has {} rows but the plan's {} received items total {} rows",
+        rows.size(0), received_items.size(), total));
   std::vector<EncoderFeature> out;
   int64_t at = 0;
   for (const auto& it : received_items) {

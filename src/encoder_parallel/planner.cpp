@@ -24,15 +24,16 @@ std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const Dec
   std::vector<std::pair<int64_t, int64_t>> local;
   if (mesh.layout == CpLayout::Contiguous) {
     if (seq_len % cp != 0)
-      throw InvalidArgument(fmt::format(
-          "owned_ranges: sequence length {} is not divisible by cp {} (contiguous CP)", seq_len, cp));
+      throw InvalidArgument(
+          fmt::format("owned_ranges: sequence length {} is not divisible by cp {} (contiguous CP)",
+                      seq_len, cp));
     const int64_t per = seq_len / cp;
     local.push_back({cp_rank * per, (cp_rank + 1) * per});
   } else {
     if (seq_len % (2 * cp) != 0)
-      throw InvalidArgument(fmt::format(
-          "owned_ranges: sequence length {} is not divisible by 2*cp = {} (zigzag CP)", seq_len,
-          2 * cp));
+      throw InvalidArgument(
+          fmt::format("owned_ranges: sequence length {} is not divisible by 2*cp = {} (zigzag CP)",
+                      seq_len, 2 * cp));
     const int64_t chunk = seq_len / (2 * cp);
     local.push_back({cp_rank * chunk, (cp_rank + 1) * chunk});
     local.push_back({(2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk});
@@ -97,12 +98,15 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
   // Items, with their spans validated.
   for (std::size_t b = 0; b < batch.samples.size(); ++b) {
     const Sample& s = batch.samples[b];
-    if (s.seq_len < 0) throw InvalidArgument(fmt::format("plan_exchange: sample {} has negative length", b));
+    if (s.seq_len < 0)
+      throw InvalidArgument(fmt::format("plan_exchange: sample {} has negative length", b));
     plan.seq_lens.push_back(s.seq_len);
-    for (int r = 0; r < plan.exchange_size; ++r) owned_ranges(s.seq_len, decoder, plan.coordinates(r).first, plan.coordinates(r).second);
+    for (int r = 0; r < plan.exchange_size; ++r)
+      owned_ranges(s.seq_len, decoder, plan.coordinates(r).first, plan.coordinates(r).second);
     std::vector<std::pair<int64_t, int64_t>> spans;
     for (const ImageSpan& im : s.images) {
-      if (im.token_start < 0 || im.tokens < 0 || im.patches < 0 || im.token_start + im.tokens > s.seq_len)
+      if (im.token_start < 0 || im.tokens < 0 || im.patches < 0 ||
+          im.token_start + im.tokens > s.seq_len)
         throw InvalidArgument(fmt::format(
             "plan_exchange: sample {} image at tokens [{}, {}) (patches {}) is outside the "
             "sequence of {} tokens",
@@ -119,23 +123,25 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
     std::sort(spans.begin(), spans.end());
     for (std::size_t i = 1; i < spans.size(); ++i)
       if (spans[i].first < spans[i - 1].second)
-        throw InvalidArgument(fmt::format("plan_exchange: sample {} has overlapping images at "
-                                          "tokens [{}, {}) and [{}, {})",
-                                          b, spans[i - 1].first, spans[i - 1].second,
-                                          spans[i].first, spans[i].second));
+        throw InvalidArgument(fmt::format(
+            "plan_exchange: sample {} has overlapping images at "
+            "tokens [{}, {}) and [{}, {})",
+            b, spans[i - 1].first, spans[i - 1].second, spans[i].first, spans[i].second));
   }
 
   // Buckets: longest processing time first.
   std::vector<int64_t> order(plan.items.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return plan.items[static_cast<std::size_t>(a)].input_rows > plan.items[static_cast<std::size_t>(b)].input_rows;
+    return plan.items[static_cast<std::size_t>(a)].input_rows >
+           plan.items[static_cast<std::size_t>(b)].input_rows;
   });
   std::vector<int64_t> load(static_cast<std::size_t>(encoder.buckets), 0);
   plan.buckets.assign(static_cast<std::size_t>(encoder.buckets), {});
   plan.bucket_of.assign(plan.items.size(), 0);
   for (int64_t id : order) {
-    const auto b = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    const auto b =
+        static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     load[b] += plan.items[static_cast<std::size_t>(id)].input_rows;
     plan.buckets[b].push_back(id);
     plan.bucket_of[static_cast<std::size_t>(id)] = static_cast<int>(b);
@@ -166,7 +172,8 @@ PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
     if (mode == FeatureExchangeMode::TpVariableAllGather) {
       for (int d = 0; d < exchange_size; ++d) rows[{src, d}] += item.output_rows;
     } else {
-      for (int d : destinations[static_cast<std::size_t>(item.item_id)]) rows[{src, d}] += item.output_rows;
+      for (int d : destinations[static_cast<std::size_t>(item.item_id)])
+        rows[{src, d}] += item.output_rows;
     }
   }
   st.rows_sent.assign(n, 0);
@@ -190,10 +197,12 @@ PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
     max_rows = std::max(max_rows, r);
     st.bucket_patches.push_back(p);
   }
-  st.padded_all_gather_bytes = static_cast<uint64_t>(n) * (n - 1) * static_cast<uint64_t>(max_rows) * row_bytes;
+  st.padded_all_gather_bytes =
+      static_cast<uint64_t>(n) * (n - 1) * static_cast<uint64_t>(max_rows) * row_bytes;
   const double total = std::accumulate(st.bucket_patches.begin(), st.bucket_patches.end(), 0.0);
   const double mean = total / static_cast<double>(st.bucket_patches.size());
-  const double mx = static_cast<double>(*std::max_element(st.bucket_patches.begin(), st.bucket_patches.end()));
+  const double mx =
+      static_cast<double>(*std::max_element(st.bucket_patches.begin(), st.bucket_patches.end()));
   st.encoder_imbalance = mean > 0 ? mx / mean : 1.0;
   return st;
 }

@@ -46,16 +46,19 @@ struct Synthetic {
                 1.0 / std::sqrt(static_cast<double>(cfg.hidden)), cfg.dtype);
   }
   std::vector<double> patches(int d, int64_t item_id, int64_t tokens) const {
-    return draw(mix(mix(cfg.seed, 3), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(item_id)),
+    return draw(mix(mix(cfg.seed, 3),
+                    static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(item_id)),
                 static_cast<std::size_t>(tokens * cfg.in_features), 1.0, cfg.dtype);
   }
   std::vector<double> text(int d, int64_t b, int64_t seq_len) const {
-    return draw(mix(mix(cfg.seed, 4), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
-                static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
+    return draw(
+        mix(mix(cfg.seed, 4), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
+        static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
   }
   std::vector<double> u(int d, int64_t b, int64_t seq_len) const {
-    return draw(mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
-                static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
+    return draw(
+        mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
+        static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
   }
 };
 
@@ -96,9 +99,11 @@ void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
         "tp {}",
         cfg.hidden, cfg.in_features, cfg.ffn, cfg.decoder.tp));
   if (!is_floating(cfg.dtype))
-    throw InvalidArgument(fmt::format("training step: dtype {} is not floating point", dtype_name(cfg.dtype)));
+    throw InvalidArgument(
+        fmt::format("training step: dtype {} is not floating point", dtype_name(cfg.dtype)));
   if (static_cast<int>(per_dp.size()) != cfg.dp)
-    throw InvalidArgument(fmt::format("training step: {} micro-batches for dp {}", per_dp.size(), cfg.dp));
+    throw InvalidArgument(
+        fmt::format("training step: {} micro-batches for dp {}", per_dp.size(), cfg.dp));
 }
 
 }  // namespace
@@ -157,11 +162,13 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
                          {hi - lo, cfg.in_features}, cfg.dtype);
   Tensor features = matmul(P, W);
   if (ecp > 1) {
-    auto enc_group = exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
+    auto enc_group =
+        exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
     dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
     in[0] = hi - lo;
     if (j == 0)
-      for (int k = 0; k < ecp; ++k) out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
+      for (int k = 0; k < ecp; ++k)
+        out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
     features = nn::all_to_all_single(features, out, in, *enc_group);
   }
   std::vector<EncoderFeature> records;
@@ -189,13 +196,16 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   auto text_of = [&](int64_t b) -> const std::vector<double>& {
     auto it = text_cache.find(b);
     if (it == text_cache.end())
-      it = text_cache.emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)])).first;
+      it = text_cache
+               .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+               .first;
     return it->second;
   };
   auto u_of = [&](int64_t b) -> const std::vector<double>& {
     auto it = u_cache.find(b);
     if (it == u_cache.end())
-      it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)])).first;
+      it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+               .first;
     return it->second;
   };
   // The text embeddings are a parameter's output in a real decoder: they
@@ -269,8 +279,8 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
         for (int64_t r = 0; r < im.tokens; ++r)
           for (int64_t k = 0; k < I; ++k)
             for (int64_t h = 0; h < H; ++h)
-              F[static_cast<std::size_t>(r * H + h)] +=
-                  img.P[static_cast<std::size_t>(r * I + k)] * W[static_cast<std::size_t>(k * H + h)];
+              F[static_cast<std::size_t>(r * H + h)] += img.P[static_cast<std::size_t>(r * I + k)] *
+                                                        W[static_cast<std::size_t>(k * H + h)];
         F = round(F);
         std::copy(F.begin(), F.end(), E.begin() + im.token_start * H);
         imgs.push_back(std::move(img));
@@ -281,11 +291,13 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
         const double* e = &E[static_cast<std::size_t>(t * H)];
         std::vector<double> y(static_cast<std::size_t>(Fn), 0.0);
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t c = 0; c < Fn; ++c) y[static_cast<std::size_t>(c)] += e[h] * A[static_cast<std::size_t>(h * Fn + c)];
+          for (int64_t c = 0; c < Fn; ++c)
+            y[static_cast<std::size_t>(c)] += e[h] * A[static_cast<std::size_t>(h * Fn + c)];
         for (int64_t h = 0; h < H; ++h) {
           ref.loss += e[h] * U[static_cast<std::size_t>(t * H + h)];
           double back = 0;
-          for (int64_t c = 0; c < Fn; ++c) back += y[static_cast<std::size_t>(c)] * A[static_cast<std::size_t>(h * Fn + c)];
+          for (int64_t c = 0; c < Fn; ++c)
+            back += y[static_cast<std::size_t>(c)] * A[static_cast<std::size_t>(h * Fn + c)];
           dE[static_cast<std::size_t>(t * H + h)] = U[static_cast<std::size_t>(t * H + h)] + back;
         }
         for (double v : y) ref.loss += 0.5 * v * v;
@@ -296,7 +308,8 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
           for (int64_t k = 0; k < I; ++k)
             for (int64_t h = 0; h < H; ++h)
               ref.encoder_grad[static_cast<std::size_t>(k * H + h)] +=
-                  img.P[static_cast<std::size_t>(r * I + k)] * dE[static_cast<std::size_t>((img.start + r) * H + h)];
+                  img.P[static_cast<std::size_t>(r * I + k)] *
+                  dE[static_cast<std::size_t>((img.start + r) * H + h)];
       ref.embeddings.back().push_back(std::move(E));
     }
   }
@@ -315,16 +328,18 @@ StepCheck check_step(const StepConfig& cfg, const std::vector<Batch>& per_dp,
     const auto got = r.decoder_input.to_vector();
     for (std::size_t k = 0; k < r.shard_tokens.size(); ++k) {
       const auto [b, t] = r.shard_tokens[k];
-      const auto& row = ref.embeddings[static_cast<std::size_t>(r.dp_rank)][static_cast<std::size_t>(b)];
+      const auto& row =
+          ref.embeddings[static_cast<std::size_t>(r.dp_rank)][static_cast<std::size_t>(b)];
       for (int64_t h = 0; h < cfg.hidden; ++h)
-        chk.forward_max_abs_diff =
-            std::max(chk.forward_max_abs_diff,
-                     std::abs(got[k * static_cast<std::size_t>(cfg.hidden) + static_cast<std::size_t>(h)] -
-                              row[static_cast<std::size_t>(t * cfg.hidden + h)]));
+        chk.forward_max_abs_diff = std::max(
+            chk.forward_max_abs_diff,
+            std::abs(got[k * static_cast<std::size_t>(cfg.hidden) + static_cast<std::size_t>(h)] -
+                     row[static_cast<std::size_t>(t * cfg.hidden + h)]));
     }
     const auto g = r.encoder_grad.to_vector();
     double worst = 0;
-    for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::abs(g[i] - ref.encoder_grad[i]));
+    for (std::size_t i = 0; i < g.size(); ++i)
+      worst = std::max(worst, std::abs(g[i] - ref.encoder_grad[i]));
     chk.grad_max_rel_diff = std::max(chk.grad_max_rel_diff, ref_max > 0 ? worst / ref_max : worst);
   }
   chk.loss_rel_diff = std::abs(loss - ref.loss) / std::max(std::abs(ref.loss), 1e-300);

@@ -13,7 +13,6 @@
 namespace diffcomm::nn {
 namespace {
 
-
 bool linear(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
 
 [[noreturn]] void fail(const char* op, const ProcessGroup& g, const std::string& what) {
@@ -27,17 +26,18 @@ void check_defined(const char* op, const ProcessGroup& g, const Tensor& t, const
 
 void check_root(const char* op, const ProcessGroup& g, int root, const char* what) {
   if (root < 0 || root >= g.size())
-    fail(op, g, fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, root,
-                            g.size()));
+    fail(op, g,
+         fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, root,
+                     g.size()));
 }
 
 void refuse_nonlinear(const char* op, const ProcessGroup& g, ReduceOp r) {
   if (!linear(r))
-    fail(op, g, fmt::format("reduce op {} has no gradient here (only all_reduce and reduce "
-                            "differentiate max/min/product); use sum or avg",
-                            dist::reduce_op_name(r)));
+    fail(op, g,
+         fmt::format("reduce op {} has no gradient here (only all_reduce and reduce "
+                     "differentiate max/min/product); use sum or avg",
+                     dist::reduce_op_name(r)));
 }
-
 
 // prod_{s != r} xs[s], elementwise, by direct multiplication (exact with zeros).
 Tensor exclusive_product(const std::vector<Tensor>& xs, int r) {
@@ -172,7 +172,8 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const int64_t rows = grads[0].size(0) / group.size();
-    if (mode == GatherGrad::Replicated) return {grads[0].row_view(group.rank() * rows, rows).copy_data()};
+    if (mode == GatherGrad::Replicated)
+      return {grads[0].row_view(group.rank() * rows, rows).copy_data()};
     Shape shape = grads[0].shape();
     shape[0] = rows;
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
@@ -199,7 +200,8 @@ struct AllGatherVFn : Function<AllGatherVFn> {
     Shape shape = grads[0].shape();
     shape[0] = splits[r];
     if (mode == GatherGrad::Replicated) {
-      const int64_t offset = std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(r), int64_t{0});
+      const int64_t offset = std::accumulate(
+          splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(r), int64_t{0});
       return {grads[0].row_view(offset, splits[r]).copy_data()};
     }
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
@@ -215,7 +217,8 @@ struct GatherFn : Function<GatherFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     std::vector<Tensor> outs;
     const bool me = group.rank() == dst;
-    for (int s = 0; s < group.size(); ++s) outs.push_back(me ? empty_like(in[0]) : zeros_like(in[0]));
+    for (int s = 0; s < group.size(); ++s)
+      outs.push_back(me ? empty_like(in[0]) : zeros_like(in[0]));
     dist::gather(group, me ? outs : std::vector<Tensor>{}, in[0], dst);
     return outs;
   }
@@ -273,7 +276,8 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
     const Tensor& x = in[0];
     if (x.dim() == 0 || x.size(0) % group.size() != 0)
       fail("reduce_scatter_single", group,
-           fmt::format("x {} needs a row count divisible by the group size {}", x.str(), group.size()));
+           fmt::format("x {} needs a row count divisible by the group size {}", x.str(),
+                       group.size()));
     Shape shape = x.shape();
     shape[0] /= group.size();
     Tensor out = empty(shape, x.dtype(), x.device());
@@ -328,7 +332,8 @@ struct AllToAllFn : Function<AllToAllFn> {
     if (out_shapes.empty())
       for (const auto& t : in) out_shapes.push_back(t.shape());
     if (out_shapes.size() != n)
-      fail("all_to_all", group, fmt::format("output_shapes has {} entries, expected {}", out_shapes.size(), n));
+      fail("all_to_all", group,
+           fmt::format("output_shapes has {} entries, expected {}", out_shapes.size(), n));
     std::vector<Tensor> outs;
     for (const auto& s : out_shapes) outs.push_back(empty(s, in[0].dtype(), in[0].device()));
     dist::all_to_all(group, outs, in);
@@ -337,7 +342,9 @@ struct AllToAllFn : Function<AllToAllFn> {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     // The gradient of xs[j] comes back from member j: the exact reverse route.
     std::vector<Tensor> dxs;
-    for (int s = 0; s < group.size(); ++s) dxs.push_back(empty(in_shapes[static_cast<std::size_t>(s)], grads[0].dtype(), grads[0].device()));
+    for (int s = 0; s < group.size(); ++s)
+      dxs.push_back(
+          empty(in_shapes[static_cast<std::size_t>(s)], grads[0].dtype(), grads[0].device()));
     dist::all_to_all(group, dxs, grads);
     return dxs;
   }
@@ -354,8 +361,9 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
     if (x.dim() == 0) fail("all_to_all_single", group, "x is 0-d; it needs rows (dim 0)");
     in_shape = x.shape();
     Shape shape = x.shape();
-    shape[0] = out_splits.empty() ? x.size(0)
-                                  : std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+    shape[0] = out_splits.empty()
+                   ? x.size(0)
+                   : std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
     Tensor out = empty(shape, x.dtype(), x.device());
     dist::all_to_all_single(group, out, x, out_splits, in_splits);
     return {out};
@@ -412,8 +420,9 @@ Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessG
                     GatherGrad grad) {
   check_defined("all_gather_v", group, x, "x");
   if (static_cast<int>(output_splits.size()) != group.size())
-    fail("all_gather_v", group, fmt::format("output_splits has {} entries, expected {}",
-                                            output_splits.size(), group.size()));
+    fail("all_gather_v", group,
+         fmt::format("output_splits has {} entries, expected {}", output_splits.size(),
+                     group.size()));
   return AllGatherVFn{{}, group, output_splits, grad}.apply({x})[0];
 }
 
@@ -426,9 +435,10 @@ std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group) 
 Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group) {
   check_root("scatter", group, src, "src");
   if (static_cast<int>(xs.size()) != group.size())
-    fail("scatter", group, fmt::format("xs has {} tensors, expected {} on every rank (values are "
-                                       "used on src only)",
-                                       xs.size(), group.size()));
+    fail("scatter", group,
+         fmt::format("xs has {} tensors, expected {} on every rank (values are "
+                     "used on src only)",
+                     xs.size(), group.size()));
   for (const auto& t : xs) check_defined("scatter", group, t, "xs[i]");
   return ScatterFn{{}, group, src}.apply(xs)[0];
 }
@@ -471,8 +481,8 @@ Tensor cat_or_empty(const std::vector<Tensor>& rows, const Tensor& anchor, int64
   if (!rows.empty()) {
     for (std::size_t i = 0; i < rows.size(); ++i)
       if (!rows[i].defined() || rows[i].dim() != 2 || rows[i].size(1) != width)
-        throw InvalidArgument(fmt::format("cat_or_empty: rows[{}] is {}, expected [n, {}]", i,
-                                          rows[i].str(), width));
+        throw InvalidArgument(
+            fmt::format("cat_or_empty: rows[{}] is {}, expected [n, {}]", i, rows[i].str(), width));
     return cat(rows);
   }
   if (!anchor.defined()) throw InvalidArgument("cat_or_empty: no rows and an undefined anchor");

@@ -53,7 +53,8 @@ class MpiRunner final : public BackendRunner {
   int max_world() const override { return mpi_size(); }
   void run(int world_size, RankFn fn) override {
     if (world_size != mpi_size()) {
-      ADD_FAILURE() << "mpi runner: world " << world_size << " requested under mpirun -np " << mpi_size();
+      ADD_FAILURE() << "mpi runner: world " << world_size << " requested under mpirun -np "
+                    << mpi_size();
       return;
     }
     fn(mpi::world(), mpi_rank());
@@ -73,7 +74,8 @@ std::unique_ptr<BackendRunner> make_backend_runner(const ConformanceParam&) {
   return std::make_unique<MpiRunner>();
 }
 
-INSTANTIATE_TEST_SUITE_P(Mpi, ConformanceTest, testing::ValuesIn(mpi_params()), conformance_param_name);
+INSTANTIATE_TEST_SUITE_P(Mpi, ConformanceTest, testing::ValuesIn(mpi_params()),
+                         conformance_param_name);
 }  // namespace conformance
 
 // ---------------------------------------------------------------- adjoints
@@ -110,7 +112,8 @@ TEST(MpiLargeCount, ChunkedPathsMatchClosedForms) {
     dist::all_reduce(g, t);
     const auto got = t.to_vector();
     for (int i = 0; i < 30; ++i)
-      EXPECT_EQ(got[static_cast<std::size_t>(i)], 100.0 * n * (n - 1) / 2 + static_cast<double>(n) * i);
+      EXPECT_EQ(got[static_cast<std::size_t>(i)],
+                100.0 * n * (n - 1) / 2 + static_cast<double>(n) * i);
   }
   // all_to_all_single with uneven splits: rank i sends (i + j) % 3 + 4 rows of width 2 to j.
   {
@@ -124,13 +127,15 @@ TEST(MpiLargeCount, ChunkedPathsMatchClosedForms) {
     const int64_t out_rows = std::accumulate(out_s.begin(), out_s.end(), int64_t{0});
     std::vector<double> v;
     for (int j = 0; j < n; ++j)
-      for (int64_t k = 0; k < rows(r, j) * 2; ++k) v.push_back(1000.0 * r + 10.0 * j + static_cast<double>(k));
+      for (int64_t k = 0; k < rows(r, j) * 2; ++k)
+        v.push_back(1000.0 * r + 10.0 * j + static_cast<double>(k));
     Tensor in = from_vector(v, {in_rows, 2}), out = zeros({out_rows, 2}, DType::Float64);
     dist::all_to_all_single(g, out, in, out_s, in_s);
     const auto got = out.to_vector();
     std::size_t at = 0;
     for (int s = 0; s < n; ++s)
-      for (int64_t k = 0; k < rows(s, r) * 2; ++k) EXPECT_EQ(got[at++], 1000.0 * s + 10.0 * r + static_cast<double>(k));
+      for (int64_t k = 0; k < rows(s, r) * 2; ++k)
+        EXPECT_EQ(got[at++], 1000.0 * s + 10.0 * r + static_cast<double>(k));
   }
   // all_gather_v and reduce_scatter_v with rows s + 3 from member s.
   {
@@ -143,7 +148,8 @@ TEST(MpiLargeCount, ChunkedPathsMatchClosedForms) {
     const auto got = out.to_vector();
     std::size_t at = 0;
     for (int s = 0; s < n; ++s)
-      for (int64_t k = 0; k < splits[static_cast<std::size_t>(s)] * 3; ++k) EXPECT_EQ(got[at++], s + 1.0);
+      for (int64_t k = 0; k < splits[static_cast<std::size_t>(s)] * 3; ++k)
+        EXPECT_EQ(got[at++], s + 1.0);
     Tensor rs_in = full({total, 3}, r + 1.0, DType::Float64);
     Tensor rs_out = zeros({splits[static_cast<std::size_t>(r)], 3}, DType::Float64);
     dist::reduce_scatter_v(g, rs_out, rs_in, splits);
@@ -234,13 +240,14 @@ TEST(MpiEncoderParallel, StepMatchesTheSimulatedWorld) {
     sim::World world(o);
     std::vector<encoder_parallel::StepRankResult> sim_results(static_cast<std::size_t>(n));
     world.run([&](sim::Rank& rank) {
-      sim_results[static_cast<std::size_t>(rank.rank())] = encoder_parallel::run_step(rank.world(), cfg, per_dp);
+      sim_results[static_cast<std::size_t>(rank.rank())] =
+          encoder_parallel::run_step(rank.world(), cfg, per_dp);
     });
     const auto& ref = sim_results[static_cast<std::size_t>(mpi_rank())];
     EXPECT_EQ(mine.plan_fingerprint, ref.plan_fingerprint);
     EXPECT_EQ(mine.received_items, ref.received_items);
-    EXPECT_EQ(mine.routed_rows.to_vector(), ref.routed_rows.to_vector()) << "routed rows differ (cp "
-                                                                         << m.cp << " tp " << m.tp << ")";
+    EXPECT_EQ(mine.routed_rows.to_vector(), ref.routed_rows.to_vector())
+        << "routed rows differ (cp " << m.cp << " tp " << m.tp << ")";
     EXPECT_EQ(mine.decoder_input.to_vector(), ref.decoder_input.to_vector());
     const auto g = mine.encoder_grad.to_vector(), gr = ref.encoder_grad.to_vector();
     double worst = 0, scale_ = 0;

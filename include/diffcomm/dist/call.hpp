@@ -38,13 +38,13 @@ std::string op_name(OpType op);
 
 struct Call {
   OpType op = OpType::Barrier;
-  uint64_t seq = 0;            ///< per-group call number (collectives and send/recv counted apart)
-  std::string group;           ///< group name, for messages
-  int rank = 0;                ///< caller's group-local rank
+  uint64_t seq = 0;   ///< per-group call number (collectives and send/recv counted apart)
+  std::string group;  ///< group name, for messages
+  int rank = 0;       ///< caller's group-local rank
   int group_size = 1;
   DType dtype = DType::Float32;
-  int root = -1;               ///< src/dst of rooted ops, peer of send/recv
-  int tag = 0;                 ///< send/recv tag
+  int root = -1;  ///< src/dst of rooted ops, peer of send/recv
+  int tag = 0;    ///< send/recv tag
   ReduceOp reduce_op = ReduceOp::Sum;
   std::vector<Tensor> inputs;   ///< read-only buffers
   std::vector<Tensor> outputs;  ///< written buffers (in-place ops: inputs == outputs)

@@ -9,8 +9,8 @@
 namespace diffcomm::encoder_parallel {
 
 struct RoutedFeatures {
-  Tensor rows;                          ///< [sum of received output_rows, hidden]
-  std::vector<EncoderWorkItem> items;   ///< in row order: by source producer, then bucket order
+  Tensor rows;                         ///< [sum of received output_rows, hidden]
+  std::vector<EncoderWorkItem> items;  ///< in row order: by source producer, then bucket order
 };
 
 /// Sends each producer's records to the exchange ranks that need them.
@@ -32,9 +32,8 @@ struct RoutedFeatures {
 /// disagree with the plan (items, order, row counts, width).
 RoutedFeatures route_features(FeatureExchangeMode mode,
                               const std::vector<EncoderFeature>& producer_records,
-                              const Tensor& prototype, int exchange_rank,
-                              const ExchangePlan& plan, const dist::ProcessGroup& group,
-                              ReceiverGrad grad);
+                              const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
+                              const dist::ProcessGroup& group, ReceiverGrad grad);
 
 /// Splits transported rows by the plan into records ordered by
 /// (batch_index, decoder_token_start, item_id). Each record's rows are a

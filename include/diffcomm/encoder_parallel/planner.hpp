@@ -71,10 +71,10 @@ struct PairTraffic {
 };
 
 struct PlanStats {
-  std::vector<PairTraffic> pairs;    ///< every (src, dst) with rows > 0, src != dst included
-  uint64_t total_bytes = 0;          ///< bytes that cross ranks (src != dst)
+  std::vector<PairTraffic> pairs;        ///< every (src, dst) with rows > 0, src != dst included
+  uint64_t total_bytes = 0;              ///< bytes that cross ranks (src != dst)
   uint64_t padded_all_gather_bytes = 0;  ///< pad-to-max all-gather: N*(N-1)*max_rows*row_bytes
-  double encoder_imbalance = 1.0;    ///< max / mean bucket cost (patches); 1 when balanced
+  double encoder_imbalance = 1.0;        ///< max / mean bucket cost (patches); 1 when balanced
   std::vector<int64_t> bucket_patches;
   std::vector<int64_t> rows_sent;      ///< per exchange rank, to other ranks
   std::vector<int64_t> rows_received;  ///< per exchange rank, from other ranks
@@ -86,11 +86,11 @@ struct ExchangePlan {
   DecoderMesh decoder;
   EncoderLayout encoder;
   int exchange_size = 1;
-  std::vector<int64_t> seq_lens;                ///< per sample
-  std::vector<EncoderWorkItem> items;           ///< items[i].item_id == i
-  std::vector<std::vector<int64_t>> buckets;    ///< item ids per bucket, in send order
-  std::vector<int> bucket_of;                   ///< per item
-  std::vector<std::vector<int>> destinations;   ///< per item: exchange ranks, ascending
+  std::vector<int64_t> seq_lens;               ///< per sample
+  std::vector<EncoderWorkItem> items;          ///< items[i].item_id == i
+  std::vector<std::vector<int64_t>> buckets;   ///< item ids per bucket, in send order
+  std::vector<int> bucket_of;                  ///< per item
+  std::vector<std::vector<int>> destinations;  ///< per item: exchange ranks, ascending
 
   /// Exchange rank of the producer of bucket b: b * encoder_cp.
   int producer(int bucket) const { return bucket * encoder.encoder_cp; }

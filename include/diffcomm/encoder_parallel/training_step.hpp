@@ -50,7 +50,7 @@ struct StepRankResult {
   FeatureExchangeMode mode = FeatureExchangeMode::Local;
   Tensor decoder_input;  ///< merged shard [layout rows, hidden] (detached)
   std::vector<std::pair<int64_t, int64_t>> shard_tokens;  ///< (sample, token) per shard row
-  Tensor routed_rows;                                      ///< rows the exchange delivered (detached)
+  Tensor routed_rows;  ///< rows the exchange delivered (detached)
   std::vector<EncoderWorkItem> received_items;
   Tensor encoder_grad;  ///< dL/dW summed over the world (same on every rank)
   double loss = 0;      ///< this rank's loss term

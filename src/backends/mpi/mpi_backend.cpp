@@ -30,18 +30,19 @@ std::string mpi_error_string(int code) {
 }
 
 // The checked-call boundary with MPI: every call goes through here.
-#define DIFFCOMM_MPI_CHECK(expr, call)                                                          \
-  do {                                                                                          \
-    const int diffcomm_rc_ = (expr);                                                            \
-    if (diffcomm_rc_ != MPI_SUCCESS)                                                            \
+#define DIFFCOMM_MPI_CHECK(expr, call)                                                             \
+  do {                                                                                             \
+    const int diffcomm_rc_ = (expr);                                                               \
+    if (diffcomm_rc_ != MPI_SUCCESS)                                                               \
       throw BackendError(fmt::format("MPI error in {} ({}): {} (code {}) [{}:{}]", (call).where(), \
-                                     #expr, mpi_error_string(diffcomm_rc_), diffcomm_rc_,       \
-                                     __FILE__, __LINE__));                                      \
+                                     #expr, mpi_error_string(diffcomm_rc_), diffcomm_rc_,          \
+                                     __FILE__, __LINE__));                                         \
   } while (0)
 
 void check_plain(int rc, const char* what) {
   if (rc != MPI_SUCCESS)
-    throw BackendError(fmt::format("MPI error in {}: {} (code {})", what, mpi_error_string(rc), rc));
+    throw BackendError(
+        fmt::format("MPI error in {}: {} (code {})", what, mpi_error_string(rc), rc));
 }
 
 MPI_Datatype mpi_type(DType d) {
@@ -176,10 +177,10 @@ class MpiBackend final : public dist::Backend {
     const Tensor& t = c.outputs[0];
     const bool me = rank_ == c.root;
     each_chunk(t.numel(), [&](int64_t off, int count) {
-      DIFFCOMM_MPI_CHECK(MPI_Reduce(me ? MPI_IN_PLACE : elem(t, off), me ? elem(t, off) : nullptr,
-                                    count, mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), c.root,
-                                    comm_),
-                         c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Reduce(me ? MPI_IN_PLACE : elem(t, off), me ? elem(t, off) : nullptr, count,
+                     mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), c.root, comm_),
+          c);
     });
     if (me) finish_avg(c, t);
   }
@@ -208,10 +209,11 @@ class MpiBackend final : public dist::Backend {
     }
     if (fits(counts) && fits(displs)) {
       auto ic = to_int(counts), id = to_int(displs);
-      DIFFCOMM_MPI_CHECK(MPI_Allgatherv(in.numel() ? in.data_ptr() : nullptr, static_cast<int>(in.numel()),
-                                        mpi_type(c.dtype), out.data_ptr(), ic.data(), id.data(),
-                                        mpi_type(c.dtype), comm_),
-                         c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Allgatherv(in.numel() ? in.data_ptr() : nullptr, static_cast<int>(in.numel()),
+                         mpi_type(c.dtype), out.data_ptr(), ic.data(), id.data(), mpi_type(c.dtype),
+                         comm_),
+          c);
       return;
     }
     // Large counts: every member sends its block to every other member.
@@ -220,7 +222,8 @@ class MpiBackend final : public dist::Backend {
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
       if (p == rank_) {
-        std::memcpy(bytes(out) + displs[pi] * es, in.data_ptr(), static_cast<std::size_t>(counts[pi] * es));
+        std::memcpy(bytes(out) + displs[pi] * es, in.data_ptr(),
+                    static_cast<std::size_t>(counts[pi] * es));
         continue;
       }
       sends.push_back({p, static_cast<const char*>(in.data_ptr()), in.numel() * es});
@@ -263,13 +266,16 @@ class MpiBackend final : public dist::Backend {
     Tensor tmp;
     if (me) {
       tmp = empty({static_cast<int64_t>(size_) * out.numel()}, out.dtype());
-      for (int s = 0; s < size_; ++s) tmp.row_view(s * out.numel(), out.numel()).copy_(c.inputs[static_cast<std::size_t>(s)].view_as_shape({out.numel()}));
+      for (int s = 0; s < size_; ++s)
+        tmp.row_view(s * out.numel(), out.numel())
+            .copy_(c.inputs[static_cast<std::size_t>(s)].view_as_shape({out.numel()}));
     }
     if (static_cast<int64_t>(size_) * out.numel() <= g_max_count) {
-      DIFFCOMM_MPI_CHECK(MPI_Scatter(me ? tmp.data_ptr() : nullptr, static_cast<int>(out.numel()),
-                                     mpi_type(c.dtype), out.data_ptr(), static_cast<int>(out.numel()),
-                                     mpi_type(c.dtype), c.root, comm_),
-                         c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Scatter(me ? tmp.data_ptr() : nullptr, static_cast<int>(out.numel()),
+                      mpi_type(c.dtype), out.data_ptr(), static_cast<int>(out.numel()),
+                      mpi_type(c.dtype), c.root, comm_),
+          c);
       return;
     }
     const int64_t nb = static_cast<int64_t>(out.nbytes());
@@ -290,13 +296,15 @@ class MpiBackend final : public dist::Backend {
     const Tensor& out = c.outputs[0];
     Tensor tmp = empty({static_cast<int64_t>(size_) * out.numel()}, out.dtype());
     for (int s = 0; s < size_; ++s)
-      tmp.row_view(s * out.numel(), out.numel()).copy_(c.inputs[static_cast<std::size_t>(s)].view_as_shape({out.numel()}));
+      tmp.row_view(s * out.numel(), out.numel())
+          .copy_(c.inputs[static_cast<std::size_t>(s)].view_as_shape({out.numel()}));
     reduce_blocks(c, tmp, out, std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
   }
 
   void reduce_scatter_single(Call& c) override {
     const Tensor& out = c.outputs[0];
-    reduce_blocks(c, c.inputs[0], out, std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
+    reduce_blocks(c, c.inputs[0], out,
+                  std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
   }
 
   void reduce_scatter_v(Call& c) override {
@@ -313,7 +321,8 @@ class MpiBackend final : public dist::Backend {
         c.outputs[pi].copy_(c.inputs[pi]);
         continue;
       }
-      sends.push_back({p, static_cast<const char*>(c.inputs[pi].data_ptr()), static_cast<int64_t>(c.inputs[pi].nbytes())});
+      sends.push_back({p, static_cast<const char*>(c.inputs[pi].data_ptr()),
+                       static_cast<int64_t>(c.inputs[pi].nbytes())});
       recvs.push_back({p, bytes(c.outputs[pi]), static_cast<int64_t>(c.outputs[pi].nbytes())});
     }
     exchange(c, sends, recvs);
@@ -337,9 +346,10 @@ class MpiBackend final : public dist::Backend {
     if (fits(sc) && fits(sd) && fits(rc) && fits(rd)) {
       auto isc = to_int(sc), isd = to_int(sd), irc = to_int(rc), ird = to_int(rd);
       // Zero-size buffers may have any address; MPI ignores them.
-      DIFFCOMM_MPI_CHECK(MPI_Alltoallv(in.data_ptr(), isc.data(), isd.data(), mpi_type(c.dtype),
-                                       out.data_ptr(), irc.data(), ird.data(), mpi_type(c.dtype), comm_),
-                         c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Alltoallv(in.data_ptr(), isc.data(), isd.data(), mpi_type(c.dtype), out.data_ptr(),
+                        irc.data(), ird.data(), mpi_type(c.dtype), comm_),
+          c);
       return;
     }
     const int64_t es = static_cast<int64_t>(element_size(c.dtype));
@@ -347,7 +357,8 @@ class MpiBackend final : public dist::Backend {
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
       if (p == rank_) {
-        std::memcpy(bytes(out) + rd[pi] * es, bytes(in) + sd[pi] * es, static_cast<std::size_t>(sc[pi] * es));
+        std::memcpy(bytes(out) + rd[pi] * es, bytes(in) + sd[pi] * es,
+                    static_cast<std::size_t>(sc[pi] * es));
         continue;
       }
       sends.push_back({p, bytes(in) + sd[pi] * es, sc[pi] * es});
@@ -366,7 +377,8 @@ class MpiBackend final : public dist::Backend {
   void recv(Call& c) override {
     const Tensor& t = c.outputs[0];
     each_byte_chunk(static_cast<int64_t>(t.nbytes()), [&](int64_t off, int count) {
-      DIFFCOMM_MPI_CHECK(MPI_Recv(bytes(t) + off, count, MPI_BYTE, c.root, c.tag, comm_, MPI_STATUS_IGNORE), c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Recv(bytes(t) + off, count, MPI_BYTE, c.root, c.tag, comm_, MPI_STATUS_IGNORE), c);
     });
   }
 
@@ -383,22 +395,30 @@ class MpiBackend final : public dist::Backend {
       if (x > g_max_count) return false;
     return true;
   }
-  static std::vector<int> to_int(const std::vector<int64_t>& v) { return std::vector<int>(v.begin(), v.end()); }
-  static void* elem(const Tensor& t, int64_t off) { return bytes(t) + off * static_cast<int64_t>(element_size(t.dtype())); }
+  static std::vector<int> to_int(const std::vector<int64_t>& v) {
+    return std::vector<int>(v.begin(), v.end());
+  }
+  static void* elem(const Tensor& t, int64_t off) {
+    return bytes(t) + off * static_cast<int64_t>(element_size(t.dtype()));
+  }
 
   template <class F>
   static void each_chunk(int64_t count, F&& f) {
     if (count == 0) return f(0, 0);  // zero-size calls still synchronise the members
-    for (int64_t off = 0; off < count; off += g_max_count) f(off, static_cast<int>(std::min(g_max_count, count - off)));
+    for (int64_t off = 0; off < count; off += g_max_count)
+      f(off, static_cast<int>(std::min(g_max_count, count - off)));
   }
   template <class F>
-  static void each_byte_chunk(int64_t nbytes, F&& f) { each_chunk(nbytes, f); }
+  static void each_byte_chunk(int64_t nbytes, F&& f) {
+    each_chunk(nbytes, f);
+  }
 
   void gather_fixed(const Call& c, const Tensor& in, const Tensor& out) {
     if (in.numel() <= g_max_count && static_cast<int64_t>(size_) * in.numel() <= g_max_count) {
-      DIFFCOMM_MPI_CHECK(MPI_Allgather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
-                                       out.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype), comm_),
-                         c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Allgather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
+                        out.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype), comm_),
+          c);
       return;
     }
     const int64_t nb = static_cast<int64_t>(in.nbytes());
@@ -415,11 +435,12 @@ class MpiBackend final : public dist::Backend {
   }
 
   // Reduce block p of `in` (counts[p] elements, in order) onto member p's out.
-  void reduce_blocks(Call& c, const Tensor& in, const Tensor& out, const std::vector<int64_t>& counts) {
+  void reduce_blocks(Call& c, const Tensor& in, const Tensor& out,
+                     const std::vector<int64_t>& counts) {
     if (fits(counts) && std::accumulate(counts.begin(), counts.end(), int64_t{0}) <= g_max_count) {
       auto ic = to_int(counts);
-      DIFFCOMM_MPI_CHECK(MPI_Reduce_scatter(in.data_ptr(), out.data_ptr(), ic.data(), mpi_type(c.dtype),
-                                            mpi_op(c.dtype, c.reduce_op), comm_),
+      DIFFCOMM_MPI_CHECK(MPI_Reduce_scatter(in.data_ptr(), out.data_ptr(), ic.data(),
+                                            mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), comm_),
                          c);
     } else {
       // Large counts: one chunked reduce per destination.
@@ -427,11 +448,14 @@ class MpiBackend final : public dist::Backend {
       for (int p = 0; p < size_; ++p) {
         const int64_t n = counts[static_cast<std::size_t>(p)];
         const bool me = p == rank_;
-        if (me) std::memcpy(out.data_ptr(), elem(in, at), static_cast<std::size_t>(n) * element_size(c.dtype));
+        if (me)
+          std::memcpy(out.data_ptr(), elem(in, at),
+                      static_cast<std::size_t>(n) * element_size(c.dtype));
         each_chunk(n, [&](int64_t off, int count) {
-          DIFFCOMM_MPI_CHECK(MPI_Reduce(me ? MPI_IN_PLACE : elem(in, at + off), me ? elem(out, off) : nullptr,
-                                        count, mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), p, comm_),
-                             c);
+          DIFFCOMM_MPI_CHECK(
+              MPI_Reduce(me ? MPI_IN_PLACE : elem(in, at + off), me ? elem(out, off) : nullptr,
+                         count, mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), p, comm_),
+              c);
         });
         at += n;
       }
@@ -446,15 +470,19 @@ class MpiBackend final : public dist::Backend {
       each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
         if (count == 0) return;
         reqs.emplace_back();
-        DIFFCOMM_MPI_CHECK(MPI_Irecv(const_cast<char*>(b.data) + off, count, MPI_BYTE, b.peer, kTag, comm_, &reqs.back()), c);
+        DIFFCOMM_MPI_CHECK(MPI_Irecv(const_cast<char*>(b.data) + off, count, MPI_BYTE, b.peer, kTag,
+                                     comm_, &reqs.back()),
+                           c);
       });
     for (const Block& b : sends)
       each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
         if (count == 0) return;
         reqs.emplace_back();
-        DIFFCOMM_MPI_CHECK(MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, comm_, &reqs.back()), c);
+        DIFFCOMM_MPI_CHECK(
+            MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, comm_, &reqs.back()), c);
       });
-    DIFFCOMM_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), c);
+    DIFFCOMM_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
+                       c);
   }
 
   MPI_Comm comm_;
@@ -466,7 +494,9 @@ class MpiBackend final : public dist::Backend {
 void require_initialised(const char* what) {
   int init = 0;
   MPI_Initialized(&init);
-  if (!init) throw BackendError(fmt::format("{}: MPI is not initialised (create an mpi::Environment first)", what));
+  if (!init)
+    throw BackendError(
+        fmt::format("{}: MPI is not initialised (create an mpi::Environment first)", what));
 }
 
 }  // namespace

@@ -58,13 +58,13 @@ struct Fault {
 };
 
 struct WorldOptions {
-  int ranks = 1;            ///< 1..16384
+  int ranks = 1;  ///< 1..16384
   uint64_t seed = 0;
   Schedule schedule = Schedule::Random;
   std::size_t stack_size = 256 * 1024;  ///< bytes per fiber stack (guard page added)
   CostModel cost;
   std::optional<Fault> fault;
-  bool trace = true;        ///< keep trace events (memory grows with calls)
+  bool trace = true;  ///< keep trace events (memory grows with calls)
 };
 
 /// One call in the trace.
@@ -72,7 +72,7 @@ struct TraceEvent {
   std::string op;
   std::string group;
   uint64_t seq = 0;
-  int rank = 0;          ///< global rank
+  int rank = 0;  ///< global rank
   double start_us = 0;
   double duration_us = 0;
   uint64_t bytes_sent = 0;
