@@ -74,6 +74,17 @@ bool cuda_available() {
 }
 
 void* cuda_malloc(std::size_t nbytes, int device) {
+  // Asking for a device this process does not have (none at all, or an
+  // ordinal out of range) is a bad argument, as in a build without CUDA.
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  if (e != cudaSuccess || device < 0 || device >= count) {
+    const std::string why =
+        e != cudaSuccess ? std::string("no usable CUDA device (") + cudaGetErrorString(e) + ")"
+                         : std::to_string(count) + " CUDA device(s)";
+    throw InvalidArgument("cuda:" + std::to_string(device) + " is not available: " + why);
+  }
   set_device(device);
   void* p = nullptr;
   check(cudaMalloc(&p, nbytes == 0 ? 1 : nbytes), "cudaMalloc");

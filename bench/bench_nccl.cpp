@@ -1,0 +1,276 @@
+// NCCL bandwidth through diffcomm: all_reduce, all_gather (all_gather_single)
+// and all_to_all_single on CUDA tensors, one thread per device (world = the
+// devices used; 1 on a one-GPU machine), and a short table.
+//
+// Bandwidths follow nccl-tests (doc/PERFORMANCE.md): time t per op is the
+// mean over the timed iterations, slowest rank; "size" S is
+//   all_reduce  the buffer (count * element size)     busbw = algbw * 2(n-1)/n
+//   all_gather  the gathered output (n * per-rank)    busbw = algbw * (n-1)/n
+//   all_to_all  a rank's whole send buffer            busbw = algbw * (n-1)/n
+// and algbw = S / t (GB/s = 1e9 bytes/s). With one rank busbw is 0: nothing
+// crosses a link.
+//
+// all_to_all_single is measured twice: grouped ncclSend/ncclRecv (the
+// general path, uneven splits allowed) and, when the header and library are
+// >= 2.28, ncclAlltoAll (a group created with Options::even_all_to_all).
+//
+// Usage: bench_nccl [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N]
+//                   [--devices N] [--dtype float32|bfloat16]
+// Exits 0 with a message when there is no CUDA device.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "diffcomm/backends/nccl.hpp"
+#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/tensor.hpp"
+
+namespace {
+
+using namespace diffcomm;
+
+struct Config {
+  int64_t min_bytes = int64_t{1} << 20;
+  int64_t max_bytes = int64_t{256} << 20;
+  int iters = 20;
+  int warmup = 5;
+  int devices = 8;
+  DType dtype = DType::Float32;
+};
+
+enum class Op { AllReduce, AllGather, AllToAllP2p, AllToAllNative };
+
+struct Row {
+  Op op;
+  int64_t bytes;  // S of nccl-tests
+  double seconds = 0;
+  bool ok = true;
+};
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::AllReduce: return "all_reduce";
+    case Op::AllGather: return "all_gather";
+    case Op::AllToAllP2p:
+    case Op::AllToAllNative: return "all_to_all_single";
+  }
+  return "";
+}
+const char* path_name(Op op) {
+  switch (op) {
+    case Op::AllReduce: return "ncclAllReduce";
+    case Op::AllGather: return "ncclAllGather";
+    case Op::AllToAllP2p: return "send/recv group";
+    case Op::AllToAllNative: return "ncclAlltoAll";
+  }
+  return "";
+}
+double bus_factor(Op op, int n) {
+  if (n <= 1) return 0.0;
+  return op == Op::AllReduce ? 2.0 * (n - 1) / n : static_cast<double>(n - 1) / n;
+}
+
+std::string human(int64_t bytes) {
+  char buf[32];
+  if (bytes >= (int64_t{1} << 30))
+    std::snprintf(buf, sizeof buf, "%g GiB", static_cast<double>(bytes) / (1 << 30));
+  else if (bytes >= (int64_t{1} << 20))
+    std::snprintf(buf, sizeof buf, "%g MiB", static_cast<double>(bytes) / (1 << 20));
+  else
+    std::snprintf(buf, sizeof buf, "%g KiB", static_cast<double>(bytes) / (1 << 10));
+  return buf;
+}
+
+int64_t parse_bytes(const char* s) { return std::strtoll(s, nullptr, 10); }
+
+// Runs op once on rank r's buffers.
+void issue(Op op, const dist::ProcessGroup& g, const Tensor& in, const Tensor& out) {
+  switch (op) {
+    case Op::AllReduce: dist::all_reduce(g, in); break;
+    case Op::AllGather: dist::all_gather_single(g, out, in); break;
+    case Op::AllToAllP2p:
+    case Op::AllToAllNative: dist::all_to_all_single(g, out, in); break;
+  }
+}
+
+// The value element 0 of block b of `out` must hold after one op on inputs
+// filled with rank + 1 (all_to_all: block j of rank r holds r + 1).
+double expected(Op op, int n, int64_t block) {
+  switch (op) {
+    case Op::AllReduce: return n * (n + 1) / 2.0;
+    case Op::AllGather:
+    case Op::AllToAllP2p:
+    case Op::AllToAllNative: return static_cast<double>(block + 1);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_nccl: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--min-bytes")
+      cfg.min_bytes = parse_bytes(next());
+    else if (a == "--max-bytes")
+      cfg.max_bytes = parse_bytes(next());
+    else if (a == "--iters")
+      cfg.iters = std::atoi(next());
+    else if (a == "--warmup")
+      cfg.warmup = std::atoi(next());
+    else if (a == "--devices")
+      cfg.devices = std::atoi(next());
+    else if (a == "--dtype") {
+      const std::string d = next();
+      if (d == "float32")
+        cfg.dtype = DType::Float32;
+      else if (d == "bfloat16")
+        cfg.dtype = DType::BFloat16;
+      else {
+        std::fprintf(stderr, "bench_nccl: --dtype float32|bfloat16\n");
+        return 2;
+      }
+    } else {
+      std::fprintf(stderr,
+                   "usage: bench_nccl [--min-bytes B] [--max-bytes B] [--iters N] [--warmup N] "
+                   "[--devices N] [--dtype float32|bfloat16]\n");
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  if (cfg.min_bytes < 1 || cfg.max_bytes < cfg.min_bytes || cfg.iters < 1 || cfg.warmup < 0 ||
+      cfg.devices < 1) {
+    std::fprintf(stderr, "bench_nccl: bad arguments\n");
+    return 2;
+  }
+
+  const int devices = nccl::device_count();
+  if (devices == 0) {
+    std::printf("bench_nccl: no CUDA device: %s; skipping\n", nccl::device_status().c_str());
+    return 0;
+  }
+  const int n = std::min(devices, cfg.devices);
+  const bool native_a2a = nccl::has_native_gather_scatter_all_to_all();
+  const int64_t es = static_cast<int64_t>(element_size(cfg.dtype));
+
+  std::vector<Op> ops = {Op::AllReduce, Op::AllGather, Op::AllToAllP2p};
+  if (native_a2a) ops.push_back(Op::AllToAllNative);
+  std::vector<int64_t> sizes;
+  for (int64_t s = cfg.min_bytes; s <= cfg.max_bytes; s *= 4) {
+    // Whole elements, divisible into n blocks.
+    const int64_t unit = es * n;
+    sizes.push_back(std::max(unit, s / unit * unit));
+  }
+  std::vector<Row> rows;
+  for (Op op : ops)
+    for (int64_t s : sizes) rows.push_back({op, s});
+  // seconds[row][rank]
+  std::vector<std::vector<double>> seconds(rows.size(),
+                                           std::vector<double>(static_cast<std::size_t>(n), 0.0));
+  std::vector<std::vector<char>> bad(rows.size(),
+                                     std::vector<char>(static_cast<std::size_t>(n), 0));
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  std::atomic<bool> failed{false};
+
+  const ncclUniqueId id = nccl::unique_id();
+  const ncclUniqueId id_even = nccl::unique_id();
+  std::barrier sync(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        const dist::ProcessGroup world = nccl::init_rank(id, n, r, r);
+        nccl::Options even;
+        even.even_all_to_all = true;
+        const dist::ProcessGroup world_even = nccl::init_rank(id_even, n, r, r, even, "world_even");
+        const Device dev = Device::cuda(r);
+        for (std::size_t k = 0; k < rows.size(); ++k) {
+          const Op op = rows[k].op;
+          const int64_t total = rows[k].bytes / es;  // elements of S
+          const dist::ProcessGroup& g = op == Op::AllToAllNative ? world_even : world;
+          Tensor in, out;
+          if (op == Op::AllReduce) {
+            in = empty({total}, cfg.dtype, dev);
+          } else if (op == Op::AllGather) {
+            in = empty({total / n}, cfg.dtype, dev);
+            out = empty({total}, cfg.dtype, dev);
+          } else {
+            in = empty({total}, cfg.dtype, dev);
+            out = empty({total}, cfg.dtype, dev);
+          }
+          // One checked op first: inputs r + 1 everywhere.
+          in.fill_(r + 1.0);
+          issue(op, g, in, op == Op::AllReduce ? in : out);
+          nccl::synchronize(g);
+          const Tensor& res = op == Op::AllReduce ? in : out;
+          const int64_t block = op == Op::AllReduce ? total : total / n;
+          for (int64_t b = 0; b < (op == Op::AllReduce ? 1 : n); ++b) {
+            const double got = res.row_view(b * block, 1).to_vector()[0];
+            if (got != expected(op, n, b)) bad[k][static_cast<std::size_t>(r)] = 1;
+          }
+          for (int i = 0; i < cfg.warmup; ++i) issue(op, g, in, out);
+          nccl::synchronize(g);
+          sync.arrive_and_wait();
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < cfg.iters; ++i) issue(op, g, in, out);
+          nccl::synchronize(g);
+          const auto t1 = std::chrono::steady_clock::now();
+          seconds[k][static_cast<std::size_t>(r)] =
+              std::chrono::duration<double>(t1 - t0).count() / cfg.iters;
+          sync.arrive_and_wait();
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+        failed = true;
+        // Peers may now wait in a collective; nothing more to do than report.
+        std::fprintf(stderr, "bench_nccl: rank %d failed: %s\n", r, e.what());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (failed) return 1;
+
+  cudaDeviceProp prop;
+  std::memset(&prop, 0, sizeof prop);
+  cudaGetDeviceProperties(&prop, 0);
+  const int v = nccl::runtime_version();
+  std::printf(
+      "diffcomm NCCL bandwidth: world %d (%d x %s), NCCL %d.%d.%d, %s, %d iterations after %d "
+      "warm-up\n",
+      n, n, prop.name, v / 10000, (v / 100) % 100, v % 100, dtype_name(cfg.dtype).c_str(),
+      cfg.iters, cfg.warmup);
+  std::printf("%-18s %-16s %10s %12s %12s %12s  %s\n", "op", "path", "size", "time (us)",
+              "algbw GB/s", "busbw GB/s", "check");
+  bool all_ok = true;
+  for (std::size_t k = 0; k < rows.size(); ++k) {
+    const double t = *std::max_element(seconds[k].begin(), seconds[k].end());
+    const bool ok = std::none_of(bad[k].begin(), bad[k].end(), [](char c) { return c != 0; });
+    all_ok = all_ok && ok;
+    const double algbw = static_cast<double>(rows[k].bytes) / t / 1e9;
+    std::printf("%-18s %-16s %10s %12.1f %12.2f %12.2f  %s\n", op_name(rows[k].op),
+                path_name(rows[k].op), human(rows[k].bytes).c_str(), t * 1e6, algbw,
+                algbw * bus_factor(rows[k].op, n), ok ? "ok" : "WRONG");
+  }
+  if (!native_a2a)
+    std::printf("(ncclAlltoAll not measured: needs NCCL >= 2.28 in the header and the library)\n");
+  return all_ok ? 0 : 1;
+}

@@ -1,0 +1,1069 @@
+// The NCCL backend. The funnel (dist/collectives.cpp) has validated every
+// Call; here each primitive maps to the NCCL call(s) it wraps, enqueued on
+// the group's stream, with every NCCL and CUDA return code turned into
+// BackendError at the boundary. See include/diffcomm/backends/nccl.hpp for
+// the contract (streams, ordering, native vs grouped send/recv, watchdog).
+//
+// Plain C++: NCCL and the CUDA runtime are C APIs, so this file is compiled
+// by the host compiler; the only kernels it runs are NCCL's (and, for the
+// Avg fallback on NCCL < 2.10, diffcomm's scale).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "diffcomm/backends/nccl.hpp"
+#include "diffcomm/dist/backend.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/ops.hpp"
+
+// ncclGather / ncclScatter / ncclAlltoAll appeared in NCCL 2.28: use them only
+// when the header we compile against declares them (here) *and* the library
+// loaded at run time is new enough (ncclGetVersion, checked per group).
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define DIFFCOMM_NCCL_HEADER_HAS_2_28 1
+#else
+#define DIFFCOMM_NCCL_HEADER_HAS_2_28 0
+#endif
+
+namespace diffcomm::nccl {
+namespace {
+
+using dist::Call;
+using dist::OpType;
+using dist::ReduceOp;
+
+constexpr int kVersionAvg = NCCL_VERSION(2, 10, 0);     // ncclAvg
+constexpr int kVersionNative = NCCL_VERSION(2, 28, 0);  // ncclGather/Scatter/AlltoAll
+
+std::string cuda_text(cudaError_t e) {
+  return fmt::format("{} ({})", cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
+  const char* last = ncclGetLastError(comm);
+  return fmt::format("{} (ncclResult_t {}); last NCCL error: {}", ncclGetErrorString(r),
+                     static_cast<int>(r), last != nullptr && *last != '\0' ? last : "(none)");
+}
+
+// Checked calls outside a group (factories, free functions).
+#define DIFFCOMM_NCCL_PLAIN(expr, what)                                                         \
+  do {                                                                                          \
+    const ncclResult_t diffcomm_r_ = (expr);                                                    \
+    if (diffcomm_r_ != ncclSuccess)                                                             \
+      throw BackendError(fmt::format("NCCL error in {}: {} returned {} [{}:{}]", (what), #expr, \
+                                     nccl_text(diffcomm_r_, nullptr), __FILE__, __LINE__));     \
+  } while (0)
+
+#define DIFFCOMM_CUDA_PLAIN(expr, what)                                                         \
+  do {                                                                                          \
+    const cudaError_t diffcomm_e_ = (expr);                                                     \
+    if (diffcomm_e_ != cudaSuccess)                                                             \
+      throw BackendError(fmt::format("CUDA error in {}: {} returned {} [{}:{}]", (what), #expr, \
+                                     cuda_text(diffcomm_e_), __FILE__, __LINE__));              \
+  } while (0)
+
+// Checked calls inside NcclBackend members: `call` is the Call being served
+// (or nullptr), so the message names the op, its number, group and rank.
+#define DIFFCOMM_NCCL_CHECK(expr, call)                                                        \
+  do {                                                                                         \
+    const ncclResult_t diffcomm_r_ = (expr);                                                   \
+    if (diffcomm_r_ != ncclSuccess) fail_nccl(diffcomm_r_, #expr, (call), __FILE__, __LINE__); \
+  } while (0)
+
+#define DIFFCOMM_CUDA_CHECK(expr, call)                                                        \
+  do {                                                                                         \
+    const cudaError_t diffcomm_e_ = (expr);                                                    \
+    if (diffcomm_e_ != cudaSuccess) fail_cuda(diffcomm_e_, #expr, (call), __FILE__, __LINE__); \
+  } while (0)
+
+// Makes `device` current for the scope and restores the previous device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      prev_ = -1;
+    }
+    if (prev_ != device_) DIFFCOMM_CUDA_PLAIN(cudaSetDevice(device_), "nccl backend");
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0 && prev_ != device_) (void)cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int prev_ = -1;
+};
+
+// A stream shared by a group and the sub-groups split from it (so their ops
+// stay in one order per rank); destroyed with the last user when owned.
+struct StreamHolder {
+  cudaStream_t stream = nullptr;
+  bool owned = false;
+  int device = 0;
+  StreamHolder(cudaStream_t s, bool own, int dev) : stream(s), owned(own), device(dev) {}
+  ~StreamHolder() {
+    if (!owned || stream == nullptr) return;
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    (void)cudaSetDevice(device);
+    (void)cudaStreamDestroy(stream);
+    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+  }
+  StreamHolder(const StreamHolder&) = delete;
+  StreamHolder& operator=(const StreamHolder&) = delete;
+};
+
+std::shared_ptr<StreamHolder> owned_stream(int device) {
+  DeviceGuard guard(device);
+  cudaStream_t s = nullptr;
+  // cudaStreamDefault: a blocking stream, ordered with the legacy default stream.
+  DIFFCOMM_CUDA_PLAIN(cudaStreamCreateWithFlags(&s, cudaStreamDefault),
+                      "nccl: creating the group's stream");
+  return std::make_shared<StreamHolder>(s, true, device);
+}
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::Float32: return ncclFloat32;
+    case DType::Float64: return ncclFloat64;
+    case DType::BFloat16: return ncclBfloat16;
+    case DType::Float16: return ncclFloat16;
+    case DType::Int32: return ncclInt32;
+    case DType::Int64: return ncclInt64;
+    case DType::UInt8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+// FNV-1a over the fingerprint of a split, so members can compare it cheaply.
+uint64_t fingerprint_hash(const std::vector<int64_t>& values) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xffu;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(values.size());
+  for (int64_t v : values) mix(static_cast<uint64_t>(v));
+  return h;
+}
+
+void validate_members(const std::vector<int>& members, int nranks, const char* what) {
+  if (members.empty()) return;
+  if (static_cast<int>(members.size()) != nranks)
+    throw InvalidArgument(fmt::format("{}: options.members has {} entries for {} ranks", what,
+                                      members.size(), nranks));
+  std::vector<int> sorted = members;
+  std::sort(sorted.begin(), sorted.end());
+  if (sorted.front() < 0)
+    throw InvalidArgument(
+        fmt::format("{}: options.members holds a negative rank {}", what, sorted.front()));
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    throw InvalidArgument(fmt::format("{}: options.members lists a rank twice", what));
+}
+
+char* at(const Tensor& t, int64_t elements) {
+  return static_cast<char*>(t.data_ptr()) +
+         elements * static_cast<int64_t>(element_size(t.dtype()));
+}
+std::size_t count(const Tensor& t) { return static_cast<std::size_t>(t.numel()); }
+
+// Whether ts[s+1] starts where ts[s] ends: one buffer NCCL can take as is.
+bool consecutive(const std::vector<Tensor>& ts) {
+  for (std::size_t s = 1; s < ts.size(); ++s)
+    if (at(ts[s - 1], ts[s - 1].numel()) != static_cast<char*>(ts[s].data_ptr())) return false;
+  return true;
+}
+
+class NcclBackend final : public dist::Backend {
+ public:
+  NcclBackend(ncclComm_t comm, bool owns_comm, std::shared_ptr<StreamHolder> stream,
+              Options options)
+      : comm_(comm), owned_(owns_comm), stream_(std::move(stream)), opts_(std::move(options)) {
+    DIFFCOMM_NCCL_PLAIN(ncclCommCount(comm_, &size_), "nccl: querying the communicator");
+    DIFFCOMM_NCCL_PLAIN(ncclCommUserRank(comm_, &rank_), "nccl: querying the communicator");
+    DIFFCOMM_NCCL_PLAIN(ncclCommCuDevice(comm_, &device_), "nccl: querying the communicator");
+    DIFFCOMM_NCCL_PLAIN(ncclGetVersion(&version_), "nccl: ncclGetVersion");
+    validate_members(opts_.members, size_, "nccl");
+    members_ = opts_.members;
+    if (members_.empty()) {
+      members_.resize(static_cast<std::size_t>(size_));
+      std::iota(members_.begin(), members_.end(), 0);
+    }
+    native_ = DIFFCOMM_NCCL_HEADER_HAS_2_28 && opts_.prefer_native && version_ >= kVersionNative;
+    DeviceGuard guard(device_);
+    DIFFCOMM_CUDA_PLAIN(cudaEventCreateWithFlags(&ev_before_, cudaEventDisableTiming),
+                        "nccl: events");
+    const cudaError_t e = cudaEventCreateWithFlags(&ev_after_, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      (void)cudaEventDestroy(ev_before_);
+      DIFFCOMM_CUDA_PLAIN(e, "nccl: events");
+    }
+  }
+
+  ~NcclBackend() override {
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    (void)cudaSetDevice(device_);
+    // Let queued ops finish before their staging buffers and the
+    // communicator go away (an aborted communicator's kernels have stopped).
+    (void)cudaStreamSynchronize(stream_->stream);
+    for (Pending& p : pending_) (void)cudaEventDestroy(p.event);
+    pending_.clear();
+    (void)cudaEventDestroy(ev_before_);
+    (void)cudaEventDestroy(ev_after_);
+    barrier_buf_ = Tensor{};
+    if (owned_ && !aborted_) (void)ncclCommDestroy(comm_);
+    (void)cudaGetLastError();
+    if (prev >= 0 && prev != device_) (void)cudaSetDevice(prev);
+  }
+
+  NcclBackend(const NcclBackend&) = delete;
+  NcclBackend& operator=(const NcclBackend&) = delete;
+
+  // ---- dist::Backend
+  std::string backend_name() const override { return "nccl"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int global_rank(int r) const override { return members_[static_cast<std::size_t>(r)]; }
+  bool supports(const Device& d) const override {
+    return (d.is_cuda() && d.index == device_) || (d.is_cpu() && opts_.stage_cpu);
+  }
+
+  std::shared_ptr<dist::Backend> split(Call& c, int color, int key) override {
+    DeviceGuard guard(device_);
+    begin(c);
+    // 1. Every member's (color, key, fingerprint), all-gathered on the
+    //    device: the new groups' global ranks and a fingerprint check.
+    const int64_t mine[3] = {color < 0 ? -1 : color, key,
+                             static_cast<int64_t>(fingerprint_hash(c.output_splits))};
+    Tensor buf = empty({3 * static_cast<int64_t>(size_)}, DType::Int64, Device::cuda(device_));
+    DIFFCOMM_CUDA_CHECK(
+        cudaMemcpyAsync(at(buf, 3 * rank_), mine, sizeof mine, cudaMemcpyHostToDevice, stream()),
+        &c);
+    DIFFCOMM_NCCL_CHECK(
+        ncclAllGather(at(buf, 3 * rank_), buf.data_ptr(), 3, ncclInt64, comm_, stream()), &c);
+    std::vector<int64_t> all(3 * static_cast<std::size_t>(size_));
+    wait(&c);
+    DIFFCOMM_CUDA_CHECK(cudaMemcpyAsync(all.data(), buf.data_ptr(), all.size() * sizeof(int64_t),
+                                        cudaMemcpyDeviceToHost, stream()),
+                        &c);
+    DIFFCOMM_CUDA_CHECK(cudaStreamSynchronize(stream()), &c);
+
+    // 2. Every member sees the same table, so every member raises together
+    //    (before ncclCommSplit: nobody is left waiting in it).
+    std::string differ;
+    for (int s = 0; s < size_; ++s)
+      if (all[3 * static_cast<std::size_t>(s) + 2] != all[2])
+        differ += fmt::format("{}{}", differ.empty() ? "" : ", ", s);
+    if (!differ.empty())
+      throw CollectiveMismatch(fmt::format(
+          "{} [nccl]: members passed different group fingerprints (member lists): member(s) {} "
+          "disagree with member 0; this member passed {}",
+          c.where(), differ, c.signature()));
+
+    // 3. The split itself; NCCL orders members by (key, parent rank), as
+    //    ProcessGroup::split does.
+    ncclComm_t sub = nullptr;
+    DIFFCOMM_NCCL_CHECK(
+        ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr), &c);
+    if (color < 0) {
+      if (sub != nullptr) (void)ncclCommDestroy(sub);
+      return nullptr;
+    }
+    std::vector<std::pair<int64_t, int>> order;  // (key, parent rank)
+    for (int s = 0; s < size_; ++s)
+      if (all[3 * static_cast<std::size_t>(s)] == color)
+        order.emplace_back(all[3 * static_cast<std::size_t>(s) + 1], s);
+    std::sort(order.begin(), order.end());
+    Options child = opts_;
+    child.stream = stream();
+    child.members.clear();
+    int my_pos = -1;
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      child.members.push_back(members_[static_cast<std::size_t>(order[i].second)]);
+      if (order[i].second == rank_) my_pos = static_cast<int>(i);
+    }
+    std::shared_ptr<NcclBackend> b;
+    try {
+      b = std::make_shared<NcclBackend>(sub, /*owns_comm=*/true, stream_, child);
+    } catch (...) {
+      (void)ncclCommDestroy(sub);
+      throw;
+    }
+    // From here `b` owns `sub` (destroyed with it).
+    if (b->rank_ != my_pos || b->size_ != static_cast<int>(order.size()))
+      throw BackendError(fmt::format(
+          "{} [nccl]: ncclCommSplit made rank {} of {}, but the all-gathered (color, key) "
+          "table predicts rank {} of {}",
+          c.where(), b->rank_, b->size_, my_pos, order.size()));
+    return b;
+  }
+
+  void barrier(Call& c) override {
+    run(c, [&](Call& d) {
+      if (!barrier_buf_.defined()) {
+        barrier_buf_ = empty({1}, DType::Int32, Device::cuda(device_));
+        DIFFCOMM_CUDA_CHECK(cudaMemsetAsync(barrier_buf_.data_ptr(), 0, sizeof(int32_t), stream()),
+                            &d);
+      }
+      DIFFCOMM_NCCL_CHECK(ncclAllReduce(barrier_buf_.data_ptr(), barrier_buf_.data_ptr(), 1,
+                                        ncclInt32, ncclSum, comm_, stream()),
+                          &d);
+    });
+    // A barrier returns once every member has entered: wait for it.
+    DeviceGuard guard(device_);
+    if (opts_.watchdog.count() == 0) wait(&c);
+  }
+
+  void all_reduce(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& t = d.outputs[0];
+      if (t.numel() == 0) return;
+      DIFFCOMM_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(d.dtype),
+                                        red_op(d.reduce_op), comm_, stream()),
+                          &d);
+      finish_avg(d, t);
+    });
+  }
+
+  void broadcast(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& t = d.outputs[0];
+      if (t.numel() == 0) return;
+      DIFFCOMM_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), count(t), nccl_type(d.dtype),
+                                        d.root, comm_, stream()),
+                          &d);
+    });
+  }
+
+  void reduce(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& t = d.outputs[0];
+      if (t.numel() == 0) return;
+      // recvbuff is only written on the root: the others keep their input.
+      DIFFCOMM_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(d.dtype),
+                                     red_op(d.reduce_op), d.root, comm_, stream()),
+                          &d);
+      if (rank_ == d.root) finish_avg(d, t);
+    });
+  }
+
+  void all_gather(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& in = d.inputs[0];
+      if (in.numel() == 0) return;
+      if (consecutive(d.outputs)) {
+        DIFFCOMM_NCCL_CHECK(ncclAllGather(in.data_ptr(), d.outputs[0].data_ptr(), count(in),
+                                          nccl_type(d.dtype), comm_, stream()),
+                            &d);
+        return;
+      }
+      Tensor tmp = scratch(static_cast<int64_t>(size_) * in.numel(), d.dtype);
+      DIFFCOMM_NCCL_CHECK(ncclAllGather(in.data_ptr(), tmp.data_ptr(), count(in),
+                                        nccl_type(d.dtype), comm_, stream()),
+                          &d);
+      for (int s = 0; s < size_; ++s)
+        copy_async(d.outputs[static_cast<std::size_t>(s)].data_ptr(), at(tmp, s * in.numel()),
+                   in.nbytes(), &d);
+      keep_alive({tmp}, &d);
+    });
+  }
+
+  void all_gather_single(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& in = d.inputs[0];
+      if (in.numel() == 0) return;
+      DIFFCOMM_NCCL_CHECK(ncclAllGather(in.data_ptr(), d.outputs[0].data_ptr(), count(in),
+                                        nccl_type(d.dtype), comm_, stream()),
+                          &d);
+    });
+  }
+
+  void all_gather_v(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& in = d.inputs[0];
+      const Tensor& out = d.outputs[0];
+      const int64_t rn = in.row_numel();
+      std::vector<int64_t> off(static_cast<std::size_t>(size_) + 1, 0);
+      for (int p = 0; p < size_; ++p)
+        off[static_cast<std::size_t>(p) + 1] =
+            off[static_cast<std::size_t>(p)] + d.output_splits[static_cast<std::size_t>(p)] * rn;
+      {
+        Group group(this, &d);
+        for (int p = 0; p < size_; ++p) {
+          if (p == rank_) continue;
+          const auto pi = static_cast<std::size_t>(p);
+          DIFFCOMM_NCCL_CHECK(
+              ncclSend(in.data_ptr(), count(in), nccl_type(d.dtype), p, comm_, stream()), &d);
+          DIFFCOMM_NCCL_CHECK(
+              ncclRecv(at(out, off[pi]), static_cast<std::size_t>(off[pi + 1] - off[pi]),
+                       nccl_type(d.dtype), p, comm_, stream()),
+              &d);
+        }
+        group.end();
+      }
+      copy_async(at(out, off[static_cast<std::size_t>(rank_)]), in.data_ptr(), in.nbytes(), &d);
+    });
+  }
+
+  void gather(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& in = d.inputs[0];
+      const bool root = rank_ == d.root;
+      if (native_) {
+#if DIFFCOMM_NCCL_HEADER_HAS_2_28
+        if (in.numel() == 0) return;
+        if (!root) {  // recvbuff is not used off the root
+          DIFFCOMM_NCCL_CHECK(ncclGather(in.data_ptr(), in.data_ptr(), count(in),
+                                         nccl_type(d.dtype), d.root, comm_, stream()),
+                              &d);
+          return;
+        }
+        if (consecutive(d.outputs)) {
+          DIFFCOMM_NCCL_CHECK(ncclGather(in.data_ptr(), d.outputs[0].data_ptr(), count(in),
+                                         nccl_type(d.dtype), d.root, comm_, stream()),
+                              &d);
+          return;
+        }
+        Tensor tmp = scratch(static_cast<int64_t>(size_) * in.numel(), d.dtype);
+        DIFFCOMM_NCCL_CHECK(ncclGather(in.data_ptr(), tmp.data_ptr(), count(in), nccl_type(d.dtype),
+                                       d.root, comm_, stream()),
+                            &d);
+        for (int s = 0; s < size_; ++s)
+          copy_async(d.outputs[static_cast<std::size_t>(s)].data_ptr(), at(tmp, s * in.numel()),
+                     in.nbytes(), &d);
+        keep_alive({tmp}, &d);
+        return;
+#endif
+      }
+      // Grouped point-to-point: every non-root posts its send (zero counts
+      // too), the root one receive per peer.
+      {
+        Group group(this, &d);
+        if (root) {
+          for (int p = 0; p < size_; ++p)
+            if (p != rank_)
+              DIFFCOMM_NCCL_CHECK(ncclRecv(d.outputs[static_cast<std::size_t>(p)].data_ptr(),
+                                           count(in), nccl_type(d.dtype), p, comm_, stream()),
+                                  &d);
+        } else {
+          DIFFCOMM_NCCL_CHECK(
+              ncclSend(in.data_ptr(), count(in), nccl_type(d.dtype), d.root, comm_, stream()), &d);
+        }
+        group.end();
+      }
+      if (root)
+        copy_async(d.outputs[static_cast<std::size_t>(rank_)].data_ptr(), in.data_ptr(),
+                   in.nbytes(), &d);
+    });
+  }
+
+  void scatter(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& out = d.outputs[0];
+      const bool root = rank_ == d.root;
+      if (native_) {
+#if DIFFCOMM_NCCL_HEADER_HAS_2_28
+        if (out.numel() == 0) return;
+        if (!root) {  // sendbuff is not used off the root
+          DIFFCOMM_NCCL_CHECK(ncclScatter(out.data_ptr(), out.data_ptr(), count(out),
+                                          nccl_type(d.dtype), d.root, comm_, stream()),
+                              &d);
+          return;
+        }
+        if (consecutive(d.inputs)) {
+          DIFFCOMM_NCCL_CHECK(ncclScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out),
+                                          nccl_type(d.dtype), d.root, comm_, stream()),
+                              &d);
+          return;
+        }
+        Tensor tmp = scratch(static_cast<int64_t>(size_) * out.numel(), d.dtype);
+        for (int s = 0; s < size_; ++s)
+          copy_async(at(tmp, s * out.numel()), d.inputs[static_cast<std::size_t>(s)].data_ptr(),
+                     out.nbytes(), &d);
+        DIFFCOMM_NCCL_CHECK(ncclScatter(tmp.data_ptr(), out.data_ptr(), count(out),
+                                        nccl_type(d.dtype), d.root, comm_, stream()),
+                            &d);
+        keep_alive({tmp}, &d);
+        return;
+#endif
+      }
+      {
+        Group group(this, &d);
+        if (root) {
+          for (int p = 0; p < size_; ++p)
+            if (p != rank_)
+              DIFFCOMM_NCCL_CHECK(ncclSend(d.inputs[static_cast<std::size_t>(p)].data_ptr(),
+                                           count(out), nccl_type(d.dtype), p, comm_, stream()),
+                                  &d);
+        } else {
+          DIFFCOMM_NCCL_CHECK(
+              ncclRecv(out.data_ptr(), count(out), nccl_type(d.dtype), d.root, comm_, stream()),
+              &d);
+        }
+        group.end();
+      }
+      if (root)
+        copy_async(out.data_ptr(), d.inputs[static_cast<std::size_t>(rank_)].data_ptr(),
+                   out.nbytes(), &d);
+    });
+  }
+
+  void reduce_scatter(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& out = d.outputs[0];
+      if (out.numel() == 0) return;
+      if (consecutive(d.inputs)) {
+        DIFFCOMM_NCCL_CHECK(
+            ncclReduceScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out),
+                              nccl_type(d.dtype), red_op(d.reduce_op), comm_, stream()),
+            &d);
+      } else {
+        Tensor tmp = scratch(static_cast<int64_t>(size_) * out.numel(), d.dtype);
+        for (int s = 0; s < size_; ++s)
+          copy_async(at(tmp, s * out.numel()), d.inputs[static_cast<std::size_t>(s)].data_ptr(),
+                     out.nbytes(), &d);
+        DIFFCOMM_NCCL_CHECK(
+            ncclReduceScatter(tmp.data_ptr(), out.data_ptr(), count(out), nccl_type(d.dtype),
+                              red_op(d.reduce_op), comm_, stream()),
+            &d);
+        keep_alive({tmp}, &d);
+      }
+      finish_avg(d, out);
+    });
+  }
+
+  void reduce_scatter_single(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& out = d.outputs[0];
+      if (out.numel() == 0) return;
+      DIFFCOMM_NCCL_CHECK(
+          ncclReduceScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out), nccl_type(d.dtype),
+                            red_op(d.reduce_op), comm_, stream()),
+          &d);
+      finish_avg(d, out);
+    });
+  }
+
+  void reduce_scatter_v(Call& c) override {
+    run(c, [&](Call& d) {
+      // One ncclReduce per destination, all in one group: block p of every
+      // member's input is reduced onto member p's output (zero-size blocks
+      // are posted too; NCCL skips them on every member alike).
+      const Tensor& in = d.inputs[0];
+      const Tensor& out = d.outputs[0];
+      const int64_t rn = in.row_numel();
+      {
+        Group group(this, &d);
+        int64_t off = 0;
+        for (int p = 0; p < size_; ++p) {
+          const int64_t n = d.input_splits[static_cast<std::size_t>(p)] * rn;
+          void* send = at(in, off);
+          // recvbuff is only used on the root; elsewhere pass the send block.
+          void* recv = p == rank_ ? out.data_ptr() : send;
+          DIFFCOMM_NCCL_CHECK(
+              ncclReduce(send, recv, static_cast<std::size_t>(n), nccl_type(d.dtype),
+                         red_op(d.reduce_op), p, comm_, stream()),
+              &d);
+          off += n;
+        }
+        group.end();
+      }
+      finish_avg(d, out);
+    });
+  }
+
+  void all_to_all(Call& c) override {
+    run(c, [&](Call& d) {
+      {
+        Group group(this, &d);
+        for (int p = 0; p < size_; ++p) {
+          if (p == rank_) continue;
+          const auto pi = static_cast<std::size_t>(p);
+          DIFFCOMM_NCCL_CHECK(ncclSend(d.inputs[pi].data_ptr(), count(d.inputs[pi]),
+                                       nccl_type(d.dtype), p, comm_, stream()),
+                              &d);
+          DIFFCOMM_NCCL_CHECK(ncclRecv(d.outputs[pi].data_ptr(), count(d.outputs[pi]),
+                                       nccl_type(d.dtype), p, comm_, stream()),
+                              &d);
+        }
+        group.end();
+      }
+      const auto me = static_cast<std::size_t>(rank_);
+      copy_async(d.outputs[me].data_ptr(), d.inputs[me].data_ptr(), d.inputs[me].nbytes(), &d);
+    });
+  }
+
+  void all_to_all_single(Call& c) override {
+    if (opts_.even_all_to_all) {
+      // The promise of Options::even_all_to_all, checked before any traffic.
+      const int64_t k = c.input_splits.empty() ? 0 : c.input_splits[0];
+      auto even = [&](const std::vector<int64_t>& s) {
+        return std::all_of(s.begin(), s.end(), [&](int64_t x) { return x == k; });
+      };
+      if (!even(c.input_splits) || !even(c.output_splits))
+        throw InvalidArgument(fmt::format(
+            "{} [nccl]: the group promised even all_to_all_single splits "
+            "(Options::even_all_to_all) but got input_splits {} and output_splits {}",
+            c.where(), fmt::join(c.input_splits, ","), fmt::join(c.output_splits, ",")));
+    }
+    run(c, [&](Call& d) {
+      const Tensor& in = d.inputs[0];
+      const Tensor& out = d.outputs[0];
+      const int64_t rn = in.row_numel();
+#if DIFFCOMM_NCCL_HEADER_HAS_2_28
+      if (native_ && opts_.even_all_to_all) {
+        const int64_t block = d.input_splits.empty() ? 0 : d.input_splits[0] * rn;
+        if (block == 0) return;
+        DIFFCOMM_NCCL_CHECK(
+            ncclAlltoAll(in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(block),
+                         nccl_type(d.dtype), comm_, stream()),
+            &d);
+        return;
+      }
+#endif
+      int64_t s_off = 0, r_off = 0, s_me = 0, r_me = 0;
+      {
+        Group group(this, &d);
+        for (int p = 0; p < size_; ++p) {
+          const auto pi = static_cast<std::size_t>(p);
+          const int64_t sc = d.input_splits[pi] * rn, rc = d.output_splits[pi] * rn;
+          if (p == rank_) {
+            s_me = s_off;
+            r_me = r_off;
+          } else {
+            DIFFCOMM_NCCL_CHECK(ncclSend(at(in, s_off), static_cast<std::size_t>(sc),
+                                         nccl_type(d.dtype), p, comm_, stream()),
+                                &d);
+            DIFFCOMM_NCCL_CHECK(ncclRecv(at(out, r_off), static_cast<std::size_t>(rc),
+                                         nccl_type(d.dtype), p, comm_, stream()),
+                                &d);
+          }
+          s_off += sc;
+          r_off += rc;
+        }
+        group.end();
+      }
+      const auto me = static_cast<std::size_t>(rank_);
+      copy_async(at(out, r_me), at(in, s_me),
+                 static_cast<std::size_t>(d.input_splits[me] * rn) * element_size(d.dtype), &d);
+    });
+  }
+
+  void send(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& t = d.inputs[0];
+      DIFFCOMM_NCCL_CHECK(
+          ncclSend(t.data_ptr(), count(t), nccl_type(d.dtype), d.root, comm_, stream()), &d);
+    });
+  }
+
+  void recv(Call& c) override {
+    run(c, [&](Call& d) {
+      const Tensor& t = d.outputs[0];
+      DIFFCOMM_NCCL_CHECK(
+          ncclRecv(t.data_ptr(), count(t), nccl_type(d.dtype), d.root, comm_, stream()), &d);
+    });
+  }
+
+  // ---- used by the nccl:: free functions
+  ncclComm_t comm() const { return comm_; }
+  cudaStream_t stream() const { return stream_->stream; }
+  void set_stream(cudaStream_t s) { stream_ = std::make_shared<StreamHolder>(s, false, device_); }
+  int device() const { return device_; }
+  bool owned() const { return owned_; }
+  void synchronize() {
+    DeviceGuard guard(device_);
+    wait(nullptr);
+    reap(nullptr);
+  }
+  void abort_comm() {
+    if (!owned_)
+      throw InvalidArgument(
+          "nccl::abort: the group's communicator is borrowed (from_comm); diffcomm never aborts "
+          "it: call ncclCommAbort yourself");
+    DeviceGuard guard(device_);
+    abort_owned();
+  }
+
+ private:
+  struct Pending {
+    cudaEvent_t event;
+    std::vector<Tensor> keep;
+  };
+
+  // ncclGroupStart/End for one grouped op; ends the group on every path.
+  class Group {
+   public:
+    Group(NcclBackend* b, const Call* c) : b_(b), c_(c) {
+      const ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) b_->fail_nccl(r, "ncclGroupStart()", c_, __FILE__, __LINE__);
+    }
+    void end() {
+      open_ = false;
+      const ncclResult_t r = ncclGroupEnd();
+      if (r != ncclSuccess) b_->fail_nccl(r, "ncclGroupEnd()", c_, __FILE__, __LINE__);
+    }
+    ~Group() {
+      if (open_) (void)ncclGroupEnd();
+    }
+    Group(const Group&) = delete;
+    Group& operator=(const Group&) = delete;
+
+   private:
+    NcclBackend* b_;
+    const Call* c_;
+    bool open_ = true;
+  };
+
+  // "all_reduce #3 on group 'world' (rank 1 of 4) [nccl, global rank 5, cuda:1, owned
+  // communicator]"
+  std::string context(const Call* c) const {
+    return fmt::format("{} [nccl {}, global rank {}, cuda:{}, {} communicator]",
+                       c != nullptr ? c->where() : std::string("group operation"), version_,
+                       members_[static_cast<std::size_t>(rank_)], device_,
+                       owned_ ? "owned" : "borrowed");
+  }
+
+  [[noreturn]] void fail_nccl(ncclResult_t r, const char* expr, const Call* c, const char* file,
+                              int line) const {
+    throw BackendError(fmt::format("NCCL error in {}: {} returned {} [{}:{}]", context(c), expr,
+                                   nccl_text(r, aborted_ ? nullptr : comm_), file, line));
+  }
+  [[noreturn]] void fail_cuda(cudaError_t e, const char* expr, const Call* c, const char* file,
+                              int line) const {
+    (void)cudaGetLastError();
+    throw BackendError(fmt::format("CUDA error in {}: {} returned {} [{}:{}]", context(c), expr,
+                                   cuda_text(e), file, line));
+  }
+
+  void abort_owned() {
+    if (owned_ && !aborted_) {
+      aborted_ = true;
+      (void)ncclCommAbort(comm_);
+    }
+  }
+
+  // An asynchronous error NCCL reported on the communicator (network, peer
+  // failure, ...): abort what we own, then raise.
+  [[noreturn]] void fail_async(ncclResult_t r, const Call* c) {
+    const std::string text = nccl_text(r, comm_);
+    abort_owned();
+    throw BackendError(fmt::format("NCCL asynchronous error in {}: {}; {}", context(c), text,
+                                   owned_ ? "the communicator was aborted (ncclCommAbort)"
+                                          : "the communicator is borrowed and was not aborted"));
+  }
+
+  void check_async(const Call* c) {
+    ncclResult_t async = ncclSuccess;
+    DIFFCOMM_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async), c);
+    if (async != ncclSuccess && async != ncclInProgress) fail_async(async, c);
+  }
+
+  // Before every op: refuse an aborted communicator, surface asynchronous
+  // errors (a host-side read), release staging buffers whose ops completed.
+  void begin(const Call& c) {
+    if (aborted_)
+      throw BackendError(
+          fmt::format("{}: the communicator was aborted (watchdog timeout, asynchronous error or "
+                      "nccl::abort); create a new group",
+                      context(&c)));
+    check_async(&c);
+    reap(&c);
+  }
+
+  void reap(const Call* c) {
+    while (!pending_.empty()) {
+      const cudaError_t q = cudaEventQuery(pending_.front().event);
+      if (q == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // not an error: clear it for later checks
+        return;
+      }
+      if (q != cudaSuccess) fail_cuda(q, "cudaEventQuery(staging event)", c, __FILE__, __LINE__);
+      (void)cudaEventDestroy(pending_.front().event);
+      pending_.pop_front();
+    }
+  }
+
+  // Keeps staging tensors alive until the work queued so far on the stream
+  // has completed (no host synchronization).
+  void keep_alive(std::vector<Tensor> temps, const Call* c) {
+    cudaEvent_t ev = nullptr;
+    DIFFCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), c);
+    const cudaError_t e = cudaEventRecord(ev, stream());
+    if (e != cudaSuccess) {
+      (void)cudaEventDestroy(ev);
+      fail_cuda(e, "cudaEventRecord(staging event)", c, __FILE__, __LINE__);
+    }
+    pending_.push_back({ev, std::move(temps)});
+  }
+
+  Tensor scratch(int64_t numel, DType dtype) const {
+    return empty({numel}, dtype, Device::cuda(device_));
+  }
+
+  void copy_async(void* dst, const void* src, std::size_t nbytes, const Call* c) {
+    if (nbytes == 0 || dst == src) return;
+    DIFFCOMM_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, stream()), c);
+  }
+
+  bool native_avg() const { return version_ >= kVersionAvg; }
+  ncclRedOp_t red_op(ReduceOp op) const {
+    switch (op) {
+      case ReduceOp::Sum: return ncclSum;
+      case ReduceOp::Avg: return native_avg() ? ncclAvg : ncclSum;
+      case ReduceOp::Product: return ncclProd;
+      case ReduceOp::Min: return ncclMin;
+      case ReduceOp::Max: return ncclMax;
+    }
+    return ncclSum;
+  }
+  // NCCL < 2.10 has no ncclAvg: Sum, then a scale by 1/size. diffcomm's
+  // scale runs on the legacy default stream, so wait for ours first.
+  void finish_avg(const Call& d, const Tensor& t) {
+    if (d.reduce_op != ReduceOp::Avg || native_avg() || t.numel() == 0) return;
+    DIFFCOMM_CUDA_CHECK(cudaStreamSynchronize(stream()), &d);
+    t.detach().copy_(scale(t.detach(), 1.0 / size_));
+  }
+
+  bool legacy_stream() const { return stream() == nullptr || stream() == cudaStreamLegacy; }
+
+  // Waits on the host for the stream: through the watchdog when it is on.
+  void wait(const Call* c) {
+    if (opts_.watchdog.count() > 0) {
+      watch(c);
+      return;
+    }
+    DIFFCOMM_CUDA_CHECK(cudaStreamSynchronize(stream()), c);
+    check_async(c);
+  }
+
+  // The watchdog: poll until the stream is idle, NCCL reports an error, or
+  // the timeout passes (then abort an owned communicator and raise).
+  void watch(const Call* c) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(stream());
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) fail_cuda(q, "cudaStreamQuery(stream)", c, __FILE__, __LINE__);
+      (void)cudaGetLastError();
+      check_async(c);
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (waited > opts_.watchdog) {
+        abort_owned();
+        throw BackendError(fmt::format(
+            "NCCL watchdog: {} did not complete within {} ms (a member missing from the call, "
+            "mismatched calls or a hung peer); {}",
+            context(c), opts_.watchdog.count(),
+            owned_ ? "the communicator was aborted (ncclCommAbort) and this group cannot be used "
+                     "any more"
+                   : "the communicator is borrowed and was NOT aborted: abort it (ncclCommAbort) "
+                     "before reusing it or its stream"));
+      }
+      std::this_thread::sleep_for(opts_.watchdog_poll);
+    }
+  }
+
+  // Runs one op: device guard, prologue, CPU staging or stream ordering,
+  // the body (which enqueues), then the watchdog if on.
+  template <class F>
+  void run(Call& c, F&& body) {
+    DeviceGuard guard(device_);
+    begin(c);
+    if (on_cpu(c)) {
+      staged(c, body);
+      return;
+    }
+    const bool order = opts_.order_with_default_stream && !legacy_stream();
+    if (order) {  // the op waits for what is queued on the legacy default stream
+      DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_before_, cudaStreamLegacy), &c);
+      DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream(), ev_before_, 0), &c);
+    }
+    body(c);
+    if (order) {  // later legacy-default-stream work waits for the op
+      DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_after_, stream()), &c);
+      DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamLegacy, ev_after_, 0), &c);
+    }
+    if (opts_.watchdog.count() > 0) watch(&c);
+  }
+
+  static bool on_cpu(const Call& c) {
+    for (const Tensor& t : c.inputs)
+      if (t.device().is_cpu()) return true;
+    for (const Tensor& t : c.outputs)
+      if (t.device().is_cpu()) return true;
+    return false;
+  }
+
+  // CPU tensors (Options::stage_cpu): copy to the device (outputs too, so
+  // elements the op does not write keep their values), run, wait, copy the
+  // outputs back. Aliases (in-place ops) share one device copy.
+  template <class F>
+  void staged(Call& c, F&& body) {
+    struct Staged {
+      Tensor host, dev;
+      bool output;
+    };
+    std::vector<Staged> map;
+    auto stage = [&](const Tensor& h, bool output) -> Tensor {
+      for (Staged& s : map)
+        if (s.host.data_ptr() == h.data_ptr() && s.host.nbytes() == h.nbytes()) {
+          s.output = s.output || output;
+          return s.dev;
+        }
+      Tensor dev = empty(h.shape(), h.dtype(), Device::cuda(device_));
+      if (h.nbytes() > 0)
+        DIFFCOMM_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), h.data_ptr(), h.nbytes(),
+                                            cudaMemcpyHostToDevice, stream()),
+                            &c);
+      map.push_back({h, dev, output});
+      return dev;
+    };
+    Call d = c;
+    for (Tensor& t : d.inputs) t = stage(t, false);
+    for (Tensor& t : d.outputs) t = stage(t, true);
+    body(d);
+    wait(&c);
+    for (const Staged& s : map)
+      if (s.output && s.host.nbytes() > 0)
+        DIFFCOMM_CUDA_CHECK(cudaMemcpyAsync(s.host.data_ptr(), s.dev.data_ptr(), s.host.nbytes(),
+                                            cudaMemcpyDeviceToHost, stream()),
+                            &c);
+    DIFFCOMM_CUDA_CHECK(cudaStreamSynchronize(stream()), &c);
+  }
+
+  ncclComm_t comm_;
+  bool owned_;
+  bool aborted_ = false;
+  std::shared_ptr<StreamHolder> stream_;
+  Options opts_;
+  int rank_ = 0, size_ = 1, device_ = 0, version_ = 0;
+  bool native_ = false;
+  std::vector<int> members_;
+  cudaEvent_t ev_before_ = nullptr, ev_after_ = nullptr;
+  std::deque<Pending> pending_;
+  Tensor barrier_buf_;
+};
+
+NcclBackend& backend_of(const dist::ProcessGroup& group, const char* what) {
+  auto* b = dynamic_cast<NcclBackend*>(&group.backend());
+  if (b == nullptr)
+    throw InvalidArgument(fmt::format("nccl::{}: group '{}' runs on the {} backend, not nccl", what,
+                                      group.name(), group.backend().backend_name()));
+  return *b;
+}
+
+// Builds the backend of a communicator diffcomm just created; destroys the
+// communicator when that fails.
+std::shared_ptr<NcclBackend> adopt(ncclComm_t comm, std::shared_ptr<StreamHolder> stream,
+                                   const Options& options) {
+  try {
+    return std::make_shared<NcclBackend>(comm, true, std::move(stream), options);
+  } catch (...) {
+    (void)ncclCommDestroy(comm);
+    throw;
+  }
+}
+
+}  // namespace
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+std::string device_status() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "cudaGetDeviceCount: " + cuda_text(e);
+  }
+  return n == 0 ? "cudaGetDeviceCount: 0 devices" : "";
+}
+
+int runtime_version() {
+  int v = 0;
+  DIFFCOMM_NCCL_PLAIN(ncclGetVersion(&v), "nccl::runtime_version");
+  return v;
+}
+
+bool has_native_gather_scatter_all_to_all() {
+  return DIFFCOMM_NCCL_HEADER_HAS_2_28 && runtime_version() >= kVersionNative;
+}
+
+ncclUniqueId unique_id() {
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof id);
+  DIFFCOMM_NCCL_PLAIN(ncclGetUniqueId(&id), "nccl::unique_id");
+  return id;
+}
+
+dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int device,
+                             Options options, std::string name) {
+  if (nranks < 1) throw InvalidArgument(fmt::format("nccl::init_rank: nranks {} < 1", nranks));
+  if (rank < 0 || rank >= nranks)
+    throw InvalidArgument(fmt::format("nccl::init_rank: rank {} outside [0, {})", rank, nranks));
+  validate_members(options.members, nranks, "nccl::init_rank");
+  const int devices = device_count();
+  if (device < 0 || device >= devices)
+    throw InvalidArgument(
+        fmt::format("nccl::init_rank: device {} outside [0, {}){}", device, devices,
+                    devices == 0 ? " (no CUDA device: " + device_status() + ")" : ""));
+  const std::string what =
+      fmt::format("nccl::init_rank (rank {} of {}, cuda:{})", rank, nranks, device);
+  DeviceGuard guard(device);
+  std::shared_ptr<StreamHolder> stream =
+      options.stream != nullptr ? std::make_shared<StreamHolder>(options.stream, false, device)
+                                : owned_stream(device);
+  ncclComm_t comm = nullptr;
+  DIFFCOMM_NCCL_PLAIN(ncclCommInitRank(&comm, nranks, id, rank), what);
+  return dist::ProcessGroup(adopt(comm, std::move(stream), options), std::move(name), nullptr);
+}
+
+dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options options,
+                             std::string name) {
+  if (comm == nullptr) throw InvalidArgument("nccl::from_comm: null communicator");
+  int device = 0;
+  DIFFCOMM_NCCL_PLAIN(ncclCommCuDevice(comm, &device), "nccl::from_comm");
+  options.stream = stream;
+  auto holder = std::make_shared<StreamHolder>(stream, false, device);
+  return dist::ProcessGroup(
+      std::make_shared<NcclBackend>(comm, false, std::move(holder), std::move(options)),
+      std::move(name), nullptr);
+}
+
+ncclComm_t comm(const dist::ProcessGroup& group) { return backend_of(group, "comm").comm(); }
+cudaStream_t stream(const dist::ProcessGroup& group) {
+  return backend_of(group, "stream").stream();
+}
+void set_stream(const dist::ProcessGroup& group, cudaStream_t s) {
+  backend_of(group, "set_stream").set_stream(s);
+}
+int device(const dist::ProcessGroup& group) { return backend_of(group, "device").device(); }
+bool owns_comm(const dist::ProcessGroup& group) { return backend_of(group, "owns_comm").owned(); }
+void synchronize(const dist::ProcessGroup& group) {
+  backend_of(group, "synchronize").synchronize();
+}
+void abort(const dist::ProcessGroup& group) { backend_of(group, "abort").abort_comm(); }
+
+}  // namespace diffcomm::nccl
