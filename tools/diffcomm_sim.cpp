@@ -495,6 +495,8 @@ int main(int argc, char** argv) {
     }
     if (*tokens_cmd) {
       if (tokens_images.empty()) tokens_images = ep::default_image_sizes_path();
+      if (tokens_images.empty())
+        throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
       std::vector<ep::ImageSize> images;
       try {
         images = ep::load_image_sizes(tokens_images);

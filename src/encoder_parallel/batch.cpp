@@ -69,9 +69,17 @@ std::vector<ImageSize> load_image_sizes(const std::string& path) {
 }
 
 std::string default_image_sizes_path() {
-  for (const char* p : {DIFFCOMM_INSTALL_DATA_DIR "/coco_val2017/image_sizes.csv",
-                        DIFFCOMM_SOURCE_DATA_DIR "/coco_val2017/image_sizes.csv"})
-    if (std::filesystem::exists(p)) return p;
+  const std::string rel = "coco_val2017/image_sizes.csv";
+  std::vector<std::filesystem::path> candidates;
+  // Next to an installed program (<prefix>/bin/x -> <prefix>/share/diffcomm/data),
+  // wherever the prefix was chosen at install time.
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "share/diffcomm/data" / rel);
+  candidates.push_back(std::filesystem::path(DIFFCOMM_INSTALL_DATA_DIR) / rel);
+  candidates.push_back(std::filesystem::path(DIFFCOMM_SOURCE_DATA_DIR) / rel);
+  for (const auto& p : candidates)
+    if (std::filesystem::exists(p, ec)) return p.string();
   return "";
 }
 

@@ -20,8 +20,10 @@ struct ImageSize {
 /// read, a column is missing, or a row is malformed (line number given).
 std::vector<ImageSize> load_image_sizes(const std::string& path);
 
-/// The path of the shipped COCO val2017 sizes: the installed copy, else the
-/// source tree's data/ (where diffcomm was built from). Empty if neither exists.
+/// The path of the shipped COCO val2017 sizes: the copy installed beside the
+/// running program (<prefix>/share/diffcomm/data), the configured install
+/// prefix's, else the source tree's data/ (where diffcomm was built from).
+/// Empty if none exists.
 std::string default_image_sizes_path();
 
 /// Sequence lengths must be multiples of this for the decoder mesh:
