@@ -71,7 +71,8 @@ const std::vector<std::string>& differentiable_ops() {
 }
 
 std::pair<double, double> adjoint_terms(const std::string& op, const dist::ProcessGroup& world,
-                                        const AdjointCase& c, DType dtype, Generator& gen) {
+                                        const AdjointCase& c, DType dtype, Generator& gen,
+                                        Device device) {
   auto group = world.new_group(c.members);
   if (!group) return {0.0, 0.0};
   const int r = group->rank();
@@ -82,14 +83,14 @@ std::pair<double, double> adjoint_terms(const std::string& op, const dist::Proce
     Tensor t = rand_uniform({rows, w}, gen, -4.0, 4.0, DType::Float64);
     std::vector<double> v = t.to_vector();
     for (double& x : v) x = std::round(x);
-    Tensor out = from_vector(v, {rows, w}, dtype);
-    return out;
+    return from_vector(v, {rows, w}, dtype).to(device);
   };
   const auto me = static_cast<std::size_t>(r);
   std::vector<Tensor> xs, outs;
-  if (op == "all_reduce") {
+  if (op == "all_reduce" || op == "all_reduce_avg") {
     xs = {data(c.rows[0])};
-    outs = {nn::all_reduce(xs[0].set_requires_grad(), *group)};
+    outs = {nn::all_reduce(xs[0].set_requires_grad(), *group,
+                           op == "all_reduce" ? dist::ReduceOp::Sum : dist::ReduceOp::Avg)};
   } else if (op == "broadcast") {
     xs = {data(c.rows[0])};
     outs = {nn::broadcast(xs[0].set_requires_grad(), c.root, *group)};

@@ -47,9 +47,11 @@ AdjointCase draw_adjoint_case(int ranks, uint64_t seed);
 /// This rank's two terms of the identity, <A(x), y> and <x, A^T(y)>, for one
 /// op on any backend: builds the case's sub-group from `world` (collective
 /// over world), draws x and the cotangent y from gen (small integers, exact
-/// in every dtype), runs forward and backward. Non-members return {0, 0}.
+/// in every dtype) on `device`, runs forward and backward. Non-members
+/// return {0, 0}. Besides differentiable_ops(), accepts "all_reduce_avg".
 std::pair<double, double> adjoint_terms(const std::string& op, const dist::ProcessGroup& world,
-                                        const AdjointCase& c, DType dtype, Generator& gen);
+                                        const AdjointCase& c, DType dtype, Generator& gen,
+                                        Device device = Device::cpu());
 
 /// Draws from seed: a sub-group of 1..ranks members in random order (not
 /// starting at global rank 0 when ranks > 1), roots, row counts and splits
