@@ -46,6 +46,10 @@ void run(benchmark::State& state, Op op) {
   Tensor out_small = empty({elems / n}, DType::Float32);
   Tensor out_same = empty({elems}, DType::Float32);
   const int count = static_cast<int>(elems);
+  // The calls diffcomm wraps take per-peer counts (splits may differ per
+  // rank): MPI_Reduce_scatter and MPI_Alltoallv, not the _block/uniform forms.
+  std::vector<int> block_counts(static_cast<std::size_t>(n), count / n), block_displs;
+  for (int p = 0; p < n; ++p) block_displs.push_back(p * (count / n));
   auto raw = [&] {
     switch (op) {
       case Op::AllReduce:
@@ -57,12 +61,13 @@ void run(benchmark::State& state, Op op) {
                       MPI_COMM_WORLD);
         break;
       case Op::ReduceScatterSingle:
-        MPI_Reduce_scatter_block(in.data_ptr(), out_small.data_ptr(), count / n, MPI_FLOAT, MPI_SUM,
-                                 MPI_COMM_WORLD);
+        MPI_Reduce_scatter(in.data_ptr(), out_small.data_ptr(), block_counts.data(), MPI_FLOAT,
+                           MPI_SUM, MPI_COMM_WORLD);
         break;
       case Op::AllToAllSingle:
-        MPI_Alltoall(in.data_ptr(), count / n, MPI_FLOAT, out_same.data_ptr(), count / n, MPI_FLOAT,
-                     MPI_COMM_WORLD);
+        MPI_Alltoallv(in.data_ptr(), block_counts.data(), block_displs.data(), MPI_FLOAT,
+                      out_same.data_ptr(), block_counts.data(), block_displs.data(), MPI_FLOAT,
+                      MPI_COMM_WORLD);
         break;
     }
   };
