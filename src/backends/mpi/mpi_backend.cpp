@@ -332,25 +332,45 @@ class MpiBackend final : public dist::Backend {
     const Tensor& in = c.inputs[0];
     const Tensor& out = c.outputs[0];
     const int64_t rn = in.row_numel();
-    std::vector<int64_t> sc, sd, rc, rd;
+    const auto n = static_cast<std::size_t>(size_);
+    // Fast path: int counts and displacements in a buffer the backend keeps
+    // (no allocation per call; the fixed cost matters at small sizes).
+    counts_.resize(4 * n);
+    int* isc = counts_.data();
+    int* isd = isc + n;
+    int* irc = isd + n;
+    int* ird = irc + n;
+    bool small = true;
     int64_t s_at = 0, r_at = 0;
-    for (int p = 0; p < size_; ++p) {
-      const auto pi = static_cast<std::size_t>(p);
-      sc.push_back(c.input_splits[pi] * rn);
+    for (std::size_t p = 0; p < n; ++p) {
+      const int64_t sc = c.input_splits[p] * rn, rc = c.output_splits[p] * rn;
+      if (sc > g_max_count || s_at > g_max_count || rc > g_max_count || r_at > g_max_count) {
+        small = false;
+        break;
+      }
+      isc[p] = static_cast<int>(sc);
+      isd[p] = static_cast<int>(s_at);
+      irc[p] = static_cast<int>(rc);
+      ird[p] = static_cast<int>(r_at);
+      s_at += sc;
+      r_at += rc;
+    }
+    if (small) {
+      // Zero-size buffers may have any address; MPI ignores them.
+      DIFFCOMM_MPI_CHECK(MPI_Alltoallv(in.data_ptr(), isc, isd, mpi_type(c.dtype), out.data_ptr(),
+                                       irc, ird, mpi_type(c.dtype), comm_),
+                         c);
+      return;
+    }
+    std::vector<int64_t> sc, sd, rc, rd;
+    s_at = r_at = 0;
+    for (std::size_t p = 0; p < n; ++p) {
+      sc.push_back(c.input_splits[p] * rn);
       sd.push_back(s_at);
       s_at += sc.back();
-      rc.push_back(c.output_splits[pi] * rn);
+      rc.push_back(c.output_splits[p] * rn);
       rd.push_back(r_at);
       r_at += rc.back();
-    }
-    if (fits(sc) && fits(sd) && fits(rc) && fits(rd)) {
-      auto isc = to_int(sc), isd = to_int(sd), irc = to_int(rc), ird = to_int(rd);
-      // Zero-size buffers may have any address; MPI ignores them.
-      DIFFCOMM_MPI_CHECK(
-          MPI_Alltoallv(in.data_ptr(), isc.data(), isd.data(), mpi_type(c.dtype), out.data_ptr(),
-                        irc.data(), ird.data(), mpi_type(c.dtype), comm_),
-          c);
-      return;
     }
     const int64_t es = static_cast<int64_t>(element_size(c.dtype));
     std::vector<Block> sends, recvs;
@@ -487,6 +507,7 @@ class MpiBackend final : public dist::Backend {
 
   MPI_Comm comm_;
   bool owned_;
+  std::vector<int> counts_;  // scratch for all_to_all_single's counts
   int rank_ = 0, size_ = 1;
   std::vector<int> members_;
 };
