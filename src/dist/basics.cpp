@@ -18,7 +18,7 @@ std::string reduce_op_name(ReduceOp op) {
   return "?";
 }
 
-std::string op_name(OpType op) {
+const char* op_cstr(OpType op) {
   switch (op) {
     case OpType::Barrier: return "barrier";
     case OpType::AllReduce: return "all_reduce";
@@ -40,6 +40,8 @@ std::string op_name(OpType op) {
   }
   return "?";
 }
+
+std::string op_name(OpType op) { return op_cstr(op); }
 
 namespace {
 std::string shapes_str(const std::vector<Tensor>& ts) {
@@ -83,20 +85,21 @@ std::string Call::where() const {
                      group_size);
 }
 
-void Stats::record(const std::string& group, const std::string& op, uint64_t sent,
-                   uint64_t received) {
-  OpStats& s = entries_[{group, op}];
+void Stats::record(std::string_view group, std::string_view op, uint64_t sent, uint64_t received) {
+  auto it = entries_.find(KeyLess::View{group, op});
+  if (it == entries_.end()) it = entries_.emplace(Key{group, op}, OpStats{}).first;
+  OpStats& s = it->second;
   ++s.calls;
   s.bytes_sent += sent;
   s.bytes_received += received;
 }
 
-OpStats Stats::get(const std::string& group, const std::string& op) const {
-  auto it = entries_.find({group, op});
+OpStats Stats::get(std::string_view group, std::string_view op) const {
+  auto it = entries_.find(KeyLess::View{group, op});
   return it == entries_.end() ? OpStats{} : it->second;
 }
 
-OpStats Stats::total(const std::string& op) const {
+OpStats Stats::total(std::string_view op) const {
   OpStats t;
   for (const auto& [key, s] : entries_)
     if (key.second == op) {

@@ -104,7 +104,7 @@ class Checker {
     call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
     call_.bytes_sent = sent;
     call_.bytes_received = received;
-    g_.stats().record(g_.name(), op_name(call_.op), sent, received);
+    g_.stats().record(g_.name(), op_cstr(call_.op), sent, received);
     Backend& b = g_.backend();
     switch (call_.op) {
       case OpType::Barrier: b.barrier(call_); break;

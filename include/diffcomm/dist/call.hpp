@@ -35,6 +35,8 @@ enum class OpType {
 
 /// "all_reduce", "all_to_all_single", ... (the torch.distributed spelling).
 std::string op_name(OpType op);
+/// The same name as a static C string (no allocation; for hot paths).
+const char* op_cstr(OpType op);
 
 struct Call {
   OpType op = OpType::Barrier;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace diffcomm::dist {
@@ -19,18 +20,30 @@ struct OpStats {
 
 class Stats {
  public:
-  void record(const std::string& group, const std::string& op, uint64_t sent, uint64_t received);
+  using Key = std::pair<std::string, std::string>;  ///< (group, op)
+  /// Orders keys and lets lookups use string views (no allocation per call).
+  struct KeyLess {
+    using is_transparent = void;
+    using View = std::pair<std::string_view, std::string_view>;
+    static View view(const Key& k) { return {k.first, k.second}; }
+    static View view(const View& k) { return k; }
+    template <class A, class B>
+    bool operator()(const A& a, const B& b) const {
+      return view(a) < view(b);
+    }
+  };
+  void record(std::string_view group, std::string_view op, uint64_t sent, uint64_t received);
   /// Counters of one (group, op); zeros when never called.
-  OpStats get(const std::string& group, const std::string& op) const;
+  OpStats get(std::string_view group, std::string_view op) const;
   /// Sum over groups of one op.
-  OpStats total(const std::string& op) const;
+  OpStats total(std::string_view op) const;
   /// Sum over everything.
   OpStats total() const;
-  const std::map<std::pair<std::string, std::string>, OpStats>& entries() const { return entries_; }
+  const std::map<Key, OpStats, KeyLess>& entries() const { return entries_; }
   void clear() { entries_.clear(); }
 
  private:
-  std::map<std::pair<std::string, std::string>, OpStats> entries_;
+  std::map<Key, OpStats, KeyLess> entries_;
 };
 
 }  // namespace diffcomm::dist
