@@ -34,6 +34,7 @@
 #include "diffcomm/encoder_parallel/qwen2vl.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/error.hpp"
+#include "diffcomm/nn/functional.hpp"
 #include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "diffcomm/tensor.hpp"
@@ -1266,17 +1267,6 @@ TEST(TrainingStep, InconsistentConfigurationsRejected) {
 // gradient; summing the replicas again in the exchange (Partial) counts it
 // tp times. ReplicatedOverTp (what receiver_grad_for says) gives it once.
 
-struct CopyToTpRegion : Function<CopyToTpRegion> {
-  static constexpr const char* kName = "TestCopyToTpRegionBackward";
-  dist::ProcessGroup tp;
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0]}; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
-    Tensor g = grads[0].copy_data();
-    dist::all_reduce(tp, g, dist::ReduceOp::Sum);
-    return {g};
-  }
-};
-
 double u_value(int t, int64_t b, int64_t tok, int64_t h) {
   return (1.0 + t) * (static_cast<double>(tok) + 1.0 + static_cast<double>(h) / 4.0 +
                       10.0 * static_cast<double>(b));
@@ -1311,7 +1301,7 @@ std::map<int64_t, std::vector<double>> replica_step(int cp, int tp, const ep::Ba
     Tensor base = zeros({layout.rows(), kHidden}, DType::Float64);
     base.set_requires_grad(true);
     const Tensor E = ep::merge_into_decoder(base, received, layout, routed.rows);
-    const Tensor X = CopyToTpRegion{{}, dm.group("tp")}.apply({E})[0];
+    const Tensor X = nn::copy_to_tp_region(E, dm.group("tp"));
     std::vector<double> u;
     for (const auto& [b, tok] : layout.tokens())
       for (int64_t h = 0; h < kHidden; ++h) u.push_back(u_value(t, b, tok, h));

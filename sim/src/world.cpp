@@ -268,19 +268,21 @@ struct World::Impl {
           if (shape_of(i) != shape_of(0)) return differ(0, i, "shape");
         break;
       case OpType::AllGatherV:
+      case OpType::ReduceScatterV: {
+        // The splits every member must agree on: the output's for the
+        // gather, the input's for the reduce-scatter.
+        const bool gather = op == OpType::AllGatherV;
+        const auto splits = [&](std::size_t i) -> const std::vector<int64_t>& {
+          return gather ? c[i]->output_splits : c[i]->input_splits;
+        };
         for (std::size_t i = 1; i < n; ++i) {
-          if (c[i]->output_splits != c[0]->output_splits) return differ(0, i, "output_splits");
+          if (splits(i) != splits(0))
+            return differ(0, i, gather ? "output_splits" : "input_splits");
           if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
             return differ(0, i, "row shape");
         }
         break;
-      case OpType::ReduceScatterV:
-        for (std::size_t i = 1; i < n; ++i) {
-          if (c[i]->input_splits != c[0]->input_splits) return differ(0, i, "input_splits");
-          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
-            return differ(0, i, "row shape");
-        }
-        break;
+      }
       case OpType::AllToAllSingle:
         for (std::size_t i = 0; i < n; ++i) {
           if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))

@@ -75,20 +75,6 @@ Tensor gather_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
   return from_vector(v, {static_cast<int64_t>(tokens.size()), hidden}, dtype);
 }
 
-// Megatron's "copy to tensor-parallel region": identity forward, all-reduce
-// of the input gradient over TP backward — after it every TP replica holds
-// the complete, equal gradient.
-struct CopyToTpRegionFn : Function<CopyToTpRegionFn> {
-  static constexpr const char* kName = "CopyToTpRegionBackward";
-  dist::ProcessGroup tp;
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0]}; }
-  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
-    Tensor g = grads[0].copy_data();
-    dist::all_reduce(tp, g, dist::ReduceOp::Sum);
-    return {g};
-  }
-};
-
 void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
   if (cfg.dp < 1 || cfg.decoder.cp < 1 || cfg.decoder.tp < 1)
     throw InvalidArgument(fmt::format("training step: dp {}, cp {}, tp {} must be >= 1", cfg.dp,
@@ -233,7 +219,7 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
     positional = dot(E, U);
     X = nn::all_gather_single(E, tp_group);
   } else {
-    X = CopyToTpRegionFn{{}, tp_group}.apply({E})[0];
+    X = nn::copy_to_tp_region(E, tp_group);
     if (res.tp_rank == 0) positional = dot(X, U);
   }
   const Tensor Y = matmul(X, A_t);

@@ -375,6 +375,17 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
   }
 };
 
+struct CopyToTpRegionFn : Function<CopyToTpRegionFn> {
+  static constexpr const char* kName = "CopyToTpRegionBackward";
+  ProcessGroup group;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0]}; }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    Tensor g = grads[0].copy_data();
+    dist::all_reduce(group, g, ReduceOp::Sum);
+    return {g};
+  }
+};
+
 struct EmptyFromAnchorFn : Function<EmptyFromAnchorFn> {
   static constexpr const char* kName = "CatOrEmptyBackward";
   int64_t width;
@@ -474,6 +485,11 @@ Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Spl
                          const ProcessGroup& group) {
   check_defined("all_to_all_single", group, x, "x");
   return AllToAllSingleFn{{}, group, output_splits, input_splits, {}}.apply({x})[0];
+}
+
+Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group) {
+  check_defined("copy_to_tp_region", group, x, "x");
+  return CopyToTpRegionFn{{}, group}.apply({x})[0];
 }
 
 Tensor cat_or_empty(const std::vector<Tensor>& rows, const Tensor& anchor, int64_t width) {

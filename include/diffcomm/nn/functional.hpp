@@ -108,6 +108,14 @@ std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup
 Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Splits& input_splits,
                          const ProcessGroup& group);
 
+/// Megatron's "copy to tensor-model-parallel region" (f in the Megatron-LM
+/// paper): y = x (identity; x is a replica held equally by every member), and
+/// dx = all_reduce(g, Sum) over group, so after backward every replica holds
+/// the complete, equal gradient. This is what makes the receivers of an
+/// exchange "replicas" in the sense of GatherGrad::Replicated /
+/// ReceiverGrad::ReplicatedOverTp.
+Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group);
+
 /// cat(rows) when rows is non-empty; otherwise a [0, width] tensor of
 /// anchor's dtype and device that keeps an autograd edge to anchor (its
 /// backward gives anchor a zero gradient). Lets a rank with nothing to send
