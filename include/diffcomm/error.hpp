@@ -41,6 +41,17 @@ class RankFailure : public Error {
   using Error::Error;
 };
 
+/// A production backend waited longer than its deadline (Options::timeout_s,
+/// DIFFCOMM_TIMEOUT) for a call to complete — typically a member returned
+/// early, failed or skipped the call. The message names the group, the op and
+/// the call number waited in, and this rank's flight recorder. The group is
+/// unusable afterwards (its transport has calls in flight): end the process
+/// (the MPI backend's mpi::abort) rather than continue on it.
+class Timeout : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A transport (MPI, NCCL, CUDA) reported an error; the message carries the
 /// backend's own code and text.
 class BackendError : public Error {

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/fingerprint.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/error.hpp"
 #include "scheduler.hpp"
@@ -75,10 +76,6 @@ struct RankState {
   std::string error_message;
   uint64_t failure_order = 0;
 };
-
-std::string rank_label(const SimGroup& g, int slot) {
-  return fmt::format("rank {} (global {})", slot, g.members[static_cast<std::size_t>(slot)]);
-}
 
 }  // namespace
 
@@ -222,118 +219,22 @@ struct World::Impl {
   }
 
   // ---------------------------------------------------------- fingerprints
-  // Returns "" when the members agree, else the mismatch report.
+  // Returns "" when the members agree, else the mismatch report (the shared
+  // dist::compare, so production's checked mode reports in the same words).
   static std::string compare(const Rendezvous& rv) {
-    const auto& c = rv.calls;
-    const SimGroup& g = *rv.group;
-    const std::size_t n = c.size();
-    auto differ = [&](std::size_t a, std::size_t b, const std::string& field) {
-      return fmt::format("{} called {} but {} called {}: {} differs",
-                         rank_label(g, static_cast<int>(a)), c[a]->signature(),
-                         rank_label(g, static_cast<int>(b)), c[b]->signature(), field);
-    };
-    for (std::size_t i = 1; i < n; ++i) {
-      if (c[i]->op != c[0]->op) return differ(0, i, "op");
-      if (c[0]->op == OpType::NewGroup) {
-        if (c[i]->output_splits != c[0]->output_splits) return differ(0, i, "member list");
-        continue;
-      }
-      if (c[0]->op == OpType::Barrier) continue;
-      if (c[i]->dtype != c[0]->dtype) return differ(0, i, "dtype");
-      if (c[i]->root != c[0]->root) return differ(0, i, "root");
-      if (c[i]->reduce_op != c[0]->reduce_op) return differ(0, i, "reduce op");
-    }
-    const OpType op = c[0]->op;
-    auto shape_of = [&](std::size_t i) -> Shape {
-      switch (op) {
-        case OpType::ReduceScatter:
-        case OpType::Scatter: return c[i]->outputs[0].shape();
-        default: return c[i]->inputs[0].shape();
-      }
-    };
-    auto row_shape = [](const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); };
-    switch (op) {
-      case OpType::AllReduce:
-      case OpType::Broadcast:
-      case OpType::Reduce:
-      case OpType::AllGather:
-      case OpType::AllGatherSingle:
-      case OpType::Gather:
-      case OpType::Scatter:
-      case OpType::ReduceScatter:
-      case OpType::ReduceScatterSingle:
-      case OpType::Send:
-      case OpType::Recv:
-        for (std::size_t i = 1; i < n; ++i)
-          if (shape_of(i) != shape_of(0)) return differ(0, i, "shape");
-        break;
-      case OpType::AllGatherV:
-      case OpType::ReduceScatterV: {
-        // The splits every member must agree on: the output's for the
-        // gather, the input's for the reduce-scatter.
-        const bool gather = op == OpType::AllGatherV;
-        const auto splits = [&](std::size_t i) -> const std::vector<int64_t>& {
-          return gather ? c[i]->output_splits : c[i]->input_splits;
-        };
-        for (std::size_t i = 1; i < n; ++i) {
-          if (splits(i) != splits(0))
-            return differ(0, i, gather ? "output_splits" : "input_splits");
-          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
-            return differ(0, i, "row shape");
-        }
-        break;
-      }
-      case OpType::AllToAllSingle:
-        for (std::size_t i = 0; i < n; ++i) {
-          if (row_shape(c[i]->inputs[0]) != row_shape(c[0]->inputs[0]))
-            return differ(0, i, "row shape");
-          for (std::size_t j = 0; j < n; ++j)
-            if (c[i]->input_splits[j] != c[j]->output_splits[i])
-              return fmt::format(
-                  "{} sends input_splits[{}] = {} rows to {}, but that rank expects "
-                  "output_splits[{}] = {} rows from it: {} calls {}, {} calls {}: splits differ",
-                  rank_label(g, static_cast<int>(i)), j, c[i]->input_splits[j],
-                  rank_label(g, static_cast<int>(j)), i, c[j]->output_splits[i],
-                  rank_label(g, static_cast<int>(i)), c[i]->signature(),
-                  rank_label(g, static_cast<int>(j)), c[j]->signature());
-        }
-        break;
-      case OpType::AllToAll:
-        for (std::size_t i = 0; i < n; ++i)
-          for (std::size_t s = 0; s < n; ++s)
-            if (c[i]->outputs[s].shape() != c[s]->inputs[i].shape())
-              return fmt::format(
-                  "{} expects outputs[{}] of shape {} but {} sends inputs[{}] of shape {}: shape "
-                  "differs",
-                  rank_label(g, static_cast<int>(i)), s, shape_str(c[i]->outputs[s].shape()),
-                  rank_label(g, static_cast<int>(s)), i, shape_str(c[s]->inputs[i].shape()));
-        break;
-      default: break;
-    }
-    return "";
+    std::vector<dist::CallDesc> descs;
+    descs.reserve(rv.calls.size());
+    std::vector<const dist::CallDesc*> ptrs;
+    ptrs.reserve(rv.calls.size());
+    for (const Call* c : rv.calls) descs.push_back(dist::describe(*c));
+    for (const auto& d : descs) ptrs.push_back(&d);
+    return dist::compare(ptrs, rv.group->members);
   }
 
   // ---------------------------------------------------------- data movement
-  static bool overlaps(const Tensor& a, const Tensor& b) {
-    if (a.nbytes() == 0 || b.nbytes() == 0) return false;
-    const char* pa = static_cast<const char*>(a.data_ptr());
-    const char* pb = static_cast<const char*>(b.data_ptr());
-    return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-  }
-
-  // Inputs that alias some member's output are snapshotted first, so the
-  // order in which the last arriver writes outputs cannot matter.
-  static void snapshot_aliased_inputs(std::vector<Call*>& calls) {
-    for (Call* ci : calls)
-      for (Tensor& in : ci->inputs) {
-        bool alias = false;
-        for (Call* co : calls)
-          for (const Tensor& out : co->outputs)
-            if (overlaps(in, out)) alias = true;
-        if (alias) in = in.copy_data();
-      }
-  }
-
+  // Aliasing: the funnel has already staged every input that overlaps an
+  // output of the same call (dist/collectives.cpp), the one rule of every
+  // backend, so the data move below never reads what it has written.
   // offsets[k] = splits[0] + ... + splits[k-1]
   static std::vector<int64_t> prefix(const std::vector<int64_t>& splits) {
     std::vector<int64_t> out(splits.size() + 1, 0);
@@ -349,8 +250,6 @@ struct World::Impl {
   static void move_data(std::vector<Call*>& c) {
     const std::size_t n = c.size();
     const OpType op = c[0]->op;
-    if (op != OpType::AllReduce && op != OpType::Broadcast && op != OpType::Reduce)
-      snapshot_aliased_inputs(c);
     switch (op) {
       case OpType::Barrier:
       case OpType::NewGroup: break;
@@ -610,13 +509,12 @@ void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, C
     g->pending_p2p.erase(key);
     Call& s = *rv->calls[0];
     Call& r = *rv->calls[1];
-    if (s.dtype != r.dtype || s.inputs[0].shape() != r.outputs[0].shape()) {
+    const std::string mismatch =
+        dist::compare_p2p(dist::describe(s), src, g->members[static_cast<std::size_t>(src)],
+                          dist::describe(r), dst, g->members[static_cast<std::size_t>(dst)]);
+    if (!mismatch.empty()) {
       rv->error = ErrorKind::Mismatch;
-      rv->message = fmt::format(
-          "collective mismatch: {} sends {}{} (tag {}) but {} receives into {}{}: shape "
-          "or dtype differs",
-          rank_label(*g, src), dtype_name(s.dtype), shape_str(s.inputs[0].shape()), call.tag,
-          rank_label(*g, dst), dtype_name(r.dtype), shape_str(r.outputs[0].shape()));
+      rv->message = "collective mismatch: " + mismatch;
       wake(*rv);
     } else {
       complete(*rv);
@@ -649,9 +547,8 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
       // Members with one color form a group, ordered by (key, old rank).
       std::map<int64_t, std::vector<std::pair<int64_t, int>>> by_color;
       for (std::size_t i = 0; i < n; ++i) {
-        const int64_t color = rv->calls[i]->input_splits[0];
-        if (color >= 0)
-          by_color[color].push_back({rv->calls[i]->input_splits[1], static_cast<int>(i)});
+        const int64_t color = rv->calls[i]->color;
+        if (color >= 0) by_color[color].push_back({rv->calls[i]->key, static_cast<int>(i)});
       }
       rv->split_results.assign(n, nullptr);
       for (auto& [color, members] : by_color) {

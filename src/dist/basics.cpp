@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/fingerprint.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/dist/stats.hpp"
 
@@ -43,44 +44,12 @@ const char* op_cstr(OpType op) {
 
 std::string op_name(OpType op) { return op_cstr(op); }
 
-namespace {
-std::string shapes_str(const std::vector<Tensor>& ts) {
-  std::vector<std::string> parts;
-  for (const auto& t : ts) parts.push_back(t.defined() ? shape_str(t.shape()) : "undefined");
-  return fmt::format("{}", fmt::join(parts, ","));
-}
-bool has_reduce(OpType op) {
-  return op == OpType::AllReduce || op == OpType::Reduce || op == OpType::ReduceScatter ||
-         op == OpType::ReduceScatterSingle || op == OpType::ReduceScatterV;
-}
-bool has_root(OpType op) {
-  return op == OpType::Broadcast || op == OpType::Reduce || op == OpType::Gather ||
-         op == OpType::Scatter;
-}
-}  // namespace
-
-std::string Call::signature() const {
-  if (op == OpType::NewGroup)
-    return fmt::format("new_group(members=[{}])", fmt::join(output_splits, ","));
-  std::string s = op_name(op) + "(";
-  if (op != OpType::Barrier && op != OpType::NewGroup) {
-    s += dtype_name(dtype);
-    if (!inputs.empty()) s += fmt::format(", in={}", shapes_str(inputs));
-    if (!outputs.empty() && op != OpType::AllReduce && op != OpType::Broadcast &&
-        op != OpType::Reduce)
-      s += fmt::format(", out={}", shapes_str(outputs));
-  }
-  if (has_root(op)) s += fmt::format(", root={}", root);
-  if (op == OpType::Send || op == OpType::Recv) s += fmt::format(", peer={}, tag={}", root, tag);
-  if (has_reduce(op)) s += ", op=" + reduce_op_name(reduce_op);
-  if (!input_splits.empty() && op != OpType::NewGroup)
-    s += fmt::format(", input_splits=[{}]", fmt::join(input_splits, ","));
-  if (!output_splits.empty())
-    s += fmt::format(", output_splits=[{}]", fmt::join(output_splits, ","));
-  return s + ")";
-}
+std::string Call::signature() const { return dist::signature(describe(*this)); }
 
 std::string Call::where() const {
+  if (part_of)
+    return fmt::format("{} #{} on group '{}' (rank {} of {}, {} step)", part_of, seq, group, rank,
+                       group_size, op_name(op));
   return fmt::format("{} #{} on group '{}' (rank {} of {})", op_name(op), seq, group, rank,
                      group_size);
 }

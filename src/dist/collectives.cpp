@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "diffcomm/error.hpp"
@@ -19,6 +20,58 @@ uint64_t nbytes(const std::vector<Tensor>& ts) {
   return s;
 }
 int64_t split_sum(const Splits& s) { return std::accumulate(s.begin(), s.end(), int64_t{0}); }
+
+// The aliasing rule, one for every backend: an input whose bytes overlap an
+// output of the same call is staged (copied) before the backend sees the
+// call, so every primitive reads all of its inputs as they were when called,
+// whatever the transport's order of reads and writes (MPI forbids send ==
+// receive buffers; an in-place all_to_all would otherwise corrupt rows). The
+// in-place ops (all_reduce, broadcast, reduce) take one tensor as both by
+// design; their backends handle that. Cost: one range comparison per tensor
+// pair for single-tensor ops; list forms sort the output ranges once
+// (O(k log k)), never a comparison per rank pair.
+using Range = std::pair<const char*, const char*>;
+Range range_of(const Tensor& t) {
+  const char* p = static_cast<const char*>(t.data_ptr());
+  return {p, p + t.nbytes()};
+}
+bool overlap(const Range& a, const Range& b) { return a.first < b.second && b.first < a.second; }
+
+void stage_aliased_inputs(Call& c) {
+  if (c.op == OpType::AllReduce || c.op == OpType::Broadcast || c.op == OpType::Reduce) return;
+  if (c.inputs.empty() || c.outputs.empty()) return;
+  if (c.outputs.size() == 1) {
+    const Range out = range_of(c.outputs[0]);
+    if (out.first == out.second) return;
+    for (Tensor& in : c.inputs)
+      if (in.nbytes() > 0 && overlap(range_of(in), out)) in = in.copy_data();
+    return;
+  }
+  // Disjoint union of the output ranges, sorted, then one binary search per
+  // input.
+  std::vector<Range> outs;
+  outs.reserve(c.outputs.size());
+  for (const Tensor& t : c.outputs)
+    if (t.nbytes() > 0) outs.push_back(range_of(t));
+  if (outs.empty()) return;
+  std::sort(outs.begin(), outs.end());
+  std::size_t k = 0;
+  for (std::size_t i = 1; i < outs.size(); ++i) {
+    if (outs[i].first < outs[k].second)
+      outs[k].second = std::max(outs[k].second, outs[i].second);
+    else
+      outs[++k] = outs[i];
+  }
+  outs.resize(k + 1);
+  for (Tensor& in : c.inputs) {
+    if (in.nbytes() == 0) continue;
+    const Range r = range_of(in);
+    // The first output range ending after r begins is the only candidate.
+    auto it = std::upper_bound(outs.begin(), outs.end(), r.first,
+                               [](const char* p, const Range& o) { return p < o.second; });
+    if (it != outs.end() && overlap(r, *it)) in = in.copy_data();
+  }
+}
 
 // Builds the Call and validates it; fail() raises InvalidArgument naming the
 // op, the group, the rank and the call number this call would take.
@@ -98,13 +151,35 @@ class Checker {
                        ref_role, shape_str(trailing(ref))));
   }
 
-  // Numbers the call, accounts its bytes and hands it to the backend.
+  // Numbers the call, accounts its bytes, applies the aliasing rule, records
+  // it in the rank's flight recorder and hands it to the backend.
   void dispatch(uint64_t sent, uint64_t received) {
     const bool p2p = call_.op == OpType::Send || call_.op == OpType::Recv;
     call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
     call_.bytes_sent = sent;
     call_.bytes_received = received;
     g_.stats().record(g_.name(), op_cstr(call_.op), sent, received);
+    stage_aliased_inputs(call_);
+    FlightRecorder& recorder = g_.flight_recorder();
+    const std::size_t slot = recorder.begin(call_);
+    try {
+      to_backend();
+    } catch (const Timeout& e) {
+      // No fiber switch happens in these handlers (the simulated world never
+      // raises Timeout; rethrowing does not yield).
+      recorder.end(slot, FlightRecord::State::Failed);
+      throw Timeout(fmt::format("{}\n{}", e.what(), recorder.dump()));
+    } catch (...) {
+      recorder.end(slot, FlightRecord::State::Failed);
+      throw;
+    }
+    recorder.end(slot, FlightRecord::State::Completed);
+  }
+
+  std::shared_ptr<Backend> split_result;
+
+ private:
+  void to_backend() {
     Backend& b = g_.backend();
     switch (call_.op) {
       case OpType::Barrier: b.barrier(call_); break;
@@ -123,11 +198,10 @@ class Checker {
       case OpType::AllToAllSingle: b.all_to_all_single(call_); break;
       case OpType::Send: b.send(call_); break;
       case OpType::Recv: b.recv(call_); break;
-      case OpType::NewGroup: fail("new_group goes through ProcessGroup::split");
+      case OpType::NewGroup: split_result = b.split(call_, call_.color, call_.key); break;
     }
   }
 
- private:
   const ProcessGroup& g_;
   Call call_;
   bool have_first_ = false;
@@ -145,6 +219,18 @@ Splits even_splits(int64_t rows, int parts, const char* op) {
         "{}: {} rows cannot be split evenly over {} ranks; pass explicit splits", op, rows, parts));
   return Splits(static_cast<std::size_t>(parts), rows / parts);
 }
+
+namespace detail {
+std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
+                                       const std::vector<int64_t>& fingerprint) {
+  Checker c(group, OpType::NewGroup);
+  c.call().color = color;
+  c.call().key = key;
+  c.call().members = fingerprint;
+  c.dispatch(0, 0);
+  return c.split_result;
+}
+}  // namespace detail
 
 void barrier(const ProcessGroup& group) {
   Checker c(group, OpType::Barrier);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::dist {
@@ -12,17 +13,19 @@ struct ProcessGroup::State {
   std::shared_ptr<Backend> backend;
   std::string name;
   std::shared_ptr<Stats> stats;
+  std::shared_ptr<FlightRecorder> recorder;
   uint64_t seq = 0;
   uint64_t p2p_seq = 0;
 };
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Backend> backend, std::string name,
-                           std::shared_ptr<Stats> stats)
+                           std::shared_ptr<Stats> stats, std::shared_ptr<FlightRecorder> recorder)
     : state_(std::make_shared<State>()) {
   if (!backend) throw InvalidArgument("ProcessGroup: null backend");
   state_->backend = std::move(backend);
   state_->name = std::move(name);
   state_->stats = stats ? std::move(stats) : std::make_shared<Stats>();
+  state_->recorder = recorder ? std::move(recorder) : std::make_shared<FlightRecorder>();
 }
 
 int ProcessGroup::rank() const { return state_->backend->rank(); }
@@ -30,6 +33,7 @@ int ProcessGroup::size() const { return state_->backend->size(); }
 const std::string& ProcessGroup::name() const { return state_->name; }
 Backend& ProcessGroup::backend() const { return *state_->backend; }
 Stats& ProcessGroup::stats() const { return *state_->stats; }
+FlightRecorder& ProcessGroup::flight_recorder() const { return *state_->recorder; }
 uint64_t ProcessGroup::next_seq() const { return state_->seq++; }
 uint64_t ProcessGroup::next_p2p_seq() const { return state_->p2p_seq++; }
 
@@ -49,18 +53,10 @@ std::vector<int> ProcessGroup::members() const {
 std::optional<ProcessGroup> ProcessGroup::split(int color, int key,
                                                 const std::vector<int64_t>& fingerprint,
                                                 std::string new_name) const {
-  Call call;
-  call.op = OpType::NewGroup;
-  call.group = name();
-  call.rank = rank();
-  call.group_size = size();
-  call.output_splits = fingerprint;
-  call.input_splits = {color, key};
-  call.seq = next_seq();
-  stats().record(name(), op_name(OpType::NewGroup), 0, 0);
-  std::shared_ptr<Backend> b = state_->backend->split(call, color, key);
+  // Through the funnel like every other call (numbering, stats, recorder).
+  std::shared_ptr<Backend> b = detail::split_backend(*this, color, key, fingerprint);
   if (!b) return std::nullopt;
-  return ProcessGroup(std::move(b), std::move(new_name), state_->stats);
+  return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder);
 }
 
 std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks,

@@ -1,11 +1,24 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::dist {
+namespace {
+// The type integer sums and products are computed in: unsigned, so they wrap
+// without undefined behaviour. Floats compute in their own type.
+template <class C, bool = std::is_integral_v<C>>
+struct wrap_type {
+  using type = C;
+};
+template <class C>
+struct wrap_type<C, true> {
+  using type = std::make_unsigned_t<C>;
+};
+}  // namespace
 
 void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) {
   if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
@@ -37,12 +50,27 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
         }
       }
     };
+    // Integers wrap around (two's complement, as NCCL and MPI do), computed
+    // in the unsigned type so no signed overflow (undefined) happens.
+    // Max/Min propagate NaN whatever the order contributions arrive in
+    // (IEEE maximum/minimum, torch.maximum): `x != x` is true only for NaN.
+    using U = typename wrap_type<C>::type;
     switch (op) {
       case ReduceOp::Sum:
-      case ReduceOp::Avg: fold([](C a, C v) { return static_cast<C>(a + v); }); break;
-      case ReduceOp::Product: fold([](C a, C v) { return static_cast<C>(a * v); }); break;
-      case ReduceOp::Min: fold([](C a, C v) { return std::min(a, v); }); break;
-      case ReduceOp::Max: fold([](C a, C v) { return std::max(a, v); }); break;
+      case ReduceOp::Avg:
+        fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) + static_cast<U>(v)); });
+        break;
+      case ReduceOp::Product:
+        fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) * static_cast<U>(v)); });
+        break;
+      // The first NaN in rank order wins (bit-identical NaN payloads on every
+      // backend); otherwise the earlier input wins ties.
+      case ReduceOp::Min:
+        fold([](C a, C v) { return (a != a) ? a : (v < a || v != v) ? v : a; });
+        break;
+      case ReduceOp::Max:
+        fold([](C a, C v) { return (a != a) ? a : (a < v || v != v) ? v : a; });
+        break;
     }
     T* po = static_cast<T*>(out.data_ptr());
     if (op == ReduceOp::Avg) {

@@ -7,8 +7,18 @@
 //    the last handle goes away, if MPI is still initialised).
 //  - Every communicator diffcomm touches gets MPI_ERRORS_RETURN; a failing
 //    call raises BackendError with MPI's error string, the op and the rank.
-//  - bfloat16/float16 reductions use user-defined MPI ops that compute each
-//    pairwise combine in float32; Avg is a Sum followed by a scale.
+//  - Every call is issued non-blocking and completed in the shared wait loop
+//    with a deadline (Options::timeout_s, DIFFCOMM_TIMEOUT): a member that
+//    returns early, fails or skips a call makes the others raise Timeout with
+//    their flight recorder, never hang.
+//  - Reductions (all_reduce, reduce, reduce_scatter*) are diffcomm's
+//    deterministic composition (dist/composed.hpp): bit-identical to the
+//    simulated world. Options::native_reduction uses MPI's own reductions
+//    instead (16-bit types through user ops that round per combine; Avg as a
+//    sum then a scale): faster, not bit-reproducible.
+//  - Checked mode (Options::check, DIFFCOMM_CHECK; on in Debug builds):
+//    dist::CheckedBackend on a duplicate communicator compares every call's
+//    fingerprint across members and raises CollectiveMismatch on all.
 //  - Counts above 2^31-1 elements: fixed-size collectives are issued in
 //    chunks; variable ones (all_gather_v, reduce_scatter_v,
 //    all_to_all_single, all_to_all) and send/recv fall back to per-peer
@@ -21,6 +31,7 @@
 #include <string>
 
 #include "diffcomm/dist/group.hpp"
+#include "diffcomm/dist/options.hpp"
 
 namespace diffcomm::mpi {
 
@@ -38,13 +49,18 @@ class Environment {
 };
 
 /// The group of every process (MPI_COMM_WORLD, borrowed). Requires MPI to be
-/// initialised (BackendError otherwise).
-dist::ProcessGroup world();
+/// initialised (BackendError otherwise). Sub-groups inherit `options`.
+dist::ProcessGroup world(const dist::Options& options = {});
 
 /// A group over a caller's communicator, borrowed: diffcomm sets
 /// MPI_ERRORS_RETURN on it but never frees it. The caller keeps it valid
 /// while any handle to the group lives.
-dist::ProcessGroup from_comm(MPI_Comm comm, std::string name = "mpi");
+dist::ProcessGroup from_comm(MPI_Comm comm, std::string name = "mpi",
+                             const dist::Options& options = {});
+
+/// MPI_Abort(MPI_COMM_WORLD, code): how a process ends after a Timeout (its
+/// groups have calls in flight, so MPI_Finalize could block).
+[[noreturn]] void abort(int code);
 
 /// Largest element count passed to one MPI call (default INT_MAX). Tests
 /// lower it to exercise the chunked, large-count paths with small buffers.

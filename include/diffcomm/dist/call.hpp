@@ -51,14 +51,22 @@ struct Call {
   std::vector<Tensor> inputs;   ///< read-only buffers
   std::vector<Tensor> outputs;  ///< written buffers (in-place ops: inputs == outputs)
   /// Rows per peer. all_to_all_single: both (even splits made explicit);
-  /// all_gather_v: output_splits; reduce_scatter_v: input_splits;
-  /// new_group: output_splits holds the member list.
+  /// all_gather_v: output_splits; reduce_scatter_v: input_splits.
   std::vector<int64_t> input_splits;
   std::vector<int64_t> output_splits;
+  /// new_group/split: this member's color (< 0: not in any new group) and
+  /// key, and the fingerprint every member must pass (new_group: the member
+  /// list).
+  int color = -1;
+  int key = 0;
+  std::vector<int64_t> members;
   /// Payload bytes this rank sends to / receives from other ranks (see
   /// Stats); set by the funnel, used by cost models and traces.
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  /// Set on the transport steps of a composed call (dist/composed.hpp): the
+  /// user's op this step belongs to, for messages. Null otherwise.
+  const char* part_of = nullptr;
 
   /// "all_reduce(float32[4], op=sum)" — the fields a fingerprint compares.
   std::string signature() const;

@@ -15,6 +15,7 @@
 // Errors: InvalidArgument (local checks), CollectiveMismatch / Deadlock /
 // RankFailure (simulated world), BackendError (transport).
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "diffcomm/dist/group.hpp"
@@ -95,6 +96,12 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
 void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag = 0);
 /// Receives into tensor from member src (same shape and dtype as sent).
 void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag = 0);
+
+namespace detail {
+/// The funnel's entry for ProcessGroup::split/new_group (users call those).
+std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
+                                       const std::vector<int64_t>& fingerprint);
+}  // namespace detail
 
 /// Even split of `rows` into `parts` blocks; throws InvalidArgument (naming
 /// `op`) when rows is not divisible.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/flight_recorder.hpp"
 #include "diffcomm/dist/stats.hpp"
 
 namespace diffcomm::dist {
@@ -16,7 +17,10 @@ class ProcessGroup {
  public:
   /// Wraps a backend. Backends' factories (sim::Rank::world(),
   /// mpi::world(), ...) call this; users rarely do.
-  ProcessGroup(std::shared_ptr<Backend> backend, std::string name, std::shared_ptr<Stats> stats);
+  /// `stats` and `recorder` are shared by every group of one rank (null:
+  /// fresh ones).
+  ProcessGroup(std::shared_ptr<Backend> backend, std::string name, std::shared_ptr<Stats> stats,
+               std::shared_ptr<FlightRecorder> recorder = nullptr);
 
   /// This process's group-local rank, in [0, size()).
   int rank() const;
@@ -30,6 +34,8 @@ class ProcessGroup {
   Backend& backend() const;
   /// Traffic counters of this rank (shared by all groups made from one world).
   Stats& stats() const;
+  /// The last calls of this rank (shared by all groups of the rank).
+  FlightRecorder& flight_recorder() const;
   /// Next per-group call number (the funnel numbers every call).
   uint64_t next_seq() const;
   /// Next point-to-point call number. Kept apart from next_seq(), because a

@@ -1,15 +1,23 @@
 // The Open MPI backend. The funnel (dist/collectives.cpp) has validated every
-// Call; here each primitive maps to the MPI call it wraps, with MPI's error
-// codes turned into BackendError at every boundary.
+// Call; here each primitive maps to the non-blocking MPI call it wraps
+// (issue), then waits for it with the shared deadline loop (complete), so a
+// peer that never arrives gives Timeout instead of a hang. Reductions are
+// composed from data movement (dist/composed.hpp) unless Options asks for
+// MPI's native reduction. MPI's error codes become BackendError at every
+// boundary.
 #include <fmt/format.h>
 
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/checked_backend.hpp"
+#include "diffcomm/dist/composed.hpp"
+#include "diffcomm/dist/wait.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
 
@@ -120,7 +128,8 @@ void finish_avg(const Call& c, Tensor t) {
 
 class MpiBackend final : public dist::Backend {
  public:
-  MpiBackend(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
+  MpiBackend(MPI_Comm comm, bool owned, const dist::Options& options)
+      : comm_(comm), owned_(owned), options_(options), timeout_s_(options.resolved_timeout_s()) {
     check_plain(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check_plain(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     check_plain(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
@@ -148,40 +157,58 @@ class MpiBackend final : public dist::Backend {
   bool supports(const Device& d) const override { return d.is_cpu(); }
 
   std::shared_ptr<dist::Backend> split(Call& c, int color, int key) override {
+    // MPI_Comm_split blocks: meet in a non-blocking barrier with the deadline
+    // first, so a member that never calls gives Timeout, not a hang.
+    Requests reqs;
+    DIFFCOMM_MPI_CHECK(MPI_Ibarrier(comm_, reqs.add()), c);
+    wait(c, reqs);
     MPI_Comm sub = MPI_COMM_NULL;
     DIFFCOMM_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), c);
     if (sub == MPI_COMM_NULL) return nullptr;
-    return std::make_shared<MpiBackend>(sub, /*owned=*/true);
+    return std::make_shared<MpiBackend>(sub, /*owned=*/true, options_);
   }
 
-  void barrier(Call& c) override { DIFFCOMM_MPI_CHECK(MPI_Barrier(comm_), c); }
+  void barrier(Call& c) override {
+    Requests reqs;
+    DIFFCOMM_MPI_CHECK(MPI_Ibarrier(comm_, reqs.add()), c);
+    wait(c, reqs);
+  }
 
   void all_reduce(Call& c) override {
+    if (!options_.native_reduction) return dist::composed_all_reduce(*this, c);
     const Tensor& t = c.outputs[0];
+    Requests reqs;
     each_chunk(t.numel(), [&](int64_t off, int count) {
-      DIFFCOMM_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, elem(t, off), count, mpi_type(c.dtype),
-                                       mpi_op(c.dtype, c.reduce_op), comm_),
+      DIFFCOMM_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, elem(t, off), count, mpi_type(c.dtype),
+                                        mpi_op(c.dtype, c.reduce_op), comm_, reqs.add()),
                          c);
     });
+    wait(c, reqs);
     finish_avg(c, t);
   }
 
   void broadcast(Call& c) override {
     const Tensor& t = c.outputs[0];
+    Requests reqs;
     each_chunk(t.numel(), [&](int64_t off, int count) {
-      DIFFCOMM_MPI_CHECK(MPI_Bcast(elem(t, off), count, mpi_type(c.dtype), c.root, comm_), c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Ibcast(elem(t, off), count, mpi_type(c.dtype), c.root, comm_, reqs.add()), c);
     });
+    wait(c, reqs);
   }
 
   void reduce(Call& c) override {
+    if (!options_.native_reduction) return dist::composed_reduce(*this, c);
     const Tensor& t = c.outputs[0];
     const bool me = rank_ == c.root;
+    Requests reqs;
     each_chunk(t.numel(), [&](int64_t off, int count) {
       DIFFCOMM_MPI_CHECK(
-          MPI_Reduce(me ? MPI_IN_PLACE : elem(t, off), me ? elem(t, off) : nullptr, count,
-                     mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), c.root, comm_),
+          MPI_Ireduce(me ? MPI_IN_PLACE : elem(t, off), me ? elem(t, off) : nullptr, count,
+                      mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), c.root, comm_, reqs.add()),
           c);
     });
+    wait(c, reqs);
     if (me) finish_avg(c, t);
   }
 
@@ -209,11 +236,13 @@ class MpiBackend final : public dist::Backend {
     }
     if (fits(counts) && fits(displs)) {
       auto ic = to_int(counts), id = to_int(displs);
+      Requests reqs;
       DIFFCOMM_MPI_CHECK(
-          MPI_Allgatherv(in.numel() ? in.data_ptr() : nullptr, static_cast<int>(in.numel()),
-                         mpi_type(c.dtype), out.data_ptr(), ic.data(), id.data(), mpi_type(c.dtype),
-                         comm_),
+          MPI_Iallgatherv(in.numel() ? in.data_ptr() : nullptr, static_cast<int>(in.numel()),
+                          mpi_type(c.dtype), out.data_ptr(), ic.data(), id.data(),
+                          mpi_type(c.dtype), comm_, reqs.add()),
           c);
+      wait(c, reqs);
       return;
     }
     // Large counts: every member sends its block to every other member.
@@ -237,10 +266,12 @@ class MpiBackend final : public dist::Backend {
     const bool me = rank_ == c.root;
     Tensor tmp = me ? empty({static_cast<int64_t>(size_) * in.numel()}, in.dtype()) : Tensor{};
     if (in.numel() <= g_max_count && static_cast<int64_t>(size_) * in.numel() <= g_max_count) {
-      DIFFCOMM_MPI_CHECK(MPI_Gather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
-                                    me ? tmp.data_ptr() : nullptr, static_cast<int>(in.numel()),
-                                    mpi_type(c.dtype), c.root, comm_),
+      Requests reqs;
+      DIFFCOMM_MPI_CHECK(MPI_Igather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
+                                     me ? tmp.data_ptr() : nullptr, static_cast<int>(in.numel()),
+                                     mpi_type(c.dtype), c.root, comm_, reqs.add()),
                          c);
+      wait(c, reqs);
     } else {
       const int64_t nb = static_cast<int64_t>(in.nbytes());
       std::vector<Block> sends, recvs;
@@ -271,11 +302,13 @@ class MpiBackend final : public dist::Backend {
             .copy_(c.inputs[static_cast<std::size_t>(s)].view_as_shape({out.numel()}));
     }
     if (static_cast<int64_t>(size_) * out.numel() <= g_max_count) {
+      Requests reqs;
       DIFFCOMM_MPI_CHECK(
-          MPI_Scatter(me ? tmp.data_ptr() : nullptr, static_cast<int>(out.numel()),
-                      mpi_type(c.dtype), out.data_ptr(), static_cast<int>(out.numel()),
-                      mpi_type(c.dtype), c.root, comm_),
+          MPI_Iscatter(me ? tmp.data_ptr() : nullptr, static_cast<int>(out.numel()),
+                       mpi_type(c.dtype), out.data_ptr(), static_cast<int>(out.numel()),
+                       mpi_type(c.dtype), c.root, comm_, reqs.add()),
           c);
+      wait(c, reqs);
       return;
     }
     const int64_t nb = static_cast<int64_t>(out.nbytes());
@@ -293,6 +326,7 @@ class MpiBackend final : public dist::Backend {
   }
 
   void reduce_scatter(Call& c) override {
+    if (!options_.native_reduction) return dist::composed_reduce_scatter(*this, c);
     const Tensor& out = c.outputs[0];
     Tensor tmp = empty({static_cast<int64_t>(size_) * out.numel()}, out.dtype());
     for (int s = 0; s < size_; ++s)
@@ -302,12 +336,14 @@ class MpiBackend final : public dist::Backend {
   }
 
   void reduce_scatter_single(Call& c) override {
+    if (!options_.native_reduction) return dist::composed_reduce_scatter_single(*this, c);
     const Tensor& out = c.outputs[0];
     reduce_blocks(c, c.inputs[0], out,
                   std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
   }
 
   void reduce_scatter_v(Call& c) override {
+    if (!options_.native_reduction) return dist::composed_reduce_scatter_v(*this, c);
     std::vector<int64_t> counts;
     for (int64_t rows : c.input_splits) counts.push_back(rows * c.inputs[0].row_numel());
     reduce_blocks(c, c.inputs[0], c.outputs[0], counts);
@@ -331,78 +367,82 @@ class MpiBackend final : public dist::Backend {
   void all_to_all_single(Call& c) override {
     const Tensor& in = c.inputs[0];
     const Tensor& out = c.outputs[0];
-    const int64_t rn = in.row_numel();
-    const auto n = static_cast<std::size_t>(size_);
-    // Fast path: int counts and displacements in a buffer the backend keeps
-    // (no allocation per call; the fixed cost matters at small sizes).
-    counts_.resize(4 * n);
-    int* isc = counts_.data();
-    int* isd = isc + n;
-    int* irc = isd + n;
-    int* ird = irc + n;
-    bool small = true;
-    int64_t s_at = 0, r_at = 0;
-    for (std::size_t p = 0; p < n; ++p) {
-      const int64_t sc = c.input_splits[p] * rn, rc = c.output_splits[p] * rn;
-      if (sc > g_max_count || s_at > g_max_count || rc > g_max_count || r_at > g_max_count) {
-        small = false;
-        break;
-      }
-      isc[p] = static_cast<int>(sc);
-      isd[p] = static_cast<int>(s_at);
-      irc[p] = static_cast<int>(rc);
-      ird[p] = static_cast<int>(r_at);
-      s_at += sc;
-      r_at += rc;
-    }
-    if (small) {
-      // Zero-size buffers may have any address; MPI ignores them.
-      DIFFCOMM_MPI_CHECK(MPI_Alltoallv(in.data_ptr(), isc, isd, mpi_type(c.dtype), out.data_ptr(),
-                                       irc, ird, mpi_type(c.dtype), comm_),
-                         c);
-      return;
-    }
-    std::vector<int64_t> sc, sd, rc, rd;
-    s_at = r_at = 0;
-    for (std::size_t p = 0; p < n; ++p) {
-      sc.push_back(c.input_splits[p] * rn);
-      sd.push_back(s_at);
-      s_at += sc.back();
-      rc.push_back(c.output_splits[p] * rn);
-      rd.push_back(r_at);
-      r_at += rc.back();
-    }
-    const int64_t es = static_cast<int64_t>(element_size(c.dtype));
+    // Per-peer non-blocking messages, never MPI_Alltoallv: whether a call
+    // fits MPI_Alltoallv's int counts depends on every member's splits, which
+    // no member knows alone, and members taking different paths would never
+    // match. (Open MPI's own Ialltoallv sends the same per-peer messages.)
+    const int64_t row_bytes = in.row_numel() * static_cast<int64_t>(element_size(c.dtype));
     std::vector<Block> sends, recvs;
+    int64_t s_at = 0, r_at = 0;
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
-      if (p == rank_) {
-        std::memcpy(bytes(out) + rd[pi] * es, bytes(in) + sd[pi] * es,
-                    static_cast<std::size_t>(sc[pi] * es));
-        continue;
+      const int64_t sb = c.input_splits[pi] * row_bytes, rb = c.output_splits[pi] * row_bytes;
+      if (p == rank_)
+        std::memcpy(bytes(out) + r_at, bytes(in) + s_at, static_cast<std::size_t>(sb));
+      else {
+        sends.push_back({p, bytes(in) + s_at, sb});
+        recvs.push_back({p, bytes(out) + r_at, rb});
       }
-      sends.push_back({p, bytes(in) + sd[pi] * es, sc[pi] * es});
-      recvs.push_back({p, bytes(out) + rd[pi] * es, rc[pi] * es});
+      s_at += sb;
+      r_at += rb;
     }
     exchange(c, sends, recvs);
   }
 
   void send(Call& c) override {
     const Tensor& t = c.inputs[0];
+    Requests reqs;
     each_byte_chunk(static_cast<int64_t>(t.nbytes()), [&](int64_t off, int count) {
-      DIFFCOMM_MPI_CHECK(MPI_Send(bytes(t) + off, count, MPI_BYTE, c.root, c.tag, comm_), c);
+      DIFFCOMM_MPI_CHECK(
+          MPI_Isend(bytes(t) + off, count, MPI_BYTE, c.root, c.tag, comm_, reqs.add()), c);
     });
+    wait(c, reqs);
   }
 
   void recv(Call& c) override {
     const Tensor& t = c.outputs[0];
+    std::vector<int> expected;
+    Requests reqs;
     each_byte_chunk(static_cast<int64_t>(t.nbytes()), [&](int64_t off, int count) {
+      expected.push_back(count);
       DIFFCOMM_MPI_CHECK(
-          MPI_Recv(bytes(t) + off, count, MPI_BYTE, c.root, c.tag, comm_, MPI_STATUS_IGNORE), c);
+          MPI_Irecv(bytes(t) + off, count, MPI_BYTE, c.root, c.tag, comm_, reqs.add()), c);
     });
+    std::vector<MPI_Status> statuses(reqs.reqs.size());
+    wait(c, reqs, statuses.data());
+    // A shorter message than the buffer would leave stale bytes: refuse it
+    // (a longer one already failed with MPI_ERR_TRUNCATE -> BackendError).
+    for (std::size_t i = 0; i < statuses.size(); ++i) {
+      int got = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &got);
+      if (got != expected[i])
+        throw CollectiveMismatch(fmt::format(
+            "{}: collective mismatch: received {} bytes from rank {} but the buffer {} holds {} "
+            "(shape or dtype differs from the sender's)",
+            c.where(), got, c.root, t.str(), expected[i]));
+    }
   }
 
  private:
+  // The requests of one issued call.
+  struct Requests {
+    std::vector<MPI_Request> reqs;
+    MPI_Request* add() {
+      reqs.push_back(MPI_REQUEST_NULL);
+      return &reqs.back();
+    }
+  };
+  // Completes an issued call within the deadline (the shared wait loop).
+  void wait(const Call& c, Requests& r, MPI_Status* statuses = MPI_STATUSES_IGNORE) {
+    if (r.reqs.empty()) return;
+    dist::wait_until_done(c, timeout_s_, [&] {
+      int flag = 0;
+      DIFFCOMM_MPI_CHECK(
+          MPI_Testall(static_cast<int>(r.reqs.size()), r.reqs.data(), &flag, statuses), c);
+      return flag != 0;
+    });
+  }
+
   struct Block {
     int peer;
     const char* data;
@@ -435,10 +475,13 @@ class MpiBackend final : public dist::Backend {
 
   void gather_fixed(const Call& c, const Tensor& in, const Tensor& out) {
     if (in.numel() <= g_max_count && static_cast<int64_t>(size_) * in.numel() <= g_max_count) {
+      Requests reqs;
       DIFFCOMM_MPI_CHECK(
-          MPI_Allgather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
-                        out.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype), comm_),
+          MPI_Iallgather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
+                         out.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype), comm_,
+                         reqs.add()),
           c);
+      wait(c, reqs);
       return;
     }
     const int64_t nb = static_cast<int64_t>(in.nbytes());
@@ -459,9 +502,12 @@ class MpiBackend final : public dist::Backend {
                      const std::vector<int64_t>& counts) {
     if (fits(counts) && std::accumulate(counts.begin(), counts.end(), int64_t{0}) <= g_max_count) {
       auto ic = to_int(counts);
-      DIFFCOMM_MPI_CHECK(MPI_Reduce_scatter(in.data_ptr(), out.data_ptr(), ic.data(),
-                                            mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), comm_),
-                         c);
+      Requests reqs;
+      DIFFCOMM_MPI_CHECK(
+          MPI_Ireduce_scatter(in.data_ptr(), out.data_ptr(), ic.data(), mpi_type(c.dtype),
+                              mpi_op(c.dtype, c.reduce_op), comm_, reqs.add()),
+          c);
+      wait(c, reqs);
     } else {
       // Large counts: one chunked reduce per destination.
       int64_t at = 0;
@@ -471,12 +517,14 @@ class MpiBackend final : public dist::Backend {
         if (me)
           std::memcpy(out.data_ptr(), elem(in, at),
                       static_cast<std::size_t>(n) * element_size(c.dtype));
+        Requests reqs;
         each_chunk(n, [&](int64_t off, int count) {
-          DIFFCOMM_MPI_CHECK(
-              MPI_Reduce(me ? MPI_IN_PLACE : elem(in, at + off), me ? elem(out, off) : nullptr,
-                         count, mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), p, comm_),
-              c);
+          DIFFCOMM_MPI_CHECK(MPI_Ireduce(me ? MPI_IN_PLACE : elem(in, at + off),
+                                         me ? elem(out, off) : nullptr, count, mpi_type(c.dtype),
+                                         mpi_op(c.dtype, c.reduce_op), p, comm_, reqs.add()),
+                             c);
         });
+        wait(c, reqs);
         at += n;
       }
     }
@@ -485,29 +533,27 @@ class MpiBackend final : public dist::Backend {
 
   // Per-peer non-blocking messages in chunks of at most max_count bytes.
   void exchange(const Call& c, const std::vector<Block>& sends, const std::vector<Block>& recvs) {
-    std::vector<MPI_Request> reqs;
+    Requests reqs;
     for (const Block& b : recvs)
       each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
         if (count == 0) return;
-        reqs.emplace_back();
         DIFFCOMM_MPI_CHECK(MPI_Irecv(const_cast<char*>(b.data) + off, count, MPI_BYTE, b.peer, kTag,
-                                     comm_, &reqs.back()),
+                                     comm_, reqs.add()),
                            c);
       });
     for (const Block& b : sends)
       each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
         if (count == 0) return;
-        reqs.emplace_back();
         DIFFCOMM_MPI_CHECK(
-            MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, comm_, &reqs.back()), c);
+            MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, comm_, reqs.add()), c);
       });
-    DIFFCOMM_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE),
-                       c);
+    wait(c, reqs);
   }
 
   MPI_Comm comm_;
   bool owned_;
-  std::vector<int> counts_;  // scratch for all_to_all_single's counts
+  dist::Options options_;
+  double timeout_s_;
   int rank_ = 0, size_ = 1;
   std::vector<int> members_;
 };
@@ -538,15 +584,33 @@ Environment::~Environment() {
   if (owns_ && !finalized) MPI_Finalize();
 }
 
-dist::ProcessGroup world() {
+namespace {
+// The data backend, wrapped in the cross-rank checker (on a duplicate of the
+// communicator) when checking is on.
+std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const dist::Options& options) {
+  auto data = std::make_shared<MpiBackend>(comm, /*owned=*/false, options);
+  if (!options.resolved_check()) return data;
+  MPI_Comm control = MPI_COMM_NULL;
+  check_plain(MPI_Comm_dup(comm, &control), "MPI_Comm_dup");
+  auto ctl = std::make_shared<MpiBackend>(control, /*owned=*/true, options);
+  return std::make_shared<dist::CheckedBackend>(std::move(data), std::move(ctl), Device::cpu());
+}
+}  // namespace
+
+dist::ProcessGroup world(const dist::Options& options) {
   require_initialised("mpi::world");
-  return dist::ProcessGroup(std::make_shared<MpiBackend>(MPI_COMM_WORLD, false), "world", nullptr);
+  return dist::ProcessGroup(make_backend(MPI_COMM_WORLD, options), "world", nullptr);
 }
 
-dist::ProcessGroup from_comm(MPI_Comm comm, std::string name) {
+dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Options& options) {
   require_initialised("mpi::from_comm");
   if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::from_comm: MPI_COMM_NULL");
-  return dist::ProcessGroup(std::make_shared<MpiBackend>(comm, false), std::move(name), nullptr);
+  return dist::ProcessGroup(make_backend(comm, options), std::move(name), nullptr);
+}
+
+void abort(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; the compiler cannot know
 }
 
 int64_t max_count() { return g_max_count; }

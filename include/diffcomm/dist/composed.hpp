@@ -1,0 +1,30 @@
+#pragma once
+// Deterministic reductions composed from data movement, for the production
+// backends (MPI, NCCL). The transport only moves bytes; every element is
+// reduced by dist::reduce_into over the members' contributions in group-rank
+// order (16-bit types accumulate in float32 and round once; Avg divides the
+// sum by N once), exactly as the simulated world reduces — so results are
+// bit-identical to the simulated world whatever the transport's algorithm.
+//
+//  reduce_scatter*: all_to_all_single of the blocks, then a local
+//                   rank-ordered accumulation of the N received blocks.
+//                   Bytes sent per rank: (N-1)/N of the input, as a ring.
+//  all_reduce:      the above on even blocks of the flat tensor, then
+//                   all_gather_v of the reduced blocks: 2(N-1)/N of the
+//                   tensor, as a ring all-reduce.
+//  reduce:          the above, then each reduced block goes to dst only.
+//
+// Each function takes the funnel-validated Call of the user's op and issues
+// the steps through the same backend's all_to_all_single / all_gather_v
+// (steps carry Call::part_of for messages).
+#include "diffcomm/dist/backend.hpp"
+
+namespace diffcomm::dist {
+
+void composed_all_reduce(Backend& backend, Call& call);
+void composed_reduce(Backend& backend, Call& call);
+void composed_reduce_scatter(Backend& backend, Call& call);
+void composed_reduce_scatter_single(Backend& backend, Call& call);
+void composed_reduce_scatter_v(Backend& backend, Call& call);
+
+}  // namespace diffcomm::dist

@@ -1,0 +1,54 @@
+#pragma once
+// FlightRecorder: a fixed ring of the last calls one rank issued through the
+// funnel (op, group, call number, fingerprint fields, state, times), kept for
+// post-mortems — the idea of PyTorch's NCCL flight recorder. Dumped on
+// request (dump()), and appended to every Timeout and RankFailure message a
+// production backend raises. One recorder per rank, shared by every group
+// made from that rank's world group; never per thread.
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/call.hpp"
+
+namespace diffcomm::dist {
+
+struct FlightRecord {
+  enum class State { Issued, Completed, Failed };
+  uint64_t id = 0;  ///< 1, 2, ... over the rank's lifetime
+  std::string group;
+  OpType op = OpType::Barrier;
+  uint64_t seq = 0;
+  DType dtype = DType::Float32;
+  int64_t numel = 0;  ///< elements of the first input (else output)
+  int root = -1;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  State state = State::Issued;
+  double start_s = 0;     ///< seconds since the recorder was made
+  double duration_s = 0;  ///< 0 while issued
+};
+
+class FlightRecorder {
+ public:
+  static constexpr std::size_t kCapacity = 64;
+  FlightRecorder();
+  /// Records that `call` is issued; returns its slot for end().
+  std::size_t begin(const Call& call);
+  /// Marks the call in `slot` completed or failed.
+  void end(std::size_t slot, FlightRecord::State state);
+  /// The last min(kCapacity, calls) records, oldest first.
+  std::vector<FlightRecord> records() const;
+  /// One line per record, oldest first:
+  /// "#12 all_reduce #3 on 'world' float32 numel=4 op=sum: completed (12.5 us)".
+  std::string dump() const;
+
+ private:
+  std::vector<FlightRecord> ring_;
+  uint64_t next_id_ = 1;
+  std::chrono::steady_clock::time_point origin_;
+};
+
+}  // namespace diffcomm::dist

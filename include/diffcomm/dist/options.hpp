@@ -1,0 +1,35 @@
+#pragma once
+// Options of the production backends (MPI, NCCL): cross-rank checking,
+// reduction mode and the deadline of every wait. The simulated world needs
+// none of them: it always checks, is always deterministic and never waits.
+#include <optional>
+
+namespace diffcomm::dist {
+
+struct Options {
+  /// Checked mode: before every collective the members exchange a fixed-size
+  /// fingerprint of their call on a control communicator, and a disagreement
+  /// raises CollectiveMismatch on every member, worded as in the simulated
+  /// world; send/recv exchange an envelope (dtype, shape) first. Unset: the
+  /// environment variable DIFFCOMM_CHECK ("1"/"0"), else on in Debug builds
+  /// of diffcomm (NDEBUG undefined) and off in Release builds (the idea of
+  /// TORCH_DISTRIBUTED_DEBUG).
+  std::optional<bool> check;
+  /// Use the transport's own reduction (MPI_Allreduce, ncclAllReduce, ...)
+  /// for all_reduce, reduce and reduce_scatter*: faster, but its order of
+  /// combination and its rounding (per hop for 16-bit types) depend on the
+  /// transport's algorithm, so results are NOT bit-identical to the
+  /// simulated world. Default false: diffcomm's deterministic composition.
+  bool native_reduction = false;
+  /// Seconds any call may wait for its peers before raising Timeout. Unset:
+  /// the environment variable DIFFCOMM_TIMEOUT (seconds), else 600. A value
+  /// <= 0 waits forever.
+  std::optional<double> timeout_s;
+
+  /// check, resolved as documented above.
+  bool resolved_check() const;
+  /// timeout_s, resolved as documented above.
+  double resolved_timeout_s() const;
+};
+
+}  // namespace diffcomm::dist

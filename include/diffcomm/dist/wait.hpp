@@ -1,0 +1,39 @@
+#pragma once
+// The one wait loop of the production backends: a backend issues its call
+// (non-blocking MPI request, NCCL kernel on a stream), then waits here with a
+// deadline, polling `done()`. On expiry it raises Timeout naming the call;
+// the funnel appends the rank's flight recorder. Spins briefly, then yields,
+// then sleeps in short steps, so a waiting rank does not hold a core.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <thread>
+
+#include "diffcomm/dist/call.hpp"
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::dist {
+
+/// Polls done() until it returns true. timeout_s <= 0 waits forever.
+/// Throws Timeout: "timed out after 5 s waiting in all_reduce #3 on group
+/// 'world' (rank 1 of 4): all_reduce(float32, in=[4], op=sum); a member
+/// returned early, failed or skipped this call".
+template <class Done>
+void wait_until_done(const Call& call, double timeout_s, Done&& done) {
+  for (int i = 0; i < 1000; ++i)
+    if (done()) return;
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto pause = std::chrono::microseconds(1);
+  while (!done()) {
+    if (timeout_s > 0 && std::chrono::duration<double>(clock::now() - start).count() > timeout_s)
+      throw Timeout(fmt::format(
+          "timed out after {} s waiting in {}: {}; a member returned early, failed or skipped "
+          "this call (the group is unusable now)",
+          timeout_s, call.where(), call.signature()));
+    std::this_thread::sleep_for(pause);
+    if (pause < std::chrono::microseconds(200)) pause *= 2;
+  }
+}
+
+}  // namespace diffcomm::dist

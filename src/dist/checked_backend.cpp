@@ -1,0 +1,249 @@
+// Cross-rank checks for production backends (see checked_backend.hpp).
+#include "diffcomm/dist/checked_backend.hpp"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::dist {
+namespace {
+
+// A control step of `user`: same group, rank and number.
+Call control_call(const Call& user, OpType op) {
+  Call c;
+  c.op = op;
+  c.seq = user.seq;
+  c.group = user.group;
+  c.rank = user.rank;
+  c.group_size = user.group_size;
+  c.dtype = DType::Int64;
+  c.part_of = op_cstr(user.op);
+  return c;
+}
+
+Tensor int64_tensor(const std::vector<int64_t>& words, const Device& device) {
+  Tensor cpu = empty({static_cast<int64_t>(words.size())}, DType::Int64);
+  if (!words.empty()) std::memcpy(cpu.data_ptr(), words.data(), words.size() * sizeof(int64_t));
+  return device.is_cpu() ? cpu : cpu.to(device);
+}
+std::vector<int64_t> words_of(const Tensor& t) {
+  const Tensor cpu = t.device().is_cpu() ? t : t.to(Device::cpu());
+  std::vector<int64_t> w(static_cast<std::size_t>(cpu.numel()));
+  if (!w.empty()) std::memcpy(w.data(), cpu.data_ptr(), w.size() * sizeof(int64_t));
+  return w;
+}
+
+// Envelope of a send/recv: dtype, rank, up to 8 dims (a hash beyond), tag.
+constexpr int64_t kEnvelopeWords = 11;
+std::vector<int64_t> envelope(const Call& c, const Tensor& t) {
+  std::vector<int64_t> w(kEnvelopeWords, 0);
+  w[0] = static_cast<int64_t>(c.dtype);
+  w[1] = t.dim();
+  for (int64_t d = 0; d < std::min<int64_t>(t.dim(), 8); ++d)
+    w[static_cast<size_t>(2 + d)] = t.size(d);
+  w[10] = c.tag;
+  return w;
+}
+CallDesc from_envelope(const std::vector<int64_t>& w, OpType op, int peer) {
+  CallDesc d;
+  d.op = op;
+  d.dtype = static_cast<DType>(w[0]);
+  d.root = peer;
+  d.tag = static_cast<int>(w[10]);
+  Shape s;
+  for (int64_t k = 0; k < std::min<int64_t>(w[1], 8); ++k)
+    s.push_back(w[static_cast<size_t>(2 + k)]);
+  (op == OpType::Send ? d.inputs : d.outputs).push_back(s);
+  return d;
+}
+
+}  // namespace
+
+CheckedBackend::CheckedBackend(std::shared_ptr<Backend> inner, std::shared_ptr<Backend> control,
+                               Device control_device)
+    : inner_(std::move(inner)), control_(std::move(control)), device_(control_device) {
+  if (!inner_ || !control_) throw InvalidArgument("CheckedBackend: null backend");
+  if (control_->size() != inner_->size() || control_->rank() != inner_->rank())
+    throw InvalidArgument("CheckedBackend: control backend has other members than the data one");
+}
+
+void CheckedBackend::check(const Call& call) {
+  const int n = call.group_size;
+  const Fingerprint mine = fingerprint(call);
+  Tensor all = empty({static_cast<int64_t>(n * kFingerprintWords)}, DType::Int64, device_);
+  Call gather = control_call(call, OpType::AllGatherSingle);
+  gather.inputs = {int64_tensor(std::vector<int64_t>(mine.begin(), mine.end()), device_)};
+  gather.outputs = {all};
+  control_->all_gather_single(gather);
+  const std::vector<int64_t> words = words_of(all);
+  std::vector<Fingerprint> prints(static_cast<std::size_t>(n));
+  for (std::size_t r = 0; r < prints.size(); ++r)
+    std::memcpy(prints[r].data(), words.data() + r * kFingerprintWords,
+                kFingerprintWords * sizeof(int64_t));
+  if (fingerprints_agree(prints)) return;
+
+  // Rare path: gather every member's full description and explain the
+  // difference with the simulated world's compare(). Every member runs this
+  // on the same data, so every member raises the same report.
+  const std::vector<int64_t> desc = serialize(describe(call));
+  Tensor lengths = empty({n}, DType::Int64, device_);
+  Call len_gather = control_call(call, OpType::AllGatherSingle);
+  len_gather.inputs = {int64_tensor({static_cast<int64_t>(desc.size())}, device_)};
+  len_gather.outputs = {lengths};
+  control_->all_gather_single(len_gather);
+  const std::vector<int64_t> lens = words_of(lengths);
+  int64_t total = 0;
+  for (int64_t l : lens) total += l;
+  Tensor descs = empty({total}, DType::Int64, device_);
+  Call desc_gather = control_call(call, OpType::AllGatherV);
+  desc_gather.inputs = {int64_tensor(desc, device_)};
+  desc_gather.outputs = {descs};
+  desc_gather.output_splits = lens;
+  control_->all_gather_v(desc_gather);
+  const std::vector<int64_t> all_desc = words_of(descs);
+  std::vector<CallDesc> calls;
+  std::size_t at = 0;
+  for (int64_t l : lens) {
+    calls.push_back(deserialize(all_desc.data() + at, static_cast<std::size_t>(l)));
+    at += static_cast<std::size_t>(l);
+  }
+  std::vector<const CallDesc*> ptrs;
+  std::vector<int> globals;
+  for (int r = 0; r < n; ++r) {
+    ptrs.push_back(&calls[static_cast<std::size_t>(r)]);
+    globals.push_back(inner_->global_rank(r));
+  }
+  std::string report = compare(ptrs, globals);
+  if (report.empty()) {
+    // Only fields compare() does not look at differ (the call number, when
+    // members issued different numbers of calls on this group).
+    std::size_t r = 1;
+    while (r < prints.size() && prints[r] == prints[0]) ++r;
+    report =
+        fmt::format("{} called {} #{} but {} called {} #{}: call number differs",
+                    rank_label(0, globals[0]), signature(calls[0]), calls[0].seq,
+                    rank_label(static_cast<int>(r), globals[r]), signature(calls[r]), calls[r].seq);
+  }
+  throw CollectiveMismatch(fmt::format("{}: collective mismatch: {}", call.where(), report));
+}
+
+std::shared_ptr<Backend> CheckedBackend::split(Call& call, int color, int key) {
+  check(call);
+  std::shared_ptr<Backend> inner = inner_->split(call, color, key);
+  Call control = call;
+  std::shared_ptr<Backend> ctl = control_->split(control, color, key);
+  if (!inner) return nullptr;
+  return std::make_shared<CheckedBackend>(std::move(inner), std::move(ctl), device_);
+}
+
+void CheckedBackend::barrier(Call& c) {
+  check(c);
+  inner_->barrier(c);
+}
+void CheckedBackend::all_reduce(Call& c) {
+  check(c);
+  inner_->all_reduce(c);
+}
+void CheckedBackend::broadcast(Call& c) {
+  check(c);
+  inner_->broadcast(c);
+}
+void CheckedBackend::reduce(Call& c) {
+  check(c);
+  inner_->reduce(c);
+}
+void CheckedBackend::all_gather(Call& c) {
+  check(c);
+  inner_->all_gather(c);
+}
+void CheckedBackend::all_gather_single(Call& c) {
+  check(c);
+  inner_->all_gather_single(c);
+}
+void CheckedBackend::all_gather_v(Call& c) {
+  check(c);
+  inner_->all_gather_v(c);
+}
+void CheckedBackend::gather(Call& c) {
+  check(c);
+  inner_->gather(c);
+}
+void CheckedBackend::scatter(Call& c) {
+  check(c);
+  inner_->scatter(c);
+}
+void CheckedBackend::reduce_scatter(Call& c) {
+  check(c);
+  inner_->reduce_scatter(c);
+}
+void CheckedBackend::reduce_scatter_single(Call& c) {
+  check(c);
+  inner_->reduce_scatter_single(c);
+}
+void CheckedBackend::reduce_scatter_v(Call& c) {
+  check(c);
+  inner_->reduce_scatter_v(c);
+}
+void CheckedBackend::all_to_all(Call& c) {
+  check(c);
+  inner_->all_to_all(c);
+}
+void CheckedBackend::all_to_all_single(Call& c) {
+  check(c);
+  inner_->all_to_all_single(c);
+}
+
+// Point to point: the sender sends its envelope, the receiver compares it with
+// its buffer and answers 1 (go) or 0 (mismatch); both raise on 0.
+void CheckedBackend::send(Call& c) {
+  const int peer = c.root;
+  Call env = control_call(c, OpType::Send);
+  env.root = peer;
+  env.tag = c.tag;
+  env.inputs = {int64_tensor(envelope(c, c.inputs[0]), device_)};
+  control_->send(env);
+  Tensor answer = empty({kEnvelopeWords + 1}, DType::Int64, device_);
+  Call ack = control_call(c, OpType::Recv);
+  ack.root = peer;
+  ack.tag = c.tag;
+  ack.outputs = {answer};
+  control_->recv(ack);
+  const std::vector<int64_t> a = words_of(answer);
+  if (a[0] != 1) {
+    const CallDesc theirs =
+        from_envelope(std::vector<int64_t>(a.begin() + 1, a.end()), OpType::Recv, c.rank);
+    throw CollectiveMismatch(fmt::format(
+        "{}: collective mismatch: {}", c.where(),
+        compare_p2p(describe(c), c.rank, global_rank(c.rank), theirs, peer, global_rank(peer))));
+  }
+  inner_->send(c);
+}
+
+void CheckedBackend::recv(Call& c) {
+  const int peer = c.root;
+  Tensor theirs_t = empty({kEnvelopeWords}, DType::Int64, device_);
+  Call env = control_call(c, OpType::Recv);
+  env.root = peer;
+  env.tag = c.tag;
+  env.outputs = {theirs_t};
+  control_->recv(env);
+  const CallDesc theirs = from_envelope(words_of(theirs_t), OpType::Send, c.rank);
+  const std::string report =
+      compare_p2p(theirs, peer, global_rank(peer), describe(c), c.rank, global_rank(c.rank));
+  std::vector<int64_t> answer = {report.empty() ? 1 : 0};
+  const std::vector<int64_t> mine = envelope(c, c.outputs[0]);
+  answer.insert(answer.end(), mine.begin(), mine.end());
+  Call ack = control_call(c, OpType::Send);
+  ack.root = peer;
+  ack.tag = c.tag;
+  ack.inputs = {int64_tensor(answer, device_)};
+  control_->send(ack);
+  if (!report.empty())
+    throw CollectiveMismatch(fmt::format("{}: collective mismatch: {}", c.where(), report));
+  inner_->recv(c);
+}
+
+}  // namespace diffcomm::dist

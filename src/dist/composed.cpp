@@ -1,0 +1,110 @@
+// Deterministic reductions from all_to_all_single + rank-ordered
+// accumulation (see composed.hpp).
+#include "diffcomm/dist/composed.hpp"
+
+#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/dist/reduce_op.hpp"
+
+namespace diffcomm::dist {
+namespace {
+
+// A transport step of `parent`: same group, rank, number; its own op.
+Call step(const Call& parent, OpType op) {
+  Call c;
+  c.op = op;
+  c.seq = parent.seq;
+  c.group = parent.group;
+  c.rank = parent.rank;
+  c.group_size = parent.group_size;
+  c.dtype = parent.dtype;
+  c.part_of = op_cstr(parent.op);
+  return c;
+}
+
+Tensor flat(const Tensor& t) { return t.view_as_shape({t.numel()}); }
+
+// Block j of `numel` elements for member j: the first numel % n blocks get
+// one element more.
+Splits even_blocks(int64_t numel, int n) {
+  Splits s(static_cast<std::size_t>(n), numel / n);
+  for (int64_t j = 0; j < numel % n; ++j) s[static_cast<std::size_t>(j)] += 1;
+  return s;
+}
+
+// Sends block j of `in` (counts[j] elements) to member j, then reduces the N
+// blocks received, in group-rank order, into `out` (counts[rank] elements).
+void reduce_scatter_blocks(Backend& b, const Call& parent, const Tensor& in, const Splits& counts,
+                           const Tensor& out) {
+  const int n = parent.group_size;
+  const int64_t mine = counts[static_cast<std::size_t>(parent.rank)];
+  Tensor received = empty({n * mine}, parent.dtype, in.device());
+  Call a2a = step(parent, OpType::AllToAllSingle);
+  a2a.inputs = {in};
+  a2a.outputs = {received};
+  a2a.input_splits = counts;
+  a2a.output_splits = Splits(static_cast<std::size_t>(n), mine);
+  b.all_to_all_single(a2a);
+  std::vector<Tensor> blocks;
+  blocks.reserve(static_cast<std::size_t>(n));
+  for (int s = 0; s < n; ++s) blocks.push_back(received.row_view(s * mine, mine));
+  reduce_into(out, blocks, parent.reduce_op);
+}
+
+}  // namespace
+
+void composed_all_reduce(Backend& b, Call& c) {
+  const Tensor t = flat(c.outputs[0]);
+  const Splits counts = even_blocks(t.numel(), c.group_size);
+  Tensor mine = empty({counts[static_cast<std::size_t>(c.rank)]}, c.dtype, t.device());
+  reduce_scatter_blocks(b, c, t, counts, mine);
+  Call gather = step(c, OpType::AllGatherV);
+  gather.inputs = {mine};
+  gather.outputs = {t};
+  gather.output_splits = counts;
+  b.all_gather_v(gather);
+}
+
+void composed_reduce(Backend& b, Call& c) {
+  const Tensor t = flat(c.outputs[0]);
+  const int n = c.group_size;
+  const Splits counts = even_blocks(t.numel(), n);
+  const auto me = static_cast<std::size_t>(c.rank);
+  Tensor mine = empty({counts[me]}, c.dtype, t.device());
+  reduce_scatter_blocks(b, c, t, counts, mine);
+  // Every member sends its reduced block to dst; only dst receives.
+  const bool is_dst = c.rank == c.root;
+  Call to_dst = step(c, OpType::AllToAllSingle);
+  to_dst.inputs = {mine};
+  to_dst.outputs = {is_dst ? t : empty({0}, c.dtype, t.device())};
+  to_dst.input_splits = Splits(static_cast<std::size_t>(n), 0);
+  to_dst.input_splits[static_cast<std::size_t>(c.root)] = counts[me];
+  to_dst.output_splits = is_dst ? counts : Splits(static_cast<std::size_t>(n), 0);
+  b.all_to_all_single(to_dst);
+}
+
+void composed_reduce_scatter(Backend& b, Call& c) {
+  const Tensor out = flat(c.outputs[0]);
+  const int n = c.group_size;
+  const int64_t m = out.numel();
+  // The list form's blocks are separate tensors: pack them once.
+  Tensor packed = empty({n * m}, c.dtype, out.device());
+  for (int s = 0; s < n; ++s)
+    packed.row_view(s * m, m).copy_(flat(c.inputs[static_cast<size_t>(s)]));
+  reduce_scatter_blocks(b, c, packed, Splits(static_cast<std::size_t>(n), m), out);
+}
+
+void composed_reduce_scatter_single(Backend& b, Call& c) {
+  const Tensor out = flat(c.outputs[0]);
+  reduce_scatter_blocks(b, c, flat(c.inputs[0]),
+                        Splits(static_cast<std::size_t>(c.group_size), out.numel()), out);
+}
+
+void composed_reduce_scatter_v(Backend& b, Call& c) {
+  const int64_t rn = c.inputs[0].row_numel();
+  Splits counts;
+  counts.reserve(c.input_splits.size());
+  for (int64_t rows : c.input_splits) counts.push_back(rows * rn);
+  reduce_scatter_blocks(b, c, flat(c.inputs[0]), counts, flat(c.outputs[0]));
+}
+
+}  // namespace diffcomm::dist

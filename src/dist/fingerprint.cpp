@@ -1,0 +1,337 @@
+// Call descriptions, comparison and fixed-size fingerprints (see
+// fingerprint.hpp): shared by the simulated world and the checked mode of the
+// production backends, so both report a mismatch in the same words.
+#include "diffcomm/dist/fingerprint.hpp"
+
+#include <fmt/format.h>
+
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::dist {
+namespace {
+
+bool has_reduce(OpType op) {
+  return op == OpType::AllReduce || op == OpType::Reduce || op == OpType::ReduceScatter ||
+         op == OpType::ReduceScatterSingle || op == OpType::ReduceScatterV;
+}
+bool has_root(OpType op) {
+  return op == OpType::Broadcast || op == OpType::Reduce || op == OpType::Gather ||
+         op == OpType::Scatter;
+}
+// Ops whose members must pass one common shape (shape_of below).
+bool same_shape_op(OpType op) {
+  switch (op) {
+    case OpType::AllReduce:
+    case OpType::Broadcast:
+    case OpType::Reduce:
+    case OpType::AllGather:
+    case OpType::AllGatherSingle:
+    case OpType::Gather:
+    case OpType::Scatter:
+    case OpType::ReduceScatter:
+    case OpType::ReduceScatterSingle: return true;
+    default: return false;
+  }
+}
+
+std::string shapes_str(const std::vector<Shape>& shapes) {
+  std::vector<std::string> parts;
+  parts.reserve(shapes.size());
+  for (const auto& s : shapes) parts.push_back(shape_str(s));
+  return fmt::format("{}", fmt::join(parts, ","));
+}
+
+// The shape every member of a same_shape_op must agree on: the output for
+// the ops whose input list is empty off the root or per peer.
+const Shape& shape_of(const CallDesc& c) {
+  static const Shape none;
+  if (c.op == OpType::ReduceScatter || c.op == OpType::Scatter)
+    return c.outputs.empty() ? none : c.outputs[0];
+  return c.inputs.empty() ? none : c.inputs[0];
+}
+Shape row_shape(const std::vector<Shape>& shapes) {
+  if (shapes.empty() || shapes[0].empty()) return {};
+  return Shape(shapes[0].begin() + 1, shapes[0].end());
+}
+
+// SplitMix64 finaliser: a well-mixed 64-bit hash step.
+uint64_t mix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+uint64_t hash_words(const std::vector<int64_t>& v, uint64_t seed) {
+  uint64_t h = mix(seed ^ v.size());
+  for (int64_t x : v) h = mix(h ^ static_cast<uint64_t>(x));
+  return h;
+}
+uint64_t hash_shape(const Shape& s) { return hash_words(s, 0x5ba9e); }
+// A (sender, receiver, value) triple: summed over all members, the senders'
+// and receivers' views agree exactly when every pair agrees.
+uint64_t edge(int from, int to, uint64_t value) {
+  return mix(mix(static_cast<uint64_t>(from) * 0x100000001b3ull + static_cast<uint64_t>(to)) ^
+             value);
+}
+
+}  // namespace
+
+std::string rank_label(int group_rank, int global_rank) {
+  return fmt::format("rank {} (global {})", group_rank, global_rank);
+}
+
+CallDesc describe(const Call& call) {
+  CallDesc d;
+  d.op = call.op;
+  d.seq = call.seq;
+  d.dtype = call.dtype;
+  d.root = call.root;
+  d.tag = call.tag;
+  d.reduce_op = call.reduce_op;
+  d.inputs.reserve(call.inputs.size());
+  for (const auto& t : call.inputs) d.inputs.push_back(t.defined() ? t.shape() : Shape{});
+  d.outputs.reserve(call.outputs.size());
+  for (const auto& t : call.outputs) d.outputs.push_back(t.defined() ? t.shape() : Shape{});
+  d.input_splits = call.input_splits;
+  d.output_splits = call.output_splits;
+  d.members = call.members;
+  return d;
+}
+
+std::string signature(const CallDesc& c) {
+  if (c.op == OpType::NewGroup)
+    return fmt::format("new_group(members=[{}])", fmt::join(c.members, ","));
+  std::string s = op_name(c.op) + "(";
+  if (c.op != OpType::Barrier) {
+    s += dtype_name(c.dtype);
+    if (!c.inputs.empty()) s += fmt::format(", in={}", shapes_str(c.inputs));
+    if (!c.outputs.empty() && c.op != OpType::AllReduce && c.op != OpType::Broadcast &&
+        c.op != OpType::Reduce)
+      s += fmt::format(", out={}", shapes_str(c.outputs));
+  }
+  if (has_root(c.op)) s += fmt::format(", root={}", c.root);
+  if (c.op == OpType::Send || c.op == OpType::Recv)
+    s += fmt::format(", peer={}, tag={}", c.root, c.tag);
+  if (has_reduce(c.op)) s += ", op=" + reduce_op_name(c.reduce_op);
+  if (!c.input_splits.empty())
+    s += fmt::format(", input_splits=[{}]", fmt::join(c.input_splits, ","));
+  if (!c.output_splits.empty())
+    s += fmt::format(", output_splits=[{}]", fmt::join(c.output_splits, ","));
+  return s + ")";
+}
+
+std::vector<int64_t> serialize(const CallDesc& c) {
+  std::vector<int64_t> w = {static_cast<int64_t>(c.op),
+                            static_cast<int64_t>(c.seq),
+                            static_cast<int64_t>(c.dtype),
+                            c.root,
+                            c.tag,
+                            static_cast<int64_t>(c.reduce_op)};
+  auto put_list = [&](const std::vector<int64_t>& v) {
+    w.push_back(static_cast<int64_t>(v.size()));
+    w.insert(w.end(), v.begin(), v.end());
+  };
+  auto put_shapes = [&](const std::vector<Shape>& shapes) {
+    w.push_back(static_cast<int64_t>(shapes.size()));
+    for (const auto& s : shapes) put_list(s);
+  };
+  put_shapes(c.inputs);
+  put_shapes(c.outputs);
+  put_list(c.input_splits);
+  put_list(c.output_splits);
+  put_list(c.members);
+  return w;
+}
+
+CallDesc deserialize(const int64_t* w, std::size_t n) {
+  std::size_t at = 0;
+  auto take = [&]() -> int64_t {
+    if (at >= n) throw InvalidArgument("deserialize: call description is truncated");
+    return w[at++];
+  };
+  auto take_count = [&]() {
+    const int64_t k = take();
+    if (k < 0 || static_cast<std::size_t>(k) > n - at)
+      throw InvalidArgument(fmt::format("deserialize: bad list length {}", k));
+    return static_cast<std::size_t>(k);
+  };
+  auto take_list = [&]() {
+    std::vector<int64_t> v(take_count());
+    for (auto& x : v) x = take();
+    return v;
+  };
+  auto take_shapes = [&]() {
+    std::vector<Shape> shapes(take_count());
+    for (auto& s : shapes) s = take_list();
+    return shapes;
+  };
+  CallDesc c;
+  const int64_t op = take();
+  if (op < 0 || op > static_cast<int64_t>(OpType::NewGroup))
+    throw InvalidArgument(fmt::format("deserialize: bad op {}", op));
+  c.op = static_cast<OpType>(op);
+  c.seq = static_cast<uint64_t>(take());
+  c.dtype = static_cast<DType>(take());
+  c.root = static_cast<int>(take());
+  c.tag = static_cast<int>(take());
+  c.reduce_op = static_cast<ReduceOp>(take());
+  c.inputs = take_shapes();
+  c.outputs = take_shapes();
+  c.input_splits = take_list();
+  c.output_splits = take_list();
+  c.members = take_list();
+  return c;
+}
+
+std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int>& globals) {
+  const std::size_t n = c.size();
+  auto label = [&](std::size_t i) { return rank_label(static_cast<int>(i), globals[i]); };
+  auto differ = [&](std::size_t a, std::size_t b, const std::string& field) {
+    return fmt::format("{} called {} but {} called {}: {} differs", label(a), signature(*c[a]),
+                       label(b), signature(*c[b]), field);
+  };
+  for (std::size_t i = 1; i < n; ++i) {
+    if (c[i]->op != c[0]->op) return differ(0, i, "op");
+    if (c[0]->op == OpType::NewGroup) {
+      if (c[i]->members != c[0]->members) return differ(0, i, "member list");
+      continue;
+    }
+    if (c[0]->op == OpType::Barrier) continue;
+    if (c[i]->dtype != c[0]->dtype) return differ(0, i, "dtype");
+    if (c[i]->root != c[0]->root) return differ(0, i, "root");
+    if (c[i]->reduce_op != c[0]->reduce_op) return differ(0, i, "reduce op");
+  }
+  const OpType op = c[0]->op;
+  if (same_shape_op(op)) {
+    for (std::size_t i = 1; i < n; ++i)
+      if (shape_of(*c[i]) != shape_of(*c[0])) return differ(0, i, "shape");
+    return "";
+  }
+  switch (op) {
+    case OpType::AllGatherV:
+    case OpType::ReduceScatterV: {
+      // The splits every member must agree on: the output's for the gather,
+      // the input's for the reduce-scatter.
+      const bool gather = op == OpType::AllGatherV;
+      auto splits = [&](std::size_t i) -> const std::vector<int64_t>& {
+        return gather ? c[i]->output_splits : c[i]->input_splits;
+      };
+      for (std::size_t i = 1; i < n; ++i) {
+        if (splits(i) != splits(0)) return differ(0, i, gather ? "output_splits" : "input_splits");
+        if (row_shape(c[i]->inputs) != row_shape(c[0]->inputs)) return differ(0, i, "row shape");
+      }
+      break;
+    }
+    case OpType::AllToAllSingle:
+      for (std::size_t i = 0; i < n; ++i) {
+        if (row_shape(c[i]->inputs) != row_shape(c[0]->inputs)) return differ(0, i, "row shape");
+        for (std::size_t j = 0; j < n; ++j)
+          if (c[i]->input_splits[j] != c[j]->output_splits[i])
+            return fmt::format(
+                "{} sends input_splits[{}] = {} rows to {}, but that rank expects "
+                "output_splits[{}] = {} rows from it: {} calls {}, {} calls {}: splits differ",
+                label(i), j, c[i]->input_splits[j], label(j), i, c[j]->output_splits[i], label(i),
+                signature(*c[i]), label(j), signature(*c[j]));
+      }
+      break;
+    case OpType::AllToAll:
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t s = 0; s < n; ++s)
+          if (c[i]->outputs[s] != c[s]->inputs[i])
+            return fmt::format(
+                "{} expects outputs[{}] of shape {} but {} sends inputs[{}] of shape {}: shape "
+                "differs",
+                label(i), s, shape_str(c[i]->outputs[s]), label(s), i, shape_str(c[s]->inputs[i]));
+      break;
+    default: break;
+  }
+  return "";
+}
+
+Fingerprint fingerprint(const Call& call) {
+  Fingerprint f{};
+  const OpType op = call.op;
+  const bool data = op != OpType::Barrier && op != OpType::NewGroup;
+  f[0] = static_cast<int64_t>(op);
+  f[1] = static_cast<int64_t>(call.seq);
+  f[2] = data ? static_cast<int64_t>(call.dtype) : -1;
+  f[3] = data ? call.root : -1;
+  f[4] = has_reduce(op) ? static_cast<int64_t>(call.reduce_op) : -1;
+  uint64_t shape = 0, row = 0, splits = 0, out_edges = 0, in_edges = 0, members = 0;
+  auto shapes = [](const std::vector<Tensor>& ts) {
+    std::vector<Shape> s;
+    for (const auto& t : ts) s.push_back(t.shape());
+    return s;
+  };
+  const int me = call.rank;
+  const int n = call.group_size;
+  if (same_shape_op(op)) {
+    CallDesc d;
+    d.op = op;
+    d.inputs = shapes(call.inputs);
+    d.outputs = shapes(call.outputs);
+    shape = hash_shape(shape_of(d));
+  }
+  switch (op) {
+    case OpType::AllGatherV:
+      row = hash_shape(row_shape(shapes(call.inputs)));
+      splits = hash_words(call.output_splits, 1);
+      break;
+    case OpType::ReduceScatterV:
+      row = hash_shape(row_shape(shapes(call.inputs)));
+      splits = hash_words(call.input_splits, 2);
+      break;
+    case OpType::AllToAllSingle:
+      row = hash_shape(row_shape(shapes(call.inputs)));
+      for (int j = 0; j < n; ++j) {
+        out_edges += edge(me, j, static_cast<uint64_t>(call.input_splits[static_cast<size_t>(j)]));
+        in_edges += edge(j, me, static_cast<uint64_t>(call.output_splits[static_cast<size_t>(j)]));
+      }
+      break;
+    case OpType::AllToAll:
+      for (int j = 0; j < n; ++j) {
+        out_edges += edge(me, j, hash_shape(call.inputs[static_cast<size_t>(j)].shape()));
+        in_edges += edge(j, me, hash_shape(call.outputs[static_cast<size_t>(j)].shape()));
+      }
+      break;
+    case OpType::NewGroup: members = hash_words(call.members, 3); break;
+    default: break;
+  }
+  f[5] = static_cast<int64_t>(shape);
+  f[6] = static_cast<int64_t>(row);
+  f[7] = static_cast<int64_t>(splits);
+  f[8] = static_cast<int64_t>(out_edges);
+  f[9] = static_cast<int64_t>(in_edges);
+  f[10] = static_cast<int64_t>(members);
+  f[11] = call.group_size;
+  return f;
+}
+
+bool fingerprints_agree(const std::vector<Fingerprint>& prints) {
+  if (prints.empty()) return true;
+  const Fingerprint& a = prints[0];
+  uint64_t out_edges = 0, in_edges = 0;
+  for (const auto& p : prints) {
+    if (p[0] != a[0] || p[1] != a[1]) return false;
+    const auto op = static_cast<OpType>(a[0]);
+    if (op != OpType::Barrier && op != OpType::NewGroup)
+      for (std::size_t k = 2; k <= 7; ++k)
+        if (p[k] != a[k]) return false;
+    if (p[10] != a[10] || p[11] != a[11]) return false;
+    out_edges += static_cast<uint64_t>(p[8]);
+    in_edges += static_cast<uint64_t>(p[9]);
+  }
+  return out_edges == in_edges;
+}
+
+std::string compare_p2p(const CallDesc& send, int src, int src_global, const CallDesc& recv,
+                        int dst, int dst_global) {
+  const Shape& sent = send.inputs.empty() ? Shape{} : send.inputs[0];
+  const Shape& into = recv.outputs.empty() ? Shape{} : recv.outputs[0];
+  if (send.dtype == recv.dtype && sent == into) return "";
+  return fmt::format("{} sends {}{} (tag {}) but {} receives into {}{}: shape or dtype differs",
+                     rank_label(src, src_global), dtype_name(send.dtype), shape_str(sent), send.tag,
+                     rank_label(dst, dst_global), dtype_name(recv.dtype), shape_str(into));
+}
+
+}  // namespace diffcomm::dist

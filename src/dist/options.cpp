@@ -1,0 +1,39 @@
+#include "diffcomm/dist/options.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::dist {
+
+bool Options::resolved_check() const {
+  if (check) return *check;
+  if (const char* env = std::getenv("DIFFCOMM_CHECK")) {
+    const std::string v(env);
+    if (v == "1" || v == "true" || v == "on") return true;
+    if (v == "0" || v == "false" || v == "off" || v.empty()) return false;
+    throw InvalidArgument(fmt::format("DIFFCOMM_CHECK='{}': expected 1 or 0", v));
+  }
+#ifdef NDEBUG
+  return false;
+#else
+  return true;
+#endif
+}
+
+double Options::resolved_timeout_s() const {
+  if (timeout_s) return *timeout_s;
+  if (const char* env = std::getenv("DIFFCOMM_TIMEOUT")) {
+    char* end = nullptr;
+    const double v = std::strtod(env, &end);
+    if (end == env || *end != '\0')
+      throw InvalidArgument(fmt::format("DIFFCOMM_TIMEOUT='{}': expected seconds", env));
+    return v;
+  }
+  return 600.0;
+}
+
+}  // namespace diffcomm::dist
