@@ -1,21 +1,45 @@
-// Simulated-world collectives against their floors, measured in the same run:
-//  - BM_BareFiberBarrier: N plain Boost.Fiber fibers on a boost::fibers::barrier
-//    (the cost of N context switches per round: the floor of any rendezvous);
-//  - BM_Memcpy: memcpy of the bytes a collective must move;
-//  - BM_Sim*: barrier, all_reduce and all_to_all_single in a sim::World.
-// Each Sim/Bare benchmark runs `rounds` operations inside one world run and
-// reports manual time per operation, so fiber creation is not counted.
-// Counters: us_per_op, ns_per_rank (time per op / ranks), GBps (bytes the op
-// must move / time), max_rss_MiB (peak resident set of the process so far).
+// Simulated-world collectives against their floors. Every benchmark here is a
+// *pair*: each benchmark iteration (a "repetition") runs the floor and the
+// measured code once each, alternating which goes first, so both see the same
+// machine load (the development machine is a shared 2-core box). The reported
+// counters are medians over the repetitions; the manual time is the measured
+// side's median.
+//
+//  - BM_Barrier / BM_AllReduce8B: sim barrier / 8-byte all_reduce vs N bare
+//    Boost.Fiber fibers on a boost::fibers::barrier (N context switches per
+//    round: the floor of any rendezvous). Both sides get their stacks from the
+//    same allocator (protected_fixedsize_stack, the sim's) of the same size.
+//  - BM_Bandwidth: all_reduce / all_to_all_single vs memcpy of N distinct
+//    B-byte buffers into N distinct destinations (the op's working set).
+//    Bytes are counted the same way on both sides: N*B per op (every input
+//    byte read once and every output byte written once).
+//  - BM_NnFwdBwd: nn::all_to_all_single / nn::all_reduce forward + backward
+//    (autograd) in a world of 8 created once; rank 0 times `iters` iterations.
+//  - BM_AllToAllHuge: 16384 ranks, all_to_all_single of 2 rows x 4 B per peer:
+//    time per call and peak resident memory, vs the N^2 block-copy floor.
+//  - BM_DeadlockReport: one rank skips a barrier at N ranks; time and peak
+//    memory until run() has raised.
+// The last argument of the sim benchmarks selects the world configuration:
+// 0 = bench config (RoundRobin, trace off, 64 KiB stacks), 1 = WorldOptions{}
+// defaults (Random schedule, trace on, 256 KiB stacks: what diffcomm-sim and
+// the examples run).
 #include <benchmark/benchmark.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <boost/fiber/all.hpp>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <vector>
 
+#include "diffcomm/autograd.hpp"
 #include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/nn/functional.hpp"
+#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 
 using namespace diffcomm;
@@ -23,142 +47,323 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double max_rss_mib() {
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Peak resident set since the last reset_peak_rss(), MiB. Linux resets
+// VmHWM when "5" is written to /proc/self/clear_refs, so one benchmark's
+// peak is not hidden by an earlier one's.
+void reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+}
+double peak_rss_mib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;  // ru_maxrss is KiB on Linux
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
 int rounds_for(int64_t ranks, int64_t bytes) {
-  // Keep each world run around a few hundred ms in Release.
+  // Keep each timed side around 100 ms in Release.
   const double work = static_cast<double>(ranks) * (static_cast<double>(bytes) + 2048.0);
-  const int r = static_cast<int>(2e8 / work);
+  const int r = static_cast<int>(1e8 / work);
   return std::max(2, std::min(r, 200));
 }
 
-sim::WorldOptions options(int ranks) {
-  sim::WorldOptions o;
+sim::WorldOptions options(int ranks, int64_t config) {
+  sim::WorldOptions o;  // config 1: the defaults users get
   o.ranks = ranks;
-  o.seed = 1;
-  o.schedule = sim::Schedule::RoundRobin;
-  o.stack_size = 64 * 1024;
-  o.trace = false;
+  if (config == 0) {
+    o.seed = 1;
+    o.schedule = sim::Schedule::RoundRobin;
+    o.stack_size = 64 * 1024;
+    o.trace = false;
+  }
   return o;
 }
 
-void report(benchmark::State& state, double seconds, int rounds, int64_t ranks,
-            double bytes_moved) {
-  const double per_op = seconds / rounds;
-  state.SetIterationTime(per_op);
-  state.counters["us_per_op"] = per_op * 1e6;
-  state.counters["ns_per_rank"] = per_op * 1e9 / static_cast<double>(ranks);
-  if (bytes_moved > 0) state.counters["GBps"] = bytes_moved / per_op / 1e9;
-  state.counters["max_rss_MiB"] = max_rss_mib();
+// Runs floor() and measured() `reps` times, alternating which goes first;
+// each returns seconds per op. Sets the manual time to the measured median.
+template <class Floor, class Measured>
+void pair(benchmark::State& state, Floor floor, Measured measured, double ranks, double bytes) {
+  std::vector<double> f, m, ratio;
+  bool floor_first = true;
+  for (auto _ : state) {
+    double tf = 0, tm = 0;
+    if (floor_first) {
+      tf = floor();
+      tm = measured();
+    } else {
+      tm = measured();
+      tf = floor();
+    }
+    floor_first = !floor_first;
+    f.push_back(tf);
+    m.push_back(tm);
+    ratio.push_back(tm / tf);
+    state.SetIterationTime(tm);
+  }
+  const double mf = median(f), mm = median(m);
+  state.counters["floor_us"] = mf * 1e6;
+  state.counters["us_per_op"] = mm * 1e6;
+  state.counters["ns_per_rank"] = mm * 1e9 / ranks;
+  state.counters["floor_ns_per_rank"] = mf * 1e9 / ranks;
+  state.counters["ratio"] = median(ratio);  // measured / floor, median of per-rep ratios
+  if (bytes > 0) {
+    state.counters["GBps"] = bytes / mm / 1e9;
+    state.counters["floor_GBps"] = bytes / mf / 1e9;
+    state.counters["fraction"] = mf / mm;  // of the floor's bandwidth
+  }
 }
 
 // ---------------------------------------------------------------- floors
-void BM_BareFiberBarrier(benchmark::State& state) {
-  const int ranks = static_cast<int>(state.range(0));
-  const int rounds = rounds_for(ranks, 8);
-  for (auto _ : state) {
-    boost::fibers::use_scheduling_algorithm<boost::fibers::algo::round_robin>();
-    boost::fibers::barrier barrier(static_cast<std::size_t>(ranks));
-    Clock::time_point t0, t1;
-    std::vector<boost::fibers::fiber> fibers;
-    for (int r = 0; r < ranks; ++r)
-      fibers.emplace_back(std::allocator_arg, boost::fibers::fixedsize_stack(64 * 1024), [&, r] {
-        barrier.wait();
-        if (r == 0) t0 = Clock::now();
-        for (int i = 0; i < rounds; ++i) barrier.wait();
-        if (r == 0) t1 = Clock::now();
-      });
-    for (auto& f : fibers) f.join();
-    report(state, std::chrono::duration<double>(t1 - t0).count(), rounds, ranks, 0);
-  }
+double bare_barrier(int ranks, int rounds, std::size_t stack_size) {
+  boost::fibers::use_scheduling_algorithm<boost::fibers::algo::round_robin>();
+  boost::fibers::barrier barrier(static_cast<std::size_t>(ranks));
+  Clock::time_point t0, t1;
+  std::vector<boost::fibers::fiber> fibers;
+  fibers.reserve(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    fibers.emplace_back(std::allocator_arg, boost::fibers::protected_fixedsize_stack(stack_size),
+                        [&, r] {
+                          barrier.wait();
+                          if (r == 0) t0 = Clock::now();
+                          for (int i = 0; i < rounds; ++i) barrier.wait();
+                          if (r == 0) t1 = Clock::now();
+                        });
+  for (auto& f : fibers) f.join();
+  return std::chrono::duration<double>(t1 - t0).count() / rounds;
 }
 
-void BM_Memcpy(benchmark::State& state) {
-  const auto bytes = static_cast<std::size_t>(state.range(0));
-  std::vector<char> a(bytes, 1), b(bytes, 0);
-  for (auto _ : state) {
-    const auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), bytes);
-    benchmark::DoNotOptimize(b.data());
-    benchmark::ClobberMemory();
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    state.SetIterationTime(s);
+// memcpy of N distinct B-byte sources into N distinct destinations.
+struct CopyFloor {
+  std::vector<std::vector<char>> src, dst;
+  CopyFloor(int64_t n, int64_t bytes) {
+    for (int64_t i = 0; i < n; ++i) {
+      src.emplace_back(static_cast<std::size_t>(bytes), static_cast<char>(i));
+      dst.emplace_back(static_cast<std::size_t>(bytes), 0);
+    }
   }
-  state.counters["GBps"] =
-      benchmark::Counter(static_cast<double>(bytes) * static_cast<double>(state.iterations()),
-                         benchmark::Counter::kIsRate);
-}
+  double run(int rounds) {
+    const auto t0 = Clock::now();
+    for (int k = 0; k < rounds; ++k)
+      for (std::size_t i = 0; i < src.size(); ++i) {
+        std::memcpy(dst[i].data(), src[i].data(), src[i].size());
+        benchmark::ClobberMemory();
+      }
+    return seconds_since(t0) / rounds;
+  }
+};
 
 // ---------------------------------------------------------------- sim collectives
 enum class Op { Barrier, AllReduce, AllToAllSingle };
 
-void run_sim(benchmark::State& state, Op op) {
-  const int ranks = static_cast<int>(state.range(0));
-  const int64_t bytes = op == Op::Barrier ? 0 : state.range(1);  // per rank
-  const int rounds = rounds_for(ranks, bytes);
-  for (auto _ : state) {
-    sim::World world(options(ranks));
-    Clock::time_point t0, t1;
-    world.run([&](sim::Rank& rank) {
-      const auto& g = rank.world();
-      int64_t elems = std::max<int64_t>(bytes / 4, 1);
-      if (op == Op::AllToAllSingle) elems = std::max<int64_t>(elems / ranks, 1) * ranks;
-      Tensor x = op == Op::Barrier ? Tensor{} : full({elems}, 1.0, DType::Float32);
-      Tensor y = op == Op::AllToAllSingle ? empty_like(x) : Tensor{};
-      dist::barrier(g);
-      if (rank.rank() == 0) t0 = Clock::now();
-      for (int i = 0; i < rounds; ++i) {
-        switch (op) {
-          case Op::Barrier: dist::barrier(g); break;
-          case Op::AllReduce: dist::all_reduce(g, x); break;
-          case Op::AllToAllSingle: dist::all_to_all_single(g, y, x); break;
-        }
+double sim_op(Op op, int ranks, int64_t bytes, int rounds, int64_t config) {
+  sim::World world(options(ranks, config));
+  Clock::time_point t0, t1;
+  world.run([&](sim::Rank& rank) {
+    const auto& g = rank.world();
+    int64_t elems = std::max<int64_t>(bytes / 4, 1);
+    if (op == Op::AllToAllSingle) elems = std::max<int64_t>(elems / ranks, 1) * ranks;
+    Tensor x = op == Op::Barrier ? Tensor{} : full({elems}, 1.0, DType::Float32);
+    Tensor y = op == Op::AllToAllSingle ? empty_like(x) : Tensor{};
+    dist::barrier(g);
+    if (rank.rank() == 0) t0 = Clock::now();
+    for (int i = 0; i < rounds; ++i) {
+      switch (op) {
+        case Op::Barrier: dist::barrier(g); break;
+        case Op::AllReduce: dist::all_reduce(g, x); break;
+        case Op::AllToAllSingle: dist::all_to_all_single(g, y, x); break;
       }
-      dist::barrier(g);
-      if (rank.rank() == 0) t1 = Clock::now();
-    });
-    // Bytes the op must move through memory in one process: all_reduce reads
-    // N inputs and writes N outputs; all_to_all_single copies N inputs once.
-    const double n = static_cast<double>(ranks), b = static_cast<double>(bytes);
-    const double moved = op == Op::AllReduce ? 2 * n * b : op == Op::AllToAllSingle ? n * b : 0;
-    report(state, std::chrono::duration<double>(t1 - t0).count(), rounds, ranks, moved);
-  }
+    }
+    dist::barrier(g);
+    if (rank.rank() == 0) t1 = Clock::now();
+  });
+  return std::chrono::duration<double>(t1 - t0).count() / rounds;
 }
 
-void BM_SimBarrier(benchmark::State& s) { run_sim(s, Op::Barrier); }
-void BM_SimAllReduce(benchmark::State& s) { run_sim(s, Op::AllReduce); }
-void BM_SimAllToAllSingle(benchmark::State& s) { run_sim(s, Op::AllToAllSingle); }
+// args: ranks, config
+void BM_Barrier(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  const auto opts = options(ranks, state.range(1));
+  const int rounds = rounds_for(ranks, 8);
+  pair(
+      state, [&] { return bare_barrier(ranks, rounds, opts.stack_size); },
+      [&] { return sim_op(Op::Barrier, ranks, 0, rounds, state.range(1)); }, ranks, 0);
+}
 
-// ranks x bytes-per-rank, capped so one world holds at most ~256 MiB of data.
-void Matrix(benchmark::internal::Benchmark* b) {
-  for (int64_t ranks : {8, 64, 512, 4096})
-    for (int64_t bytes :
-         {int64_t{8}, int64_t{4096}, int64_t{1} << 16, int64_t{1} << 20, int64_t{16} << 20})
-      if (ranks * bytes <= (int64_t{256} << 20)) b->Args({ranks, bytes});
+// args: ranks, config; the floor is the bare barrier (a rendezvous is all an
+// 8-byte all_reduce needs in one process).
+void BM_AllReduce8B(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  const auto opts = options(ranks, state.range(1));
+  const int rounds = rounds_for(ranks, 8);
+  pair(
+      state, [&] { return bare_barrier(ranks, rounds, opts.stack_size); },
+      [&] { return sim_op(Op::AllReduce, ranks, 8, rounds, state.range(1)); }, ranks, 0);
+}
+
+// args: op (1 = all_reduce, 2 = all_to_all_single), ranks, bytes per rank, config
+void BM_Bandwidth(benchmark::State& state) {
+  const auto op = static_cast<Op>(state.range(0));
+  const int ranks = static_cast<int>(state.range(1));
+  const int64_t bytes = state.range(2);
+  const int rounds = rounds_for(ranks, bytes);
+  CopyFloor floor(ranks, bytes);
+  pair(
+      state, [&] { return floor.run(rounds); },
+      [&] { return sim_op(op, ranks, bytes, rounds, state.range(3)); }, ranks,
+      static_cast<double>(ranks) * static_cast<double>(bytes));
+}
+
+// ---------------------------------------------------------------- nn forward + backward
+// World 8, x = 8 peers x 4 rows x 16 float32; loss = sum(op(x)); backward.
+// The world is created once; rank 0 times `iters` iterations between two
+// barriers. The floor is the same loop with the collective replaced by
+// clone (the autograd + tensor work alone).
+double nn_loop(sim::World& world, int op, int iters, bool with_collective) {
+  Clock::time_point t0, t1;
+  world.run([&](sim::Rank& rank) {
+    const auto& g = rank.world();
+    Tensor x = full({8 * 4, 16}, 1.0 + rank.rank(), DType::Float32);
+    x.set_requires_grad(true);
+    dist::barrier(g);
+    if (rank.rank() == 0) t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) {
+      Tensor y = !with_collective ? clone(x)
+                 : op == 0        ? nn::all_to_all_single(x, {}, {}, g)
+                                  : nn::all_reduce(x, g);
+      backward({sum(y)});
+    }
+    dist::barrier(g);
+    if (rank.rank() == 0) t1 = Clock::now();
+  });
+  return std::chrono::duration<double>(t1 - t0).count() / iters;
+}
+
+// args: op (0 = all_to_all_single, 1 = all_reduce), config
+void BM_NnFwdBwd(benchmark::State& state) {
+  const int op = static_cast<int>(state.range(0));
+  sim::World world(options(8, state.range(1)));
+  const int iters = 2000;
+  pair(
+      state, [&] { return nn_loop(world, op, iters, false); },
+      [&] { return nn_loop(world, op, iters, true); }, 8, 0);
+}
+
+// ---------------------------------------------------------------- 16384 ranks
+// all_to_all_single, 2 rows of one float32 per peer (8 B per peer-pair), even
+// splits. Floor: the N^2 block copies alone, between N distinct buffers.
+// Memory: peak RSS during the world's run (reset before), vs the payload
+// (N inputs + N outputs).
+void BM_AllToAllHuge(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  const int64_t rows = 2 * static_cast<int64_t>(ranks);
+  const double payload_mib = 2.0 * ranks * static_cast<double>(rows) * 4 / (1 << 20);
+  std::vector<double> sim_s, floor_s, rss;
+  for (auto _ : state) {
+    reset_peak_rss();
+    double t = 0;
+    {
+      sim::World world(options(ranks, state.range(1)));
+      world.run([&](sim::Rank& rank) {
+        Tensor x = full({rows, 1}, rank.rank(), DType::Float32);
+        Tensor y = empty_like(x);
+        dist::barrier(rank.world());
+        const auto t0 = Clock::now();
+        dist::all_to_all_single(rank.world(), y, x);
+        if (rank.rank() == 0) t = seconds_since(t0);  // the last arriver ran the move
+        dist::barrier(rank.world());
+      });
+    }
+    rss.push_back(peak_rss_mib());
+    sim_s.push_back(t);
+    state.SetIterationTime(t);
+    {
+      // Floor: the same N^2 8-byte blocks between N distinct buffers.
+      std::vector<std::vector<float>> in(static_cast<std::size_t>(ranks)),
+          out(static_cast<std::size_t>(ranks));
+      for (auto& v : in) v.assign(static_cast<std::size_t>(rows), 1.0f);
+      for (auto& v : out) v.assign(static_cast<std::size_t>(rows), 0.0f);
+      const auto t0 = Clock::now();
+      for (std::size_t s = 0; s < in.size(); ++s)
+        for (std::size_t j = 0; j < out.size(); ++j)
+          std::memcpy(out[j].data() + 2 * s, in[s].data() + 2 * j, 8);
+      benchmark::DoNotOptimize(out.back().data());
+      floor_s.push_back(seconds_since(t0));
+    }
+  }
+  state.counters["s_per_call"] = median(sim_s);
+  state.counters["floor_s"] = median(floor_s);
+  state.counters["ratio"] = median(sim_s) / median(floor_s);
+  state.counters["peak_rss_MiB"] = median(rss);
+  state.counters["payload_MiB"] = payload_mib;
+}
+
+// ---------------------------------------------------------------- deadlock report
+void BM_DeadlockReport(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  std::vector<double> rss;
+  for (auto _ : state) {
+    reset_peak_rss();
+    std::size_t what = 0;
+    {
+      sim::World world(options(ranks, state.range(1)));
+      const auto t0 = Clock::now();
+      try {
+        world.run([&](sim::Rank& rank) {
+          if (rank.rank() != ranks - 1) dist::barrier(rank.world());
+        });
+      } catch (const Deadlock& e) {
+        what = std::strlen(e.what());
+      }
+      state.SetIterationTime(seconds_since(t0));
+    }
+    rss.push_back(peak_rss_mib());
+    state.counters["report_KiB"] = static_cast<double>(what) / 1024.0;
+  }
+  state.counters["peak_rss_MiB"] = median(rss);
+}
+
+void BarrierArgs(benchmark::internal::Benchmark* b) {
+  for (int64_t config : {0, 1})
+    for (int64_t ranks : {8, 64, 1024, 4096, 16384}) b->Args({ranks, config});
+}
+
+void BandwidthArgs(benchmark::internal::Benchmark* b) {
+  for (int64_t config : {0, 1})
+    for (int64_t op : {1, 2})
+      for (auto [ranks, bytes] : std::vector<std::pair<int64_t, int64_t>>{
+               {8, 64 << 10}, {8, 1 << 20}, {8, 16 << 20}, {64, 64 << 10}, {64, 1 << 20}})
+        b->Args({op, ranks, bytes, config});
 }
 
 }  // namespace
 
-BENCHMARK(BM_BareFiberBarrier)
-    ->Arg(8)
-    ->Arg(64)
-    ->Arg(512)
-    ->Arg(4096)
+BENCHMARK(BM_Barrier)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
+BENCHMARK(BM_AllReduce8B)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
+BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
+BENCHMARK(BM_NnFwdBwd)
+    ->Args({0, 0})
+    ->Args({1, 0})
+    ->Args({0, 1})
+    ->Args({1, 1})
     ->UseManualTime()
-    ->Iterations(3);
-BENCHMARK(BM_Memcpy)->RangeMultiplier(16)->Range(8, 16 << 20)->UseManualTime();
-BENCHMARK(BM_SimBarrier)
-    ->Args({8, 0})
-    ->Args({64, 0})
-    ->Args({512, 0})
-    ->Args({4096, 0})
-    ->UseManualTime()
-    ->Iterations(3);
-BENCHMARK(BM_SimAllReduce)->Apply(Matrix)->UseManualTime()->Iterations(2);
-BENCHMARK(BM_SimAllToAllSingle)->Apply(Matrix)->UseManualTime()->Iterations(2);
+    ->Iterations(7);
+// Heavy (GiBs, minutes before the fixes): run alone, e.g.
+// --benchmark_filter=AllToAllHuge, so other benchmarks do not share its peak.
+BENCHMARK(BM_AllToAllHuge)->Args({16384, 0})->UseManualTime()->Iterations(1);
+BENCHMARK(BM_DeadlockReport)->Args({4096, 1})->Args({16384, 1})->UseManualTime()->Iterations(1);
 
 BENCHMARK_MAIN();

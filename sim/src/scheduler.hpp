@@ -67,10 +67,20 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
 
   boost::fibers::context* pick_next() noexcept override {
     if (ready_.empty()) return nullptr;
-    std::size_t i = 0;
-    if (random_ && ready_.size() > 1) i = static_cast<std::size_t>(rng_() % ready_.size());
-    boost::fibers::context* ctx = ready_[i];
-    ready_.erase(ready_.begin() + static_cast<std::ptrdiff_t>(i));
+    boost::fibers::context* ctx = nullptr;
+    if (random_ && ready_.size() > 1) {
+      // O(1): the drawn fiber's slot takes the last one (swap-remove). The
+      // ready set's order is then not FIFO, which is fine for a random draw
+      // and keeps one seed = one interleaving; erasing from the middle was
+      // O(N) per switch, O(N^2) per collective at 16384 ranks.
+      const auto i = static_cast<std::size_t>(rng_() % ready_.size());
+      ctx = ready_[i];
+      ready_[i] = ready_.back();
+      ready_.pop_back();
+    } else {
+      ctx = ready_.front();
+      ready_.pop_front();
+    }
 #if DIFFCOMM_SIM_ASAN
     start_switch(ctx);
 #endif

@@ -51,6 +51,7 @@ struct Rendezvous {
   bool done = false;
   ErrorKind error = ErrorKind::None;
   std::string message;
+  std::shared_ptr<const std::string> report;  // Deadlock: the one report every rank shares
   double start_us = 0, end_us = 0;
   std::vector<std::shared_ptr<dist::Backend>> split_results;
   boost::fibers::condition_variable_any cv;
@@ -58,7 +59,8 @@ struct Rendezvous {
 
 struct SimGroup {
   uint64_t id = 0;
-  std::vector<int> members;  // global ranks in group order
+  std::vector<int> members;          // global ranks in group order
+  uint32_t trace_name = UINT32_MAX;  // index into World::Impl::trace_names (trace only)
   std::map<uint64_t, std::shared_ptr<Rendezvous>> pending;
   // p2p: (src slot, dst slot, tag, n) -> rendezvous
   std::map<std::tuple<int, int, int, uint64_t>, std::shared_ptr<Rendezvous>> pending_p2p;
@@ -73,8 +75,27 @@ struct RankState {
   double clock_us = 0;
   std::shared_ptr<dist::Stats> stats = std::make_shared<dist::Stats>();
   std::exception_ptr error;
-  std::string error_message;
+  // Shared, not copied: after a deadlock every rank's message is the same
+  // N-line report (a copy per rank was O(N^2) memory: bad_alloc at 8192).
+  std::shared_ptr<const std::string> error_message;
   uint64_t failure_order = 0;
+};
+
+const std::string& message_of(const RankState& rs) {
+  static const std::string none;
+  return rs.error_message ? *rs.error_message : none;
+}
+
+// Deadlock whose what() is the world's one shared report.
+class SharedDeadlock final : public Deadlock {
+ public:
+  explicit SharedDeadlock(std::shared_ptr<const std::string> report)
+      : Deadlock(std::string()), report_(std::move(report)) {}
+  const char* what() const noexcept override { return report_->c_str(); }
+  const std::shared_ptr<const std::string>& report() const { return report_; }
+
+ private:
+  std::shared_ptr<const std::string> report_;
 };
 
 }  // namespace
@@ -88,7 +109,22 @@ struct World::Impl {
   int live = 0;
   int blocked = 0;
   uint64_t failures = 0;
-  std::vector<TraceEvent> trace;
+  // The trace as recorded: fixed-size events with the op as an enum and the
+  // group name interned, so recording costs no allocation per event (it was
+  // two strings per rank-arrival). trace() expands it to TraceEvents once,
+  // on demand.
+  struct CompactEvent {
+    OpType op;
+    uint32_t group;  // index into trace_names
+    int rank;
+    uint64_t seq;
+    double start_us, duration_us;
+    uint64_t bytes_sent, bytes_received;
+  };
+  std::vector<CompactEvent> trace;
+  std::vector<std::string> trace_names;
+  mutable std::vector<TraceEvent> trace_expanded;
+  mutable bool trace_stale = false;
   uint64_t trace_hash = 1469598103934665603ull;
   std::vector<std::exception_ptr> errors;
   detail::SeededAlgorithm* algo = nullptr;  // installed on this thread by run()
@@ -108,8 +144,29 @@ struct World::Impl {
       trace_hash *= 1099511628211ull;
     }
   }
-  void hash(const std::string& s) {
-    for (char c : s) hash(static_cast<uint64_t>(static_cast<unsigned char>(c)));
+  void hash(const char* s) {
+    for (; *s != 0; ++s) hash(static_cast<uint64_t>(static_cast<unsigned char>(*s)));
+  }
+
+  uint32_t intern_trace_name(SimGroup& g, const std::string& name) {
+    // Members name their group alike in practice; compare, not assume.
+    if (g.trace_name < trace_names.size() && trace_names[g.trace_name] == name) return g.trace_name;
+    const auto it = std::find(trace_names.begin(), trace_names.end(), name);
+    g.trace_name = static_cast<uint32_t>(it - trace_names.begin());
+    if (it == trace_names.end()) trace_names.push_back(name);
+    return g.trace_name;
+  }
+
+  const std::vector<TraceEvent>& expanded_trace() const {
+    if (trace_stale) {
+      trace_expanded.clear();
+      trace_expanded.reserve(trace.size());
+      for (const CompactEvent& e : trace)
+        trace_expanded.push_back({dist::op_cstr(e.op), trace_names[e.group], e.seq, e.rank,
+                                  e.start_us, e.duration_us, e.bytes_sent, e.bytes_received});
+      trace_stale = false;
+    }
+    return trace_expanded;
   }
 
   // ---------------------------------------------------------- waiting
@@ -140,15 +197,16 @@ struct World::Impl {
           break;
         case Status::Finished: report += fmt::format("  rank {}: finished\n", r); break;
         case Status::Failed:
-          report += fmt::format("  rank {}: failed ({})\n", r, rs.error_message);
+          report += fmt::format("  rank {}: failed ({})\n", r, message_of(rs));
           break;
         case Status::Running: report += fmt::format("  rank {}: running\n", r); break;
       }
     }
+    auto shared = std::make_shared<const std::string>(std::move(report));
     std::vector<Rendezvous*> all(pending.begin(), pending.end());
     for (Rendezvous* rv : all) {
       rv->error = ErrorKind::Deadlock;
-      rv->message = report;
+      rv->report = shared;
       wake(*rv);
     }
   }
@@ -168,7 +226,8 @@ struct World::Impl {
     }
   }
 
-  void on_rank_exit(int global, std::exception_ptr error, std::string message) {
+  void on_rank_exit(int global, std::exception_ptr error,
+                    std::shared_ptr<const std::string> message) {
     RankState& rs = ranks[static_cast<std::size_t>(global)];
     --live;
     if (!error) {
@@ -186,7 +245,7 @@ struct World::Impl {
       }
       for (Rendezvous* rv : affected) {
         rv->error = ErrorKind::RankFailure;
-        rv->message = fmt::format("member global rank {} failed: {}", global, rs.error_message);
+        rv->message = fmt::format("member global rank {} failed: {}", global, message_of(rs));
         wake(*rv);
       }
     }
@@ -194,6 +253,9 @@ struct World::Impl {
   }
 
   [[noreturn]] void raise(const Rendezvous& rv, const Call& call) {
+    // Every rank's line (its call included) is in the report; prefixing
+    // call.where() would make a per-rank copy of it.
+    if (rv.error == ErrorKind::Deadlock) throw SharedDeadlock(rv.report);
     const std::string msg = fmt::format("{}: {}", call.where(), rv.message);
     switch (rv.error) {
       case ErrorKind::Mismatch: throw CollectiveMismatch(msg);
@@ -215,7 +277,7 @@ struct World::Impl {
     for (int m : g.members)
       if (ranks[static_cast<std::size_t>(m)].status == Status::Failed)
         throw RankFailure(fmt::format("{}: member global rank {} failed earlier: {}", call.where(),
-                                      m, ranks[static_cast<std::size_t>(m)].error_message));
+                                      m, message_of(ranks[static_cast<std::size_t>(m)])));
   }
 
   // ---------------------------------------------------------- fingerprints
@@ -235,12 +297,6 @@ struct World::Impl {
   // Aliasing: the funnel has already staged every input that overlaps an
   // output of the same call (dist/collectives.cpp), the one rule of every
   // backend, so the data move below never reads what it has written.
-  // offsets[k] = splits[0] + ... + splits[k-1]
-  static std::vector<int64_t> prefix(const std::vector<int64_t>& splits) {
-    std::vector<int64_t> out(splits.size() + 1, 0);
-    for (std::size_t k = 0; k < splits.size(); ++k) out[k + 1] = out[k] + splits[k];
-    return out;
-  }
 
   static int64_t offset_of(const std::vector<int64_t>& splits, std::size_t upto) {
     return std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(upto),
@@ -333,23 +389,30 @@ struct World::Impl {
           for (std::size_t s = 0; s < n; ++s) c[i]->outputs[s].copy_(c[s]->inputs[i]);
         break;
       case OpType::AllToAllSingle: {
-        // Byte offsets from prefix sums (not a sum per block: O(N^2), not
-        // O(N^3)), and plain memcpy (no tensor handles per block).
+        // Offsets are prefix sums kept as running cursors, once per
+        // collective: the sender's in its own loop, each receiver's in
+        // `cursor` (senders go in order s = 0..N-1, so cursor[j] is the
+        // prefix sum of receiver j's output_splits up to s). N-sized state
+        // per collective, not N offset tables of N+1 (4 GiB at 16384 ranks);
+        // destination pointers resolved once, not per block.
         const auto row_bytes = static_cast<int64_t>(c[0]->inputs[0].row_numel()) *
                                static_cast<int64_t>(element_size(c[0]->dtype));
-        std::vector<std::vector<int64_t>> in_off(n), out_off(n);
-        for (std::size_t i = 0; i < n; ++i) {
-          in_off[i] = prefix(c[i]->input_splits);
-          out_off[i] = prefix(c[i]->output_splits);
-        }
+        std::vector<char*> dst(n);
+        std::vector<int64_t> cursor(n, 0);  // bytes
+        for (std::size_t j = 0; j < n; ++j)
+          dst[j] = static_cast<char*>(c[j]->outputs[0].data_ptr());
         for (std::size_t s = 0; s < n; ++s) {
           const char* src = static_cast<const char*>(c[s]->inputs[0].data_ptr());
+          const int64_t* in_splits = c[s]->input_splits.data();
+          int64_t in_at = 0;  // bytes
           for (std::size_t j = 0; j < n; ++j) {
-            const int64_t rows = c[s]->input_splits[j];
-            if (rows == 0) continue;
-            char* dst = static_cast<char*>(c[j]->outputs[0].data_ptr());
-            std::memcpy(dst + out_off[j][s] * row_bytes, src + in_off[s][j] * row_bytes,
-                        static_cast<std::size_t>(rows * row_bytes));
+            const int64_t bytes = in_splits[j] * row_bytes;
+            if (bytes == 0) continue;
+            // Receiver j's output_splits[s] equals in_splits[j] (compared
+            // before any data moves), so the sender's split advances both.
+            std::memcpy(dst[j] + cursor[j], src + in_at, static_cast<std::size_t>(bytes));
+            in_at += bytes;
+            cursor[j] += bytes;
           }
         }
         break;
@@ -446,15 +509,16 @@ void World::Impl::complete(Rendezvous& rv) {
   rv.end_us = start + cost_us(rv);
   hash(rv.group->id);
   hash(rv.calls[0]->seq);
-  hash(dist::op_name(rv.calls[0]->op));
+  hash(dist::op_cstr(rv.calls[0]->op));  // same bytes as op_name, no allocation
   for (int slot : rv.arrival_order) hash(static_cast<uint64_t>(slot));
   for (std::size_t i = 0; i < rv.calls.size(); ++i) {
     const Call& c = *rv.calls[i];
     ranks[static_cast<std::size_t>(rv.globals[i])].clock_us = rv.end_us;
     if (options.trace)
-      trace.push_back({dist::op_name(c.op), c.group, c.seq, rv.globals[i], rv.start_us,
-                       rv.end_us - rv.start_us, c.bytes_sent, c.bytes_received});
+      trace.push_back({c.op, intern_trace_name(*rv.group, c.group), rv.globals[i], c.seq,
+                       rv.start_us, rv.end_us - rv.start_us, c.bytes_sent, c.bytes_received});
   }
+  trace_stale = options.trace;
   wake(rv);
 }
 
@@ -615,7 +679,7 @@ const dist::Stats& World::stats(int rank) const {
     throw InvalidArgument(fmt::format("World::stats: rank {} out of range (run() first?)", rank));
   return *impl_->ranks[static_cast<std::size_t>(rank)].stats;
 }
-const std::vector<TraceEvent>& World::trace() const { return impl_->trace; }
+const std::vector<TraceEvent>& World::trace() const { return impl_->expanded_trace(); }
 uint64_t World::trace_hash() const { return impl_->trace_hash; }
 
 double World::sim_time_us() const {
@@ -626,7 +690,7 @@ double World::sim_time_us() const {
 
 std::vector<std::string> World::error_messages() const {
   std::vector<std::string> out;
-  for (const auto& r : impl_->ranks) out.push_back(r.error_message);
+  for (const auto& r : impl_->ranks) out.push_back(message_of(r));
   return out;
 }
 
@@ -639,15 +703,15 @@ void World::write_trace(const std::string& path) const {
                       {"tid", r},
                       {"args", {{"name", fmt::format("rank {}", r)}}}});
   for (const auto& e : impl_->trace)
-    events.push_back({{"name", e.op},
-                      {"cat", e.group},
+    events.push_back({{"name", dist::op_cstr(e.op)},
+                      {"cat", impl_->trace_names[e.group]},
                       {"ph", "X"},
                       {"pid", 0},
                       {"tid", e.rank},
                       {"ts", e.start_us},
                       {"dur", e.duration_us},
                       {"args",
-                       {{"group", e.group},
+                       {{"group", impl_->trace_names[e.group]},
                         {"seq", e.seq},
                         {"bytes_sent", e.bytes_sent},
                         {"bytes_received", e.bytes_received}}}});
@@ -707,6 +771,9 @@ void World::run(const std::function<void(Rank&)>& fn) {
   w.next_group_id = 0;  // group ids enter trace_hash(): same seed, same hash on every run
   w.pending.clear();
   w.trace.clear();
+  w.trace_names.clear();
+  w.trace_expanded.clear();
+  w.trace_stale = false;
   w.trace_hash = 1469598103934665603ull;
   w.live = n;
   w.blocked = 0;
@@ -739,17 +806,20 @@ void World::run(const std::function<void(Rank&)>& fn) {
               this, r,
               dist::ProcessGroup(backend, "world", w.ranks[static_cast<std::size_t>(r)].stats), z);
           std::exception_ptr error;
-          std::string message;
+          std::shared_ptr<const std::string> message;
           try {
             fn(rank);
+          } catch (const SharedDeadlock& e) {
+            error = std::current_exception();
+            message = e.report();  // shared with every other blocked rank
           } catch (const std::exception& e) {
             // Never block or yield inside a catch handler (Boost 1.74 loses
             // the exception state across a fiber switch): record and leave.
             error = std::current_exception();
-            message = e.what();
+            message = std::make_shared<const std::string>(e.what());
           } catch (...) {
             error = std::current_exception();
-            message = "unknown exception";
+            message = std::make_shared<const std::string>("unknown exception");
           }
           w.errors[static_cast<std::size_t>(r)] = error;
           w.on_rank_exit(r, error, std::move(message));
@@ -775,7 +845,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
   }
   if (first >= 0) {
     const RankState& rs = w.ranks[static_cast<std::size_t>(first)];
-    rethrow_named(rs.error, first, rs.error_message);
+    rethrow_named(rs.error, first, message_of(rs));
   }
 }
 
