@@ -236,6 +236,21 @@ TEST(DeviceMemory, EventsOfAnotherDevicesStreamAreRecordedOnThatDevice) {
   EXPECT_EQ(api.device, 2);
 }
 
+TEST(DeviceMemory, AForgottenStreamIsNotWaitedFor) {
+  FakeDeviceApi api;
+  auto alloc = std::make_shared<RecordingAllocator>(api);
+  DeviceMemory mem(api, alloc);
+  void* p = mem.allocate(64, 0, handle(7));
+  mem.record_use(p, handle(8), 0);
+  mem.record_use(p, handle(9), 0);
+  mem.forget_stream(handle(8), 0);  // idle, about to be destroyed
+  api.log.clear();
+  mem.deallocate(p);
+  EXPECT_EQ(api.log,
+            (std::vector<std::string>{"create_event on 0", "record 1001 on 9 dev 0",
+                                      "7 waits 1001 dev 0", "destroy 1001", "free on 7 dev 0"}));
+}
+
 TEST(DeviceMemory, UnknownPointersAreIgnored) {
   FakeDeviceApi api;
   auto alloc = std::make_shared<RecordingAllocator>(api);

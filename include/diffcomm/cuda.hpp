@@ -18,9 +18,10 @@
 //  - A block is allocated on the device's current stream (below) and freed
 //    in stream order on that same stream when its last tensor goes away: the
 //    free waits for the work queued on that stream, not for the device. When
-//    a block was also used on other streams (record_stream, or diffcomm's own
-//    collectives on a group's stream), the free first makes the allocation
-//    stream wait for those streams with events (the torch recordStream rule).
+//    a block was also used on other streams (record_stream), the free first
+//    makes the allocation stream wait for those streams with events (the
+//    torch recordStream rule). Collectives need no record_stream for blocks
+//    of the current stream: the current stream waits for them (below).
 //    Consequence: a stream made current with StreamGuard must outlive the
 //    tensors allocated while it was current (as with torch).
 //  - A trainer can plug in its own allocator (set_allocator), e.g. torch's
@@ -119,7 +120,9 @@ class StreamGuard {
 /// than the one it was allocated on): when the block is freed, its
 /// allocation stream first waits for the work queued on `stream` up to that
 /// point (torch's Tensor.record_stream). No effect for CPU tensors and for
-/// memory diffcomm did not allocate (from_blob, DLPack). Thread-safe.
+/// memory diffcomm did not allocate (from_blob, DLPack). `stream` must still
+/// exist when the block is freed (streams diffcomm owns are forgotten when
+/// they are destroyed). Thread-safe.
 void record_stream(const Tensor& t, void* stream);
 
 /// Counters of the process's CUDA allocations made through diffcomm.

@@ -83,6 +83,12 @@ void DeviceMemory::record_use(const void* ptr, void* stream, int stream_device) 
     b.other_streams.push_back(use);
 }
 
+void DeviceMemory::forget_stream(void* stream, int stream_device) {
+  const std::pair<void*, int> use{stream, stream_device};
+  const std::lock_guard lock(mu_);
+  for (auto& [addr, b] : blocks_) std::erase(b.other_streams, use);
+}
+
 void DeviceMemory::deallocate(void* ptr) noexcept {
   Block b;
   {

@@ -94,6 +94,10 @@ class DeviceMemory {
   /// failing CUDA call leaves the block to its allocator without the wait;
   /// the failure is counted in stats as a free all the same).
   void deallocate(void* ptr) noexcept;
+  /// Drops `stream` from every block's list of other streams: call it once
+  /// the work queued on `stream` has completed and before the stream is
+  /// destroyed (an event cannot be recorded on a destroyed stream).
+  void forget_stream(void* stream, int stream_device);
   /// Counters (see cuda::MemoryStats).
   cuda::MemoryStats stats() const;
 

@@ -34,8 +34,10 @@
 //    there) is not the group's stream, each op first makes the group's
 //    stream wait for an event recorded on the current stream, and afterwards
 //    makes the current stream wait for an event recorded on the group's
-//    stream; the caller's buffers are marked as used on the group's stream
-//    (cuda::record_stream) so that freeing them waits for the op. When the
+//    stream (so freeing a buffer allocated on the current stream waits for
+//    the op too; with the option off, the buffers are marked as used on the
+//    group's stream instead, cuda::record_stream). A buffer allocated on a
+//    third stream is the caller's to order (cuda::record_stream). When the
 //    current stream is the group's stream (a trainer that lends its stream
 //    to from_comm and makes it current with cuda::StreamGuard) no event is
 //    used at all. Work the caller queues on any other stream is not waited

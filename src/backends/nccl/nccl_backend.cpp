@@ -105,6 +105,10 @@ struct StreamHolder {
     if (!owned || stream == nullptr) return;
     try {
       const DeviceGuard guard(device);
+      // Blocks that recorded a use on this stream need not wait for it any
+      // more once it is idle, and must not record an event on it later.
+      (void)cudaStreamSynchronize(stream);
+      detail::device_memory().forget_stream(stream, device);
       (void)cudaStreamDestroy(stream);
     } catch (const Error&) {  // no usable device any more (process exit): nothing to free
     }
@@ -868,9 +872,11 @@ class NcclBackend final : public dist::Backend {
       DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_before_, caller), &c);
       DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream(), ev_before_, 0), &c);
     }
-    if (other) {
-      // The caller's blocks are used on the group's stream: their stream-
-      // ordered free must wait for it (cuda::record_stream).
+    if (other && !order) {
+      // Unordered: the caller's blocks are used on the group's stream, so
+      // their stream-ordered free must wait for it (cuda::record_stream).
+      // Ordered, the current stream already waits for the op (below), which
+      // covers blocks allocated on it.
       for (const Tensor& t : c.inputs) cuda::record_stream(t, stream());
       for (const Tensor& t : c.outputs) cuda::record_stream(t, stream());
     }
