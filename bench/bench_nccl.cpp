@@ -1,6 +1,8 @@
 // NCCL bandwidth through diffcomm: all_reduce, all_gather (all_gather_single)
 // and all_to_all_single on CUDA tensors, one thread per device (world = the
-// devices used; 1 on a one-GPU machine), and a short table.
+// devices used; 1 on a one-GPU machine: NCCL allows one rank per device),
+// each next to the raw NCCL call(s) diffcomm issues, on the same
+// communicator, stream and buffers, in the layout of nccl-tests.
 //
 // Bandwidths follow nccl-tests (doc/PERFORMANCE.md): time t per op is the
 // mean over the timed iterations, slowest rank; "size" S is
@@ -18,6 +20,7 @@
 //                   [--devices N] [--dtype float32|bfloat16]
 // Exits 0 with a message when there is no CUDA device.
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -54,8 +57,6 @@ enum class Op { AllReduce, AllGather, AllToAllP2p, AllToAllNative };
 struct Row {
   Op op;
   int64_t bytes;  // S of nccl-tests
-  double seconds = 0;
-  bool ok = true;
 };
 
 const char* op_name(Op op) {
@@ -81,17 +82,6 @@ double bus_factor(Op op, int n) {
   return op == Op::AllReduce ? 2.0 * (n - 1) / n : static_cast<double>(n - 1) / n;
 }
 
-std::string human(int64_t bytes) {
-  char buf[32];
-  if (bytes >= (int64_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%g GiB", static_cast<double>(bytes) / (1 << 30));
-  else if (bytes >= (int64_t{1} << 20))
-    std::snprintf(buf, sizeof buf, "%g MiB", static_cast<double>(bytes) / (1 << 20));
-  else
-    std::snprintf(buf, sizeof buf, "%g KiB", static_cast<double>(bytes) / (1 << 10));
-  return buf;
-}
-
 int64_t parse_bytes(const char* s) { return std::strtoll(s, nullptr, 10); }
 
 // Runs op once on rank r's buffers.
@@ -101,6 +91,52 @@ void issue(Op op, const dist::ProcessGroup& g, const Tensor& in, const Tensor& o
     case Op::AllGather: dist::all_gather_single(g, out, in); break;
     case Op::AllToAllP2p:
     case Op::AllToAllNative: dist::all_to_all_single(g, out, in); break;
+  }
+}
+
+// The NCCL call(s) diffcomm issues for op, on the group's communicator and
+// stream, without diffcomm: the baseline.
+void issue_raw(Op op, const dist::ProcessGroup& g, const Tensor& in, const Tensor& out, int n) {
+  ncclComm_t comm = nccl::comm(g);
+  cudaStream_t stream = nccl::stream(g);
+  const ncclDataType_t type = in.dtype() == DType::BFloat16 ? ncclBfloat16 : ncclFloat32;
+  auto ok = [](ncclResult_t r, const char* what) {
+    if (r != ncclSuccess)
+      throw BackendError(std::string("bench_nccl: ") + what + ": " + ncclGetErrorString(r));
+  };
+  const std::size_t es = element_size(in.dtype());
+  switch (op) {
+    case Op::AllReduce:
+      ok(ncclAllReduce(in.data_ptr(), in.data_ptr(), static_cast<std::size_t>(in.numel()), type,
+                       ncclSum, comm, stream),
+         "ncclAllReduce");
+      break;
+    case Op::AllGather:
+      ok(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel()), type,
+                       comm, stream),
+         "ncclAllGather");
+      break;
+    case Op::AllToAllP2p: {
+      const auto block = static_cast<std::size_t>(in.numel() / n);
+      ok(ncclGroupStart(), "ncclGroupStart");
+      for (int p = 0; p < n; ++p) {
+        ok(ncclSend(static_cast<const char*>(in.data_ptr()) + p * block * es, block, type, p, comm,
+                    stream),
+           "ncclSend");
+        ok(ncclRecv(static_cast<char*>(out.data_ptr()) + p * block * es, block, type, p, comm,
+                    stream),
+           "ncclRecv");
+      }
+      ok(ncclGroupEnd(), "ncclGroupEnd");
+      break;
+    }
+    case Op::AllToAllNative:
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+      ok(ncclAlltoAll(in.data_ptr(), out.data_ptr(), static_cast<std::size_t>(in.numel() / n), type,
+                      comm, stream),
+         "ncclAlltoAll");
+#endif
+      break;
   }
 }
 
@@ -182,9 +218,10 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (Op op : ops)
     for (int64_t s : sizes) rows.push_back({op, s});
-  // seconds[row][rank]
+  // seconds[row][rank], through diffcomm and raw
   std::vector<std::vector<double>> seconds(rows.size(),
                                            std::vector<double>(static_cast<std::size_t>(n), 0.0));
+  std::vector<std::vector<double>> raw_seconds = seconds;
   std::vector<std::vector<char>> bad(rows.size(),
                                      std::vector<char>(static_cast<std::size_t>(n), 0));
   std::vector<std::string> errors(static_cast<std::size_t>(n));
@@ -226,16 +263,21 @@ int main(int argc, char** argv) {
             const double got = res.row_view(b * block, 1).to_vector()[0];
             if (got != expected(op, n, b)) bad[k][static_cast<std::size_t>(r)] = 1;
           }
-          for (int i = 0; i < cfg.warmup; ++i) issue(op, g, in, out);
-          nccl::synchronize(g);
-          sync.arrive_and_wait();
-          const auto t0 = std::chrono::steady_clock::now();
-          for (int i = 0; i < cfg.iters; ++i) issue(op, g, in, out);
-          nccl::synchronize(g);
-          const auto t1 = std::chrono::steady_clock::now();
-          seconds[k][static_cast<std::size_t>(r)] =
-              std::chrono::duration<double>(t1 - t0).count() / cfg.iters;
-          sync.arrive_and_wait();
+          // Mean time of cfg.iters calls (after cfg.warmup), every rank
+          // starting together, host-timed around the stream like nccl-tests.
+          auto time = [&](auto&& call) {
+            for (int i = 0; i < cfg.warmup; ++i) call();
+            nccl::synchronize(g);
+            sync.arrive_and_wait();
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; i < cfg.iters; ++i) call();
+            nccl::synchronize(g);
+            const auto t1 = std::chrono::steady_clock::now();
+            sync.arrive_and_wait();
+            return std::chrono::duration<double>(t1 - t0).count() / cfg.iters;
+          };
+          seconds[k][static_cast<std::size_t>(r)] = time([&] { issue(op, g, in, out); });
+          raw_seconds[k][static_cast<std::size_t>(r)] = time([&] { issue_raw(op, g, in, out, n); });
         }
       } catch (const std::exception& e) {
         errors[static_cast<std::size_t>(r)] = e.what();
@@ -254,22 +296,41 @@ int main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   const int v = nccl::runtime_version();
   std::printf(
-      "diffcomm NCCL bandwidth: world %d (%d x %s), NCCL %d.%d.%d, %s, %d iterations after %d "
-      "warm-up\n",
+      "# diffcomm NCCL bandwidth: world %d (%d x %s), NCCL %d.%d.%d, %s, %d iterations after %d "
+      "warm-up\n"
+      "# time: mean per call, slowest rank; algbw = size / time; busbw = algbw * 2(n-1)/n "
+      "(all_reduce) or (n-1)/n (others), as nccl-tests; 1 rank: busbw 0\n",
       n, n, prop.name, v / 10000, (v / 100) % 100, v % 100, dtype_name(cfg.dtype).c_str(),
       cfg.iters, cfg.warmup);
-  std::printf("%-18s %-16s %10s %12s %12s %12s  %s\n", "op", "path", "size", "time (us)",
-              "algbw GB/s", "busbw GB/s", "check");
   bool all_ok = true;
+  const std::size_t per_op = sizes.size();
   for (std::size_t k = 0; k < rows.size(); ++k) {
+    const Op op = rows[k].op;
+    if (k % per_op == 0) {
+      std::printf("#\n# %s (%s)\n", op_name(op), path_name(op));
+      std::printf("# %12s %12s %8s %6s   %10s %8s %8s %6s   %10s %8s %8s   %8s\n", "", "", "", "",
+                  "diffcomm", "", "", "", "raw NCCL", "", "", "");
+      std::printf("# %12s %12s %8s %6s   %10s %8s %8s %6s   %10s %8s %8s   %8s\n", "size", "count",
+                  "type", "redop", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw",
+                  "overhead");
+      std::printf("# %12s %12s %8s %6s   %10s %8s %8s %6s   %10s %8s %8s   %8s\n", "(B)",
+                  "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)",
+                  "(%)");
+    }
     const double t = *std::max_element(seconds[k].begin(), seconds[k].end());
-    const bool ok = std::none_of(bad[k].begin(), bad[k].end(), [](char c) { return c != 0; });
-    all_ok = all_ok && ok;
-    const double algbw = static_cast<double>(rows[k].bytes) / t / 1e9;
-    std::printf("%-18s %-16s %10s %12.1f %12.2f %12.2f  %s\n", op_name(rows[k].op),
-                path_name(rows[k].op), human(rows[k].bytes).c_str(), t * 1e6, algbw,
-                algbw * bus_factor(rows[k].op, n), ok ? "ok" : "WRONG");
+    const double tr = *std::max_element(raw_seconds[k].begin(), raw_seconds[k].end());
+    const auto wrong = std::count_if(bad[k].begin(), bad[k].end(), [](char c) { return c != 0; });
+    all_ok = all_ok && wrong == 0;
+    const double size = static_cast<double>(rows[k].bytes);
+    const double algbw = size / t / 1e9, raw_algbw = size / tr / 1e9;
+    std::printf(
+        "  %12lld %12lld %8s %6s   %10.1f %8.2f %8.2f %6lld   %10.1f %8.2f %8.2f   %+8.1f\n",
+        static_cast<long long>(rows[k].bytes), static_cast<long long>(rows[k].bytes / es),
+        dtype_name(cfg.dtype).c_str(), op == Op::AllReduce ? "sum" : "none", t * 1e6, algbw,
+        algbw * bus_factor(op, n), static_cast<long long>(wrong), tr * 1e6, raw_algbw,
+        raw_algbw * bus_factor(op, n), (t / tr - 1.0) * 100.0);
   }
+  std::printf("# #wrong: ranks whose result was wrong after one checked call (diffcomm path)\n");
   if (!native_a2a)
     std::printf("(ncclAlltoAll not measured: needs NCCL >= 2.28 in the header and the library)\n");
   return all_ok ? 0 : 1;

@@ -412,7 +412,7 @@ TEST(NcclDevice, EvenAllToAllPromise) {
   expect_no_errors(errors, "even all_to_all_single");
 }
 
-// Ops run on the group's stream; with order_with_default_stream they are
+// Ops run on the group's stream; with order_with_current_stream they are
 // ordered with diffcomm's tensor kernels (legacy default stream) even on a
 // non-blocking stream; set_stream moves later ops.
 TEST(NcclStreams, GroupStreamAndDefaultStreamOrdering) {

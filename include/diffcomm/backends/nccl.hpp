@@ -16,27 +16,35 @@
 //    the split, which also checks that every member passed the same
 //    fingerprint (CollectiveMismatch otherwise, on every member).
 //
-// Streams and ordering
+// Streams, devices and memory (the general rule: diffcomm/cuda.hpp)
 //  - Every op is enqueued on the group's stream (stream(group); set_stream()
 //    changes it) and returns without waiting for the GPU: no host
 //    synchronization on the hot path. Exceptions, documented per function:
 //    barrier(), split (new_group), CPU tensors (Options::stage_cpu) and the
 //    watchdog, which all wait for the stream.
-//  - With Options::order_with_default_stream (the default), each op first
-//    makes the group's stream wait for the work already queued on the legacy
-//    default stream, and afterwards makes the legacy default stream wait for
-//    the op. diffcomm's own CUDA tensor kernels (copy, fill, add, scale: the
-//    autograd engine's) run on the legacy default stream, so forward and
-//    backward of nn:: collectives are ordered with them, whatever kind of
-//    stream the group uses. Work the caller queues on other streams is not
-//    waited for: produce the inputs on the group's stream (pass it to
-//    from_comm / Options::stream) or make the group's stream wait on yours
-//    (cudaStreamWaitEvent) before calling, and read results on the group's
-//    stream or after synchronize().
+//  - While an op runs, the group's stream is the current stream of the
+//    group's device (cuda::StreamGuard): its scratch and staging buffers come
+//    from diffcomm's stream-ordered pool on that stream and go back to it in
+//    stream order right after the op is enqueued; its copies and kernels
+//    (list staging, the Avg fallback) run there too.
+//  - Ordering with the caller, by events only (never a device sync): with
+//    Options::order_with_current_stream (the default), when the caller's
+//    current stream of the device (cuda::current_stream, the legacy default
+//    stream unless set; diffcomm's own tensor kernels, e.g. autograd's, run
+//    there) is not the group's stream, each op first makes the group's
+//    stream wait for an event recorded on the current stream, and afterwards
+//    makes the current stream wait for an event recorded on the group's
+//    stream (so freeing a buffer allocated on the current stream waits for
+//    the op too; with the option off, the buffers are marked as used on the
+//    group's stream instead, cuda::record_stream). A buffer allocated on a
+//    third stream is the caller's to order (cuda::record_stream). When the
+//    current stream is the group's stream (a trainer that lends its stream
+//    to from_comm and makes it current with cuda::StreamGuard) no event is
+//    used at all. Work the caller queues on any other stream is not waited
+//    for: make the current or the group's stream wait on it
+//    (cudaStreamWaitEvent) before calling.
 //  - Buffers: inputs must stay valid and unmodified, outputs untouched, until
-//    the op has completed on the stream (as with raw NCCL). Staging buffers
-//    diffcomm allocates itself are kept alive until an event recorded after
-//    the op has completed.
+//    the op has completed on the stream (as with raw NCCL).
 //
 // Ops (ranks group-local, semantics of dist/collectives.hpp)
 //  - native: all_reduce (ncclAllReduce), broadcast (ncclBroadcast), reduce
@@ -85,8 +93,12 @@
 // thread at a time, like an ncclComm_t; several groups on several devices may
 // be driven by one thread each (one process, one thread per GPU). Driving
 // several ranks of one communicator from a single thread is not supported
-// (each op is its own NCCL group). Every op makes the group's device current
-// and restores the caller's current device afterwards.
+// (each op is its own NCCL group). NCCL refuses two ranks of one
+// communicator on one device ("Duplicate GPU detected"): a world needs one
+// device per rank. Every entry point that touches the device (ops, the
+// factories, synchronize, abort, destruction) makes the group's device
+// current with a guard that restores the caller's device on return and on
+// exception.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -105,21 +117,23 @@ namespace diffcomm::nccl {
 
 /// How a group behaves; copied into the group (and into its sub-groups).
 struct Options {
-  /// Stream of every op. Null: init_rank creates and owns a stream (created
-  /// with cudaStreamDefault flags, i.e. ordered with the legacy default
-  /// stream). Non-null: borrowed (the caller keeps it valid while the group
-  /// lives and destroys it). from_comm takes its stream as an argument and
-  /// ignores this field.
+  /// Stream of every op. Null: init_rank creates and owns a non-blocking
+  /// stream (cudaStreamNonBlocking: no implicit synchronization with the
+  /// legacy default stream; ordering is by events, see the header comment).
+  /// Non-null: borrowed (the caller keeps it valid while the group lives and
+  /// destroys it). from_comm takes its stream as an argument and ignores this
+  /// field.
   cudaStream_t stream = nullptr;
   /// Accept CPU tensors: they are copied to the group's device, the op runs
   /// there and the outputs are copied back before the call returns (it
   /// synchronizes with the host). Off: CPU tensors are refused with
   /// InvalidArgument by the dist:: funnel, as torch's NCCL backend does.
   bool stage_cpu = false;
-  /// Order every op with the legacy default stream in both directions (see
-  /// the header comment). Turn off only when the caller orders every input
-  /// and output itself.
-  bool order_with_default_stream = true;
+  /// Order every op with the caller's current stream of the device
+  /// (cuda::current_stream) in both directions, by events, when that is not
+  /// the group's stream (see the header comment). Turn off only when the
+  /// caller orders every input and output itself.
+  bool order_with_current_stream = true;
   /// Use ncclGather / ncclScatter / ncclAlltoAll where the header and the
   /// NCCL library loaded at run time (ncclGetVersion) are >= 2.28. Off:
   /// always the grouped ncclSend/ncclRecv forms. Must be equal on every

@@ -6,7 +6,10 @@
 //
 // Plain C++: NCCL and the CUDA runtime are C APIs, so this file is compiled
 // by the host compiler; the only kernels it runs are NCCL's (and, for the
-// Avg fallback on NCCL < 2.10, diffcomm's scale).
+// Avg fallback on NCCL < 2.10, diffcomm's scale). Device memory, the device
+// guard and the current stream are diffcomm's (src/cuda/device_memory.hpp):
+// while an op runs, the group's stream is the current stream of its device,
+// so scratch buffers are allocated and freed in stream order on it.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -14,14 +17,15 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <numeric>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "cuda/device_memory.hpp"
 #include "diffcomm/backends/nccl.hpp"
+#include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
@@ -86,26 +90,9 @@ std::string nccl_text(ncclResult_t r, ncclComm_t comm) {
     if (diffcomm_e_ != cudaSuccess) fail_cuda(diffcomm_e_, #expr, (call), __FILE__, __LINE__); \
   } while (0)
 
-// Makes `device` current for the scope and restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) : device_(device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) {
-      (void)cudaGetLastError();
-      prev_ = -1;
-    }
-    if (prev_ != device_) DIFFCOMM_CUDA_PLAIN(cudaSetDevice(device_), "nccl backend");
-  }
-  ~DeviceGuard() {
-    if (prev_ >= 0 && prev_ != device_) (void)cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int device_;
-  int prev_ = -1;
-};
+// Makes a device current for the scope and restores the caller's device on
+// return and on exception (one guard for the whole library).
+using detail::DeviceGuard;
 
 // A stream shared by a group and the sub-groups split from it (so their ops
 // stay in one order per rank); destroyed with the last user when owned.
@@ -116,21 +103,26 @@ struct StreamHolder {
   StreamHolder(cudaStream_t s, bool own, int dev) : stream(s), owned(own), device(dev) {}
   ~StreamHolder() {
     if (!owned || stream == nullptr) return;
-    int prev = -1;
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    (void)cudaSetDevice(device);
-    (void)cudaStreamDestroy(stream);
-    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+    try {
+      const DeviceGuard guard(device);
+      // Blocks that recorded a use on this stream need not wait for it any
+      // more once it is idle, and must not record an event on it later.
+      (void)cudaStreamSynchronize(stream);
+      detail::device_memory().forget_stream(stream, device);
+      (void)cudaStreamDestroy(stream);
+    } catch (const Error&) {  // no usable device any more (process exit): nothing to free
+    }
   }
   StreamHolder(const StreamHolder&) = delete;
   StreamHolder& operator=(const StreamHolder&) = delete;
 };
 
 std::shared_ptr<StreamHolder> owned_stream(int device) {
-  DeviceGuard guard(device);
+  const DeviceGuard guard(device);
   cudaStream_t s = nullptr;
-  // cudaStreamDefault: a blocking stream, ordered with the legacy default stream.
-  DIFFCOMM_CUDA_PLAIN(cudaStreamCreateWithFlags(&s, cudaStreamDefault),
+  // Non-blocking: no implicit synchronization with the legacy default
+  // stream; ordering with the caller's current stream is by events (run()).
+  DIFFCOMM_CUDA_PLAIN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
                       "nccl: creating the group's stream");
   return std::make_shared<StreamHolder>(s, true, device);
 }
@@ -205,7 +197,7 @@ class NcclBackend final : public dist::Backend {
       std::iota(members_.begin(), members_.end(), 0);
     }
     native_ = DIFFCOMM_NCCL_HEADER_HAS_2_28 && opts_.prefer_native && version_ >= kVersionNative;
-    DeviceGuard guard(device_);
+    const DeviceGuard guard(device_);
     DIFFCOMM_CUDA_PLAIN(cudaEventCreateWithFlags(&ev_before_, cudaEventDisableTiming),
                         "nccl: events");
     const cudaError_t e = cudaEventCreateWithFlags(&ev_after_, cudaEventDisableTiming);
@@ -216,20 +208,23 @@ class NcclBackend final : public dist::Backend {
   }
 
   ~NcclBackend() override {
-    int prev = -1;
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    (void)cudaSetDevice(device_);
-    // Let queued ops finish before their staging buffers and the
-    // communicator go away (an aborted communicator's kernels have stopped).
-    (void)cudaStreamSynchronize(stream_->stream);
-    for (Pending& p : pending_) (void)cudaEventDestroy(p.event);
-    pending_.clear();
-    (void)cudaEventDestroy(ev_before_);
-    (void)cudaEventDestroy(ev_after_);
-    barrier_buf_ = Tensor{};
-    if (owned_ && !aborted_) (void)ncclCommDestroy(comm_);
-    (void)cudaGetLastError();
-    if (prev >= 0 && prev != device_) (void)cudaSetDevice(prev);
+    try {
+      const DeviceGuard guard(device_);
+      // Let queued ops finish before the communicator goes away (an aborted
+      // communicator's kernels have stopped). Scratch buffers were freed in
+      // stream order already; the barrier's buffer is freed here, on the
+      // stream, before an owned stream is destroyed.
+      (void)cudaStreamSynchronize(stream_->stream);
+      (void)cudaEventDestroy(ev_before_);
+      (void)cudaEventDestroy(ev_after_);
+      {
+        const cuda::StreamGuard on_group_stream(device_, stream());
+        barrier_buf_ = Tensor{};
+      }
+      if (owned_ && !aborted_) (void)ncclCommDestroy(comm_);
+      (void)cudaGetLastError();
+    } catch (const Error&) {  // no usable device any more (process exit)
+    }
   }
 
   NcclBackend(const NcclBackend&) = delete;
@@ -245,7 +240,8 @@ class NcclBackend final : public dist::Backend {
   }
 
   std::shared_ptr<dist::Backend> split(Call& c, int color, int key) override {
-    DeviceGuard guard(device_);
+    const DeviceGuard guard(device_);
+    const cuda::StreamGuard on_group_stream(device_, stream());
     begin(c);
     // 1. Every member's (color, key, fingerprint), all-gathered on the
     //    device: the new groups' global ranks and a fingerprint check.
@@ -326,7 +322,7 @@ class NcclBackend final : public dist::Backend {
                           &d);
     });
     // A barrier returns once every member has entered: wait for it.
-    DeviceGuard guard(device_);
+    const DeviceGuard guard(device_);
     if (opts_.watchdog.count() == 0) wait(&c);
   }
 
@@ -380,7 +376,7 @@ class NcclBackend final : public dist::Backend {
       for (int s = 0; s < size_; ++s)
         copy_async(d.outputs[static_cast<std::size_t>(s)].data_ptr(), at(tmp, s * in.numel()),
                    in.nbytes(), &d);
-      keep_alive({tmp}, &d);
+      // tmp is freed in stream order on the group's stream, after the op.
     });
   }
 
@@ -447,7 +443,6 @@ class NcclBackend final : public dist::Backend {
         for (int s = 0; s < size_; ++s)
           copy_async(d.outputs[static_cast<std::size_t>(s)].data_ptr(), at(tmp, s * in.numel()),
                      in.nbytes(), &d);
-        keep_alive({tmp}, &d);
         return;
 #endif
       }
@@ -499,7 +494,6 @@ class NcclBackend final : public dist::Backend {
         DIFFCOMM_NCCL_CHECK(ncclScatter(tmp.data_ptr(), out.data_ptr(), count(out),
                                         nccl_type(d.dtype), d.root, comm_, stream()),
                             &d);
-        keep_alive({tmp}, &d);
         return;
 #endif
       }
@@ -542,7 +536,6 @@ class NcclBackend final : public dist::Backend {
             ncclReduceScatter(tmp.data_ptr(), out.data_ptr(), count(out), nccl_type(d.dtype),
                               red_op(d.reduce_op), comm_, stream()),
             &d);
-        keep_alive({tmp}, &d);
       }
       finish_avg(d, out);
     });
@@ -684,29 +677,32 @@ class NcclBackend final : public dist::Backend {
   // ---- used by the nccl:: free functions
   ncclComm_t comm() const { return comm_; }
   cudaStream_t stream() const { return stream_->stream; }
-  void set_stream(cudaStream_t s) { stream_ = std::make_shared<StreamHolder>(s, false, device_); }
+  void set_stream(cudaStream_t s) {
+    // The barrier's buffer was allocated on the old stream: free it there
+    // while that stream still exists (an owned one may be destroyed below).
+    {
+      const DeviceGuard guard(device_);
+      const cuda::StreamGuard on_group_stream(device_, stream());
+      barrier_buf_ = Tensor{};
+    }
+    stream_ = std::make_shared<StreamHolder>(s, false, device_);
+  }
   int device() const { return device_; }
   bool owned() const { return owned_; }
   void synchronize() {
-    DeviceGuard guard(device_);
+    const DeviceGuard guard(device_);
     wait(nullptr);
-    reap(nullptr);
   }
   void abort_comm() {
     if (!owned_)
       throw InvalidArgument(
           "nccl::abort: the group's communicator is borrowed (from_comm); diffcomm never aborts "
           "it: call ncclCommAbort yourself");
-    DeviceGuard guard(device_);
+    const DeviceGuard guard(device_);
     abort_owned();
   }
 
  private:
-  struct Pending {
-    cudaEvent_t event;
-    std::vector<Tensor> keep;
-  };
-
   // ncclGroupStart/End for one grouped op; ends the group on every path.
   class Group {
    public:
@@ -776,7 +772,7 @@ class NcclBackend final : public dist::Backend {
   }
 
   // Before every op: refuse an aborted communicator, surface asynchronous
-  // errors (a host-side read), release staging buffers whose ops completed.
+  // errors (a host-side read).
   void begin(const Call& c) {
     if (aborted_)
       throw BackendError(
@@ -784,35 +780,11 @@ class NcclBackend final : public dist::Backend {
                       "nccl::abort); create a new group",
                       context(&c)));
     check_async(&c);
-    reap(&c);
   }
 
-  void reap(const Call* c) {
-    while (!pending_.empty()) {
-      const cudaError_t q = cudaEventQuery(pending_.front().event);
-      if (q == cudaErrorNotReady) {
-        (void)cudaGetLastError();  // not an error: clear it for later checks
-        return;
-      }
-      if (q != cudaSuccess) fail_cuda(q, "cudaEventQuery(staging event)", c, __FILE__, __LINE__);
-      (void)cudaEventDestroy(pending_.front().event);
-      pending_.pop_front();
-    }
-  }
-
-  // Keeps staging tensors alive until the work queued so far on the stream
-  // has completed (no host synchronization).
-  void keep_alive(std::vector<Tensor> temps, const Call* c) {
-    cudaEvent_t ev = nullptr;
-    DIFFCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), c);
-    const cudaError_t e = cudaEventRecord(ev, stream());
-    if (e != cudaSuccess) {
-      (void)cudaEventDestroy(ev);
-      fail_cuda(e, "cudaEventRecord(staging event)", c, __FILE__, __LINE__);
-    }
-    pending_.push_back({ev, std::move(temps)});
-  }
-
+  // A buffer on the group's device, allocated on the group's stream (the
+  // current stream while an op runs) and freed there in stream order when the
+  // last handle goes: no event bookkeeping, no host synchronization.
   Tensor scratch(int64_t numel, DType dtype) const {
     return empty({numel}, dtype, Device::cuda(device_));
   }
@@ -833,15 +805,17 @@ class NcclBackend final : public dist::Backend {
     }
     return ncclSum;
   }
-  // NCCL < 2.10 has no ncclAvg: Sum, then a scale by 1/size. diffcomm's
-  // scale runs on the legacy default stream, so wait for ours first.
+  // NCCL < 2.10 has no ncclAvg: Sum, then a scale by 1/size; diffcomm's
+  // scale and copy run on the current stream, which is the group's here.
   void finish_avg(const Call& d, const Tensor& t) {
     if (d.reduce_op != ReduceOp::Avg || native_avg() || t.numel() == 0) return;
-    DIFFCOMM_CUDA_CHECK(cudaStreamSynchronize(stream()), &d);
     t.detach().copy_(scale(t.detach(), 1.0 / size_));
   }
 
-  bool legacy_stream() const { return stream() == nullptr || stream() == cudaStreamLegacy; }
+  static bool same_stream(cudaStream_t a, cudaStream_t b) {
+    auto legacy = [](cudaStream_t s) { return s == nullptr || s == cudaStreamLegacy; };
+    return a == b || (legacy(a) && legacy(b));
+  }
 
   // Waits on the host for the stream: through the watchdog when it is on.
   void wait(const Call* c) {
@@ -879,25 +853,37 @@ class NcclBackend final : public dist::Backend {
     }
   }
 
-  // Runs one op: device guard, prologue, CPU staging or stream ordering,
-  // the body (which enqueues), then the watchdog if on.
+  // Runs one op: device guard, prologue, the group's stream made current,
+  // CPU staging or ordering with the caller's current stream, the body
+  // (which enqueues), then the watchdog if on.
   template <class F>
   void run(Call& c, F&& body) {
-    DeviceGuard guard(device_);
+    const DeviceGuard guard(device_);
     begin(c);
+    const auto caller = static_cast<cudaStream_t>(cuda::current_stream(device_));
+    const cuda::StreamGuard on_group_stream(device_, stream());
     if (on_cpu(c)) {
       staged(c, body);
       return;
     }
-    const bool order = opts_.order_with_default_stream && !legacy_stream();
-    if (order) {  // the op waits for what is queued on the legacy default stream
-      DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_before_, cudaStreamLegacy), &c);
+    const bool other = !same_stream(caller, stream());
+    const bool order = opts_.order_with_current_stream && other;
+    if (order) {  // the op waits for what the caller queued on its current stream
+      DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_before_, caller), &c);
       DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream(), ev_before_, 0), &c);
     }
+    if (other && !order) {
+      // Unordered: the caller's blocks are used on the group's stream, so
+      // their stream-ordered free must wait for it (cuda::record_stream).
+      // Ordered, the current stream already waits for the op (below), which
+      // covers blocks allocated on it.
+      for (const Tensor& t : c.inputs) cuda::record_stream(t, stream());
+      for (const Tensor& t : c.outputs) cuda::record_stream(t, stream());
+    }
     body(c);
-    if (order) {  // later legacy-default-stream work waits for the op
+    if (order) {  // later work on the caller's current stream waits for the op
       DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_after_, stream()), &c);
-      DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamLegacy, ev_after_, 0), &c);
+      DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(caller, ev_after_, 0), &c);
     }
     if (opts_.watchdog.count() > 0) watch(&c);
   }
@@ -956,7 +942,6 @@ class NcclBackend final : public dist::Backend {
   bool native_ = false;
   std::vector<int> members_;
   cudaEvent_t ev_before_ = nullptr, ev_after_ = nullptr;
-  std::deque<Pending> pending_;
   Tensor barrier_buf_;
 };
 
@@ -1031,7 +1016,7 @@ dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int d
                     devices == 0 ? " (no CUDA device: " + device_status() + ")" : ""));
   const std::string what =
       fmt::format("nccl::init_rank (rank {} of {}, cuda:{})", rank, nranks, device);
-  DeviceGuard guard(device);
+  const DeviceGuard guard(device);
   std::shared_ptr<StreamHolder> stream =
       options.stream != nullptr ? std::make_shared<StreamHolder>(options.stream, false, device)
                                 : owned_stream(device);
