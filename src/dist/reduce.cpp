@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "detail/device_ops.hpp"
+#include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/error.hpp"
 
@@ -22,6 +24,16 @@ struct wrap_type<C, true> {
 
 void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) {
   if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
+  if (out.device().is_cuda()) {
+    // The same per-element rule on the device (src/cuda/reduce_semantics.hpp),
+    // on the caller's current stream.
+    for (const auto& t : inputs)
+      if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
+        throw InvalidArgument(
+            fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
+    detail::reduce_into_device(out, inputs, op, cuda::current_stream(out.device().index));
+    return;
+  }
   for (const auto& t : inputs)
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
       throw InvalidArgument(

@@ -103,6 +103,7 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,18 @@ namespace diffcomm::nccl {
 
 /// How a group behaves; copied into the group (and into its sub-groups).
 struct Options {
+  /// Checked mode, as dist::Options::check: a fingerprint exchange on a
+  /// second communicator (split from this one) before every call, and
+  /// CollectiveMismatch on every member when they disagree. Unset:
+  /// DIFFCOMM_CHECK, else on in Debug builds of diffcomm.
+  std::optional<bool> check;
+  /// As dist::Options::native_reduction: ncclAllReduce / ncclReduce /
+  /// ncclReduceScatter (faster; NOT bit-identical to the simulated world:
+  /// NCCL's ring/tree order and per-hop rounding of 16-bit types). Default:
+  /// diffcomm's deterministic composition (dist/composed.hpp) — grouped
+  /// send/recv of the blocks, then reduce_into on the device in group-rank
+  /// order.
+  bool native_reduction = false;
   /// Stream of every op. Null: init_rank creates and owns a non-blocking
   /// stream (cudaStreamNonBlocking: no implicit synchronization with the
   /// legacy default stream; ordering is by events, see the header comment).

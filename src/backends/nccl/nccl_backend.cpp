@@ -27,6 +27,9 @@
 #include "diffcomm/backends/nccl.hpp"
 #include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/checked_backend.hpp"
+#include "diffcomm/dist/composed.hpp"
+#include "diffcomm/dist/options.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
 
@@ -246,7 +249,7 @@ class NcclBackend final : public dist::Backend {
     // 1. Every member's (color, key, fingerprint), all-gathered on the
     //    device: the new groups' global ranks and a fingerprint check.
     const int64_t mine[3] = {color < 0 ? -1 : color, key,
-                             static_cast<int64_t>(fingerprint_hash(c.output_splits))};
+                             static_cast<int64_t>(fingerprint_hash(c.members))};
     Tensor buf = empty({3 * static_cast<int64_t>(size_)}, DType::Int64, Device::cuda(device_));
     DIFFCOMM_CUDA_CHECK(
         cudaMemcpyAsync(at(buf, 3 * rank_), mine, sizeof mine, cudaMemcpyHostToDevice, stream()),
@@ -327,6 +330,7 @@ class NcclBackend final : public dist::Backend {
   }
 
   void all_reduce(Call& c) override {
+    if (!opts_.native_reduction) return composed(c, dist::composed_all_reduce);
     run(c, [&](Call& d) {
       const Tensor& t = d.outputs[0];
       if (t.numel() == 0) return;
@@ -348,6 +352,7 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce(Call& c) override {
+    if (!opts_.native_reduction) return composed(c, dist::composed_reduce);
     run(c, [&](Call& d) {
       const Tensor& t = d.outputs[0];
       if (t.numel() == 0) return;
@@ -519,6 +524,7 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce_scatter(Call& c) override {
+    if (!opts_.native_reduction) return composed(c, dist::composed_reduce_scatter);
     run(c, [&](Call& d) {
       const Tensor& out = d.outputs[0];
       if (out.numel() == 0) return;
@@ -542,6 +548,7 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce_scatter_single(Call& c) override {
+    if (!opts_.native_reduction) return composed(c, dist::composed_reduce_scatter_single);
     run(c, [&](Call& d) {
       const Tensor& out = d.outputs[0];
       if (out.numel() == 0) return;
@@ -554,6 +561,7 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce_scatter_v(Call& c) override {
+    if (!opts_.native_reduction) return composed(c, dist::composed_reduce_scatter_v);
     run(c, [&](Call& d) {
       // One ncclReduce per destination, all in one group: block p of every
       // member's input is reduced onto member p's output (zero-size blocks
@@ -840,7 +848,7 @@ class NcclBackend final : public dist::Backend {
       const auto waited = std::chrono::steady_clock::now() - start;
       if (waited > opts_.watchdog) {
         abort_owned();
-        throw BackendError(fmt::format(
+        throw Timeout(fmt::format(
             "NCCL watchdog: {} did not complete within {} ms (a member missing from the call, "
             "mismatched calls or a hung peer); {}",
             context(c), opts_.watchdog.count(),
@@ -850,6 +858,29 @@ class NcclBackend final : public dist::Backend {
                      "before reusing it or its stream"));
       }
       std::this_thread::sleep_for(opts_.watchdog_poll);
+    }
+  }
+
+  // A deterministic reduction (dist/composed.hpp): its transport steps are
+  // this backend's all_to_all_single / all_gather_v and its accumulation is
+  // dist::reduce_into on the device, all on the group's stream, ordered with
+  // the caller's current stream once around the whole composition.
+  void composed(Call& c, void (*compose)(dist::Backend&, Call&)) {
+    const DeviceGuard guard(device_);
+    if (on_cpu(c)) return compose(*this, c);  // steps stage; accumulation on the host
+    const auto caller = static_cast<cudaStream_t>(cuda::current_stream(device_));
+    const bool order = opts_.order_with_current_stream && !same_stream(caller, stream());
+    if (order) {
+      DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_before_, caller), &c);
+      DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream(), ev_before_, 0), &c);
+    }
+    {
+      const cuda::StreamGuard on_group_stream(device_, stream());
+      compose(*this, c);
+    }
+    if (order) {
+      DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_after_, stream()), &c);
+      DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(caller, ev_after_, 0), &c);
     }
   }
 
@@ -946,7 +977,9 @@ class NcclBackend final : public dist::Backend {
 };
 
 NcclBackend& backend_of(const dist::ProcessGroup& group, const char* what) {
-  auto* b = dynamic_cast<NcclBackend*>(&group.backend());
+  dist::Backend* outer = &group.backend();
+  if (auto* checked = dynamic_cast<dist::CheckedBackend*>(outer)) outer = &checked->inner();
+  auto* b = dynamic_cast<NcclBackend*>(outer);
   if (b == nullptr)
     throw InvalidArgument(fmt::format("nccl::{}: group '{}' runs on the {} backend, not nccl", what,
                                       group.name(), group.backend().backend_name()));
@@ -963,6 +996,29 @@ std::shared_ptr<NcclBackend> adopt(ncclComm_t comm, std::shared_ptr<StreamHolder
     (void)ncclCommDestroy(comm);
     throw;
   }
+}
+
+// Checked mode (Options::check, DIFFCOMM_CHECK): the data backend wrapped in
+// dist::CheckedBackend, whose fingerprints travel on a second communicator
+// split from `comm` (same members, same order) on the same stream.
+std::shared_ptr<dist::Backend> checked(std::shared_ptr<NcclBackend> data, ncclComm_t comm,
+                                       const Options& options) {
+  dist::Options common;
+  common.check = options.check;
+  if (!common.resolved_check()) return data;
+  const int device = data->device();
+  const DeviceGuard guard(device);
+  ncclComm_t control = nullptr;
+  DIFFCOMM_NCCL_PLAIN(ncclCommSplit(comm, 0, data->rank(), &control, nullptr),
+                      "nccl: control communicator for checked mode");
+  Options ctl = options;
+  ctl.stream = data->stream();
+  ctl.members.clear();
+  for (int r = 0; r < data->size(); ++r) ctl.members.push_back(data->global_rank(r));
+  auto holder = std::make_shared<StreamHolder>(data->stream(), false, device);
+  auto control_backend = adopt(control, std::move(holder), ctl);
+  return std::make_shared<dist::CheckedBackend>(std::move(data), std::move(control_backend),
+                                                Device::cuda(device));
 }
 
 }  // namespace
@@ -1022,7 +1078,8 @@ dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int d
                                 : owned_stream(device);
   ncclComm_t comm = nullptr;
   DIFFCOMM_NCCL_PLAIN(ncclCommInitRank(&comm, nranks, id, rank), what);
-  return dist::ProcessGroup(adopt(comm, std::move(stream), options), std::move(name), nullptr);
+  return dist::ProcessGroup(checked(adopt(comm, std::move(stream), options), comm, options),
+                            std::move(name), nullptr);
 }
 
 dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options options,
@@ -1032,9 +1089,8 @@ dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options optio
   DIFFCOMM_NCCL_PLAIN(ncclCommCuDevice(comm, &device), "nccl::from_comm");
   options.stream = stream;
   auto holder = std::make_shared<StreamHolder>(stream, false, device);
-  return dist::ProcessGroup(
-      std::make_shared<NcclBackend>(comm, false, std::move(holder), std::move(options)),
-      std::move(name), nullptr);
+  auto data = std::make_shared<NcclBackend>(comm, false, std::move(holder), options);
+  return dist::ProcessGroup(checked(std::move(data), comm, options), std::move(name), nullptr);
 }
 
 ncclComm_t comm(const dist::ProcessGroup& group) { return backend_of(group, "comm").comm(); }
