@@ -18,16 +18,48 @@ int diffcomm_sim_main(int argc, char** argv);
 
 namespace {
 
-const std::vector<std::string> kWords = {
-    "step", "check", "sweep", "tokens", "foo", "--ranks", "--dp", "--cp", "--tp", "--sp",
-    "--cp-layout", "--encoder-buckets", "--encoder-cp", "--batch", "--images-per-sample",
-    "--hidden", "--ffn", "--dtype", "--seed", "--images", "--json", "--fault", "--trace",
-    "--receiver-grad", "--model", "--op", "--seeds", "--help", "--no-such-flag"};
-const std::vector<std::string> kValues = {
-    "0", "1", "2", "3", "4", "-1", "18446744073709551615", "18446744073709551616",
-    "99999999999", "1048576", "2147483648", "0..1", "5..3", "1...2", "rank:0:at:1", "rank:1:at:0",
-    "rank:9:at:2", "float16", "bfloat16", "int8", "zigzag", "qwen3vl", "qwen2.5vl", "partial",
-    "all_reduce", "all_to_all_single", "/tmp", "/dev/full", "/dev/null", "/nonexistent", "", "x"};
+const std::vector<std::string> kWords = {"step",         "check",         "sweep",
+                                         "tokens",       "foo",           "--ranks",
+                                         "--dp",         "--cp",          "--tp",
+                                         "--sp",         "--cp-layout",   "--encoder-buckets",
+                                         "--encoder-cp", "--batch",       "--images-per-sample",
+                                         "--hidden",     "--ffn",         "--dtype",
+                                         "--seed",       "--images",      "--json",
+                                         "--fault",      "--trace",       "--receiver-grad",
+                                         "--model",      "--op",          "--seeds",
+                                         "--help",       "--no-such-flag"};
+const std::vector<std::string> kValues = {"0",
+                                          "1",
+                                          "2",
+                                          "3",
+                                          "4",
+                                          "-1",
+                                          "18446744073709551615",
+                                          "18446744073709551616",
+                                          "99999999999",
+                                          "1048576",
+                                          "2147483648",
+                                          "0..1",
+                                          "5..3",
+                                          "1...2",
+                                          "rank:0:at:1",
+                                          "rank:1:at:0",
+                                          "rank:9:at:2",
+                                          "float16",
+                                          "bfloat16",
+                                          "int8",
+                                          "zigzag",
+                                          "qwen3vl",
+                                          "qwen2.5vl",
+                                          "partial",
+                                          "all_reduce",
+                                          "all_to_all_single",
+                                          "/tmp",
+                                          "/dev/full",
+                                          "/dev/null",
+                                          "/nonexistent",
+                                          "",
+                                          "x"};
 
 class NullBuf : public std::streambuf {
  protected:
@@ -76,7 +108,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   std::vector<std::string> args = {"diffcomm-sim"};
   for (auto n = in.range(0, 12); n > 0 && !in.empty(); --n) {
     switch (in.range(0, 2)) {
-      case 0: args.push_back(kWords[static_cast<std::size_t>(in.range(0, kWords.size() - 1))]); break;
+      case 0:
+        args.push_back(kWords[static_cast<std::size_t>(in.range(0, kWords.size() - 1))]);
+        break;
       case 1:
         args.push_back(kValues[static_cast<std::size_t>(in.range(0, kValues.size() - 1))]);
         break;

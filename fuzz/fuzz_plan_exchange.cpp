@@ -112,11 +112,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
           if (id >= 0 && id < static_cast<int64_t>(plan.items.size())) {
             const auto& it = plan.items[static_cast<std::size_t>(id)];
             if (it.output_rows < 0 || it.output_rows > 64) continue;
-            mine.push_back({it, diffcomm::full({it.output_rows, kHidden}, id + 1.0, DType::Float64)});
+            mine.push_back(
+                {it, diffcomm::full({it.output_rows, kHidden}, id + 1.0, DType::Float64)});
           }
       const Tensor proto = diffcomm::zeros({0, kHidden}, DType::Float64);
-      const auto routed =
-          ep::route_features(plan.mode, mine, proto, q, plan, rk.world(), ep::ReceiverGrad::Partial);
+      const auto routed = ep::route_features(plan.mode, mine, proto, q, plan, rk.world(),
+                                             ep::ReceiverGrad::Partial);
       const auto records = ep::unpack_records(routed.rows, routed.items);
       int64_t rows = 0;
       for (const auto& r : records) {
