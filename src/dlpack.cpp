@@ -65,7 +65,21 @@ Tensor from_dlpack(DLManagedTensor* managed) {
                                       int(t.device.device_type)));
   }
   const DType dtype = from_dl_dtype(t.dtype);
+  // Everything below reads t.shape[0..ndim) and sizes a view of t.data: an
+  // ndim or shape no producer can have is refused before it is used.
+  if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr))
+    throw InvalidArgument(
+        fmt::format("from_dlpack: ndim {} with shape {}", t.ndim, t.shape ? "set" : "null"));
   Shape shape(t.shape, t.shape + t.ndim);
+  int64_t bytes = static_cast<int64_t>(element_size(dtype));
+  for (int d = 0; d < t.ndim; ++d)
+    if (shape[d] < 0 || __builtin_mul_overflow(bytes, shape[d], &bytes))
+      throw InvalidArgument(
+          fmt::format("from_dlpack: dim {} has size {} (shape must be "
+                      "non-negative, at most 2^63 bytes in all)",
+                      d, shape[d]));
+  if (t.data == nullptr && bytes > 0)
+    throw InvalidArgument("from_dlpack: null data for a non-empty tensor");
   if (t.strides != nullptr) {
     // Accept only compact row-major strides (dims of size 1 may carry any stride).
     int64_t expected = 1;

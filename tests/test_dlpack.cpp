@@ -309,5 +309,37 @@ TEST(DLPackCuda, ExportAndImportACudaTensor) {
   EXPECT_EQ(back.to_vector(), std::vector<double>(6, 1.5));
 }
 
+// Found by fuzz/fuzz_dlpack (issue 13): shapes no producer can have are
+// refused before t.shape or t.data is read, and the deleter does not run.
+TEST(DLPackImport, NegativeNdimOrDimsAndNullPointersAreRefused) {
+  int deleted = 0;
+  float buffer[6] = {};
+  int64_t shape[2] = {2, 3};
+  DLManagedTensor m{};
+  m.manager_ctx = &deleted;
+  m.deleter = [](DLManagedTensor* self) { ++*static_cast<int*>(self->manager_ctx); };
+  m.dl_tensor.data = buffer;
+  m.dl_tensor.device = {kDLCPU, 0};
+  m.dl_tensor.dtype = {kDLFloat, 32, 1};
+  m.dl_tensor.shape = shape;
+  m.dl_tensor.ndim = -3;
+  EXPECT_THROW(from_dlpack(&m), InvalidArgument);
+  m.dl_tensor.ndim = 2;
+  m.dl_tensor.shape = nullptr;
+  EXPECT_THROW(from_dlpack(&m), InvalidArgument);
+  m.dl_tensor.shape = shape;
+  shape[1] = -3;
+  EXPECT_THROW(from_dlpack(&m), InvalidArgument);
+  shape[1] = int64_t{1} << 62;  // 2 x 2^62 x 4 bytes overflows
+  EXPECT_THROW(from_dlpack(&m), InvalidArgument);
+  shape[1] = 3;
+  m.dl_tensor.data = nullptr;
+  EXPECT_THROW(from_dlpack(&m), InvalidArgument);
+  EXPECT_EQ(deleted, 0);
+  m.dl_tensor.data = buffer;
+  { EXPECT_EQ(from_dlpack(&m).numel(), 6); }
+  EXPECT_EQ(deleted, 1);
+}
+
 }  // namespace
 }  // namespace diffcomm

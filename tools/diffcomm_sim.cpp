@@ -7,15 +7,18 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <regex>
+#include <string_view>
 
 #include "diffcomm/encoder_parallel/batch.hpp"
-#include "diffcomm/encoder_parallel/qwen2vl.hpp"
+#include "diffcomm/encoder_parallel/tokens.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
@@ -33,14 +36,85 @@ struct BadArgs : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// CLI11 2.1 reads "-1" into a uint64_t as 2^64 - 1; seeds take digits only.
+// The whole of `s` as an unsigned integer, or nullopt (empty, a sign, other
+// characters, or above 2^64 - 1: CLI11 2.1 would read "-1" as 2^64 - 1 and
+// saturate 2^64 to 2^64 - 1).
+std::optional<uint64_t> parse_u64(std::string_view s) {
+  uint64_t v = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
 const CLI::Validator kSeed(
     [](std::string& v) {
-      return !v.empty() && v.find_first_not_of("0123456789") == std::string::npos
-                 ? std::string{}
-                 : "expected a non-negative integer, got '" + v + "'";
+      return parse_u64(v) ? std::string{}
+                          : "expected an integer in [0, 18446744073709551615], got '" + v + "'";
     },
     "", "Seed");
+
+// --seeds A..B: both seeds as --seed, A <= B, at most kMaxSweep seeds.
+constexpr uint64_t kMaxSweep = 1000000;
+struct SeedRange {
+  uint64_t lo = 0, hi = 0;
+};
+std::optional<SeedRange> parse_seed_range(std::string_view s, std::string* why) {
+  const auto dots = s.find("..");
+  if (dots == std::string_view::npos) {
+    *why = "expected A..B";
+    return std::nullopt;
+  }
+  const auto lo = parse_u64(s.substr(0, dots)), hi = parse_u64(s.substr(dots + 2));
+  if (!lo || !hi) {
+    *why = "A and B must be integers in [0, 18446744073709551615]";
+    return std::nullopt;
+  }
+  if (*hi < *lo) {
+    *why = "B < A";
+    return std::nullopt;
+  }
+  if (*hi - *lo >= kMaxSweep) {
+    *why = fmt::format("at most {} seeds per sweep", kMaxSweep);
+    return std::nullopt;
+  }
+  return SeedRange{*lo, *hi};
+}
+const CLI::Validator kSeedRange(
+    [](std::string& v) {
+      std::string why;
+      return parse_seed_range(v, &why) ? std::string{} : fmt::format("'{}': {}", v, why);
+    },
+    "A..B", "SeedRange");
+
+// --fault rank:R:at:K with R >= 0 and K >= 1 (R < ranks is checked once the
+// world size is known).
+struct Fault {
+  int rank, at;
+};
+std::optional<Fault> parse_fault_spec(std::string_view s) {
+  constexpr std::string_view kRank = "rank:", kAt = ":at:";
+  if (s.substr(0, kRank.size()) != kRank) return std::nullopt;
+  const auto at = s.find(kAt, kRank.size());
+  if (at == std::string_view::npos) return std::nullopt;
+  const auto r = parse_u64(s.substr(kRank.size(), at - kRank.size()));
+  const auto k = parse_u64(s.substr(at + kAt.size()));
+  if (!r || !k || *r > 16383 || *k < 1 || *k > 2147483647) return std::nullopt;
+  return Fault{static_cast<int>(*r), static_cast<int>(*k)};
+}
+const CLI::Validator kFaultSpec(
+    [](std::string& v) {
+      return parse_fault_spec(v) ? std::string{}
+                                 : "'" + v +
+                                       "': expected rank:R:at:K with R in [0, 16383] and K in "
+                                       "[1, 2147483647] (e.g. rank:3:at:2)";
+    },
+    "rank:R:at:K", "Fault");
+
+// Resource limits of one step: the simulated world's size and a memory
+// estimate (see check_budget).
+constexpr int64_t kMaxRanks = 16384;
+constexpr double kMemoryBudgetBytes = 4.0 * (1ull << 30);
+constexpr int64_t kMaxImagesPerStep = int64_t{1} << 20;
 
 struct StepArgs {
   int ranks = 0;  // 0: dp * cp * tp
@@ -61,6 +135,7 @@ struct StepArgs {
   std::string fault;
   std::string trace;
   std::string receiver_grad = "auto";
+  std::string model = "qwen2vl";
 };
 
 void add_step_options(CLI::App& app, StepArgs& a) {
@@ -77,7 +152,7 @@ void add_step_options(CLI::App& app, StepArgs& a) {
       ->check(CLI::Range(1, 16384));
   app.add_option("--encoder-cp", a.encoder_cp, "encoder context-parallel size")
       ->check(CLI::Range(1, 16384));
-  app.add_option("--batch", a.batch, "samples per micro-batch")->check(CLI::Range(0, 1 << 20));
+  app.add_option("--batch", a.batch, "samples per micro-batch")->check(CLI::Range(1, 1 << 20));
   app.add_option("--images-per-sample", a.images_per_sample, "images in each sample")
       ->check(CLI::Range(0, 1 << 16));
   app.add_option("--hidden", a.hidden, "feature width")
@@ -94,47 +169,46 @@ void add_step_options(CLI::App& app, StepArgs& a) {
                  "exchange gradient convention: auto (the mesh's), partial or replicated-over-tp; "
                  "forcing the wrong one shows the reference check fail")
       ->check(CLI::IsMember({"auto", "partial", "replicated-over-tp"}));
+  app.add_option("--model", a.model, "token rule of the images: qwen2vl, qwen2.5vl or qwen3vl")
+      ->check(CLI::IsMember(ep::vision_model_names()));
 }
-
-struct Fault {
-  int rank, at;
-};
 
 std::optional<Fault> parse_fault(const std::string& s, int ranks) {
   if (s.empty()) return std::nullopt;
-  static const std::regex re(R"(rank:(\d+):at:(\d+))");
-  std::smatch m;
-  if (!std::regex_match(s, m, re))
-    throw BadArgs(fmt::format("--fault '{}': expected rank:R:at:K (e.g. rank:3:at:2)", s));
-  int r = 0, k = 0;
-  try {
-    r = std::stoi(m[1]);
-    k = std::stoi(m[2]);
-  } catch (const std::out_of_range&) {
-    throw BadArgs(fmt::format("--fault '{}': rank or call number out of range", s));
-  }
-  if (r >= ranks)
-    throw BadArgs(fmt::format("--fault: rank {} is outside the world of {} ranks", r, ranks));
-  if (k < 1) throw BadArgs("--fault: K counts calls from 1");
-  return Fault{r, k};
+  const auto f = parse_fault_spec(s);  // the validator accepted it
+  if (!f) throw BadArgs(fmt::format("--fault '{}': expected rank:R:at:K", s));
+  if (f->rank >= ranks)
+    throw BadArgs(fmt::format("--fault: rank {} is outside the world of {} ranks", f->rank, ranks));
+  return f;
 }
 
 // Resolves defaults and cross-option constraints; throws BadArgs naming the option.
 ep::StepConfig make_config(StepArgs& a) {
-  const int cptp = a.cp * a.tp;
+  // cp, tp <= 1024 and dp, ranks <= 16384 (validators): products fit int64.
+  const int64_t cptp = int64_t{a.cp} * a.tp;
+  if (cptp > kMaxRanks)
+    throw BadArgs(
+        fmt::format("--cp {} x --tp {} = {} ranks exceeds the simulated world's limit "
+                    "of {}",
+                    a.cp, a.tp, cptp, kMaxRanks));
+  if (a.dp != 0 && a.dp * cptp > kMaxRanks)
+    throw BadArgs(
+        fmt::format("--dp {} x --cp {} x --tp {} = {} ranks exceeds the simulated "
+                    "world's limit of {}",
+                    a.dp, a.cp, a.tp, a.dp * cptp, kMaxRanks));
   if (a.dp == 0) {
     if (a.ranks != 0 && a.ranks % cptp != 0)
       throw BadArgs(fmt::format("--ranks {} is not a multiple of cp*tp = {}", a.ranks, cptp));
-    a.dp = a.ranks != 0 ? a.ranks / cptp : 1;
+    a.dp = a.ranks != 0 ? static_cast<int>(a.ranks / cptp) : 1;
   }
-  if (a.ranks == 0) a.ranks = a.dp * cptp;
+  if (a.ranks == 0) a.ranks = static_cast<int>(a.dp * cptp);
   if (a.ranks != a.dp * cptp)
     throw BadArgs(fmt::format("--ranks {} != dp*cp*tp = {}*{}*{}", a.ranks, a.dp, a.cp, a.tp));
   ep::StepConfig cfg;
   cfg.dp = a.dp;
   cfg.decoder = {a.cp, a.tp, a.sp,
                  a.cp_layout == "zigzag" ? ep::CpLayout::Zigzag : ep::CpLayout::Contiguous};
-  const int exchange = a.cp > 1 ? cptp : a.tp;
+  const int exchange = a.cp > 1 ? static_cast<int>(cptp) : a.tp;
   if (a.buckets == 0) {
     if (exchange % a.encoder_cp != 0)
       throw BadArgs(fmt::format("--encoder-cp {} does not divide the exchange group of {} ranks",
@@ -147,6 +221,11 @@ ep::StepConfig make_config(StepArgs& a) {
         a.buckets, a.encoder_cp, exchange, a.cp > 1 ? "cp*tp" : "tp"));
   if (a.ffn % a.tp != 0)
     throw BadArgs(fmt::format("--ffn {} is not a multiple of --tp {}", a.ffn, a.tp));
+  if (int64_t{a.dp} * a.batch * a.images_per_sample > kMaxImagesPerStep)
+    throw BadArgs(
+        fmt::format("--batch {} x --images-per-sample {} x dp {} images exceed the limit "
+                    "of {} per step",
+                    a.batch, a.images_per_sample, a.dp, kMaxImagesPerStep));
   cfg.encoder = {a.buckets, a.encoder_cp};
   cfg.hidden = a.hidden;
   cfg.in_features = 16;
@@ -162,6 +241,42 @@ ep::StepConfig make_config(StepArgs& a) {
       throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
   }
   return cfg;
+}
+
+// Refuses a step whose tensors would not fit comfortably in memory (instead of
+// a bad_alloc mid-run): about 16 [tokens, hidden + ffn] float64 buffers (the
+// rank shards, their gradients and the single-rank reference) plus every
+// rank's [hidden, ffn] weights.
+void check_budget(const StepArgs& a, const std::vector<ep::Batch>& per_dp) {
+  double tokens = 0;
+  for (const auto& b : per_dp)
+    for (const auto& s : b.samples) tokens += static_cast<double>(s.seq_len);
+  const double bytes = 16.0 * 8.0 * tokens * static_cast<double>(a.hidden + a.ffn + 16) +
+                       8.0 * static_cast<double>(a.ranks) * static_cast<double>(a.hidden) *
+                           static_cast<double>(a.ffn);
+  if (bytes > kMemoryBudgetBytes)
+    throw BadArgs(fmt::format(
+        "--hidden {} --ffn {} --batch {} --images-per-sample {}: the step would need about "
+        "{:.1f} GiB ({:.0f} tokens), above the limit of {:.0f} GiB; lower one of them",
+        a.hidden, a.ffn, a.batch, a.images_per_sample, bytes / (1ull << 30), tokens,
+        kMemoryBudgetBytes / (1ull << 30)));
+}
+
+// Writes the world's trace to `path`, failing on any write error (a full
+// disk, /dev/full): the trace goes to a temporary file first, then is copied
+// with a checked stream.
+void write_trace_checked(const diffcomm::sim::World& world, const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path tmp =
+      fs::temp_directory_path() / fmt::format("diffcomm-sim-trace-{}.json", ::getpid());
+  world.write_trace(tmp.string());
+  std::ifstream in(tmp, std::ios::binary);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  const bool ok = in && out && (out << in.rdbuf()) && out.flush();
+  in.close();
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  if (!ok) throw BadArgs(fmt::format("--trace: cannot write '{}'", path));
 }
 
 struct StepOutcome {
@@ -194,12 +309,14 @@ StepOutcome run_step_command(StepArgs a) {
   bo.images_per_sample = a.images_per_sample;
   bo.seq_multiple = ep::required_seq_multiple(cfg.decoder);
   bo.seed = a.seed;
+  bo.model = ep::vision_model(a.model);
   std::vector<ep::Batch> per_dp;
   try {
     per_dp = ep::build_batches(images, cfg.dp, bo);
   } catch (const diffcomm::InvalidArgument& e) {
     throw BadArgs(fmt::format("--images {}: {}", a.images, e.what()));
   }
+  check_budget(a, per_dp);
   std::vector<ep::ExchangePlan> plans;
   try {
     for (const auto& b : per_dp) plans.push_back(ep::plan_exchange(b, cfg.decoder, cfg.encoder));
@@ -225,7 +342,7 @@ StepOutcome run_step_command(StepArgs a) {
   }
   const double wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  if (!a.trace.empty()) world.write_trace(a.trace);
+  if (!a.trace.empty()) write_trace_checked(world, a.trace);
 
   json j;
   j["mode"] = ep::mode_name(plans[0].mode);
@@ -352,6 +469,17 @@ StepOutcome run_step_command(StepArgs a) {
   return out;
 }
 
+// `s` as one POSIX shell word: bare when it is only safe characters, else in
+// single quotes (a ' inside becomes '\'').
+std::string shell_quote(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                        "0123456789_-./=:,+@%") == std::string::npos)
+    return s;
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
 std::string step_command_line(const StepArgs& a, uint64_t seed) {
   std::string s = fmt::format("diffcomm-sim step --ranks {} --cp {} --tp {}", a.ranks, a.cp, a.tp);
   if (a.sp) s += " --sp";
@@ -361,13 +489,12 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
       a.cp_layout, a.buckets, a.encoder_cp, a.batch, a.images_per_sample, a.hidden, a.ffn, a.dtype,
       seed);
   if (a.receiver_grad != "auto") s += " --receiver-grad " + a.receiver_grad;
-  if (!a.images.empty()) s += fmt::format(" --images {}", a.images);
+  if (a.model != "qwen2vl") s += " --model " + a.model;
+  if (!a.images.empty()) s += " --images " + shell_quote(a.images);
   return s;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   CLI::App app{"diffcomm-sim: simulated encoder-parallel steps, adjoint checks and sweeps"};
   app.require_subcommand(1);
 
@@ -375,8 +502,10 @@ int main(int argc, char** argv) {
   auto* step_cmd =
       app.add_subcommand("step", "one seeded encoder-parallel training step vs its reference");
   add_step_options(*step_cmd, step);
-  step_cmd->add_option("--fault", step.fault,
-                       "inject a failure: rank:R:at:K (rank R fails at its K-th call)");
+  step_cmd
+      ->add_option("--fault", step.fault,
+                   "inject a failure: rank:R:at:K (rank R fails at its K-th call)")
+      ->check(kFaultSpec);
   step_cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file");
 
   std::string op = "all_reduce", check_dtype = "float64";
@@ -399,20 +528,39 @@ int main(int argc, char** argv) {
   StepArgs sweep;
   std::string seeds;
   auto* sweep_cmd = app.add_subcommand("sweep", "run step over a range of seeds");
-  sweep_cmd->add_option("--seeds", seeds, "A..B (inclusive)")->required();
+  sweep_cmd->add_option("--seeds", seeds, "A..B (inclusive)")->required()->check(kSeedRange);
   add_step_options(*sweep_cmd, sweep);
 
   std::string tokens_images, model = "qwen2vl";
   auto* tokens_cmd = app.add_subcommand("tokens", "image_id,tokens for every image of a CSV");
   tokens_cmd->add_option("--images", tokens_images,
                          "CSV of image sizes (default: the shipped COCO val2017)");
-  tokens_cmd->add_option("--model", model, "token rule")->check(CLI::IsMember({"qwen2vl"}));
+  tokens_cmd->add_option("--model", model, "token rule: qwen2vl, qwen2.5vl or qwen3vl")
+      ->check(CLI::IsMember(ep::vision_model_names()));
 
+  // CLI11 reports a first word that is no subcommand as "A subcommand is
+  // required": name it instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string first = argv[1];
+    const auto subs = app.get_subcommands([&](CLI::App* sub) { return sub->check_name(first); });
+    if (subs.empty()) {
+      std::cerr << fmt::format(
+          "diffcomm-sim: bad argument: unknown subcommand '{}' (expected step, check, sweep or "
+          "tokens; see --help)\n",
+          first);
+      return kBadArgs;
+    }
+  }
   try {
     app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : kBadArgs;
+    // One line naming the flag (CLI11's messages start with it).
+    std::cerr << "diffcomm-sim: bad argument: " << e.what() << "\n";
+    return kBadArgs;
   }
 
   try {
@@ -446,25 +594,17 @@ int main(int argc, char** argv) {
       return rep.passed ? kPassed : kFailed;
     }
     if (*sweep_cmd) {
-      static const std::regex re(R"((\d+)\.\.(\d+))");
-      std::smatch m;
-      if (!std::regex_match(seeds, m, re))
-        throw BadArgs(fmt::format("--seeds '{}': expected A..B", seeds));
-      uint64_t lo = 0, hi = 0;
-      try {
-        lo = std::stoull(m[1]);
-        hi = std::stoull(m[2]);
-      } catch (const std::out_of_range&) {
-        throw BadArgs(fmt::format("--seeds {}: a seed is out of range", seeds));
-      }
-      if (hi < lo) throw BadArgs(fmt::format("--seeds {}: B < A", seeds));
-      if (hi - lo >= 1000000)
-        throw BadArgs(fmt::format("--seeds {}: at most 1000000 seeds per sweep", seeds));
+      std::string why;
+      const auto range = parse_seed_range(seeds, &why);  // the validator accepted it
+      if (!range) throw BadArgs(fmt::format("--seeds '{}': {}", seeds, why));
+      const uint64_t lo = range->lo, hi = range->hi;
       make_config(sweep);  // validate once, resolve defaults for the repro line
       const bool tty = isatty(fileno(stdout)) != 0;
       int failures = 0;
-      const uint64_t count = hi - lo + 1;
-      for (uint64_t s = lo; s <= hi; ++s) {
+      const uint64_t count = hi - lo + 1;  // <= kMaxSweep
+      // Counted by index: `s <= hi` never ends when hi is 2^64 - 1.
+      for (uint64_t i = 0; i < count; ++i) {
+        const uint64_t s = lo + i;
         StepArgs a = sweep;
         a.seed = s;
         a.json = false;
@@ -478,7 +618,7 @@ int main(int argc, char** argv) {
                                    step_command_line(sweep, s));
         }
         if (tty) {
-          const uint64_t done = s - lo + 1;
+          const uint64_t done = i + 1;
           const int width = 30;
           const int filled = static_cast<int>(width * done / count);
           std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed",
@@ -503,9 +643,19 @@ int main(int argc, char** argv) {
       } catch (const diffcomm::InvalidArgument& e) {
         throw BadArgs(fmt::format("--images: {}", e.what()));
       }
-      std::cout << "image_id,tokens\n";
-      for (const auto& im : images)
-        std::cout << im.image_id << "," << ep::qwen2vl::image_tokens(im.height, im.width) << "\n";
+      const ep::VisionModel vm = ep::vision_model(model);
+      std::string out = "image_id,tokens\n";
+      for (const auto& im : images) {
+        int64_t tokens = 0;
+        try {
+          tokens = ep::video_tokens(vm, im.frames, im.height, im.width).tokens;
+        } catch (const diffcomm::InvalidArgument& e) {
+          throw BadArgs(
+              fmt::format("--images {}: image {}: {}", tokens_images, im.image_id, e.what()));
+        }
+        out += fmt::format("{},{}\n", im.image_id, tokens);
+      }
+      std::cout << out;
       return kPassed;
     }
   } catch (const BadArgs& e) {
@@ -519,4 +669,17 @@ int main(int argc, char** argv) {
     return kFailed;
   }
   return kBadArgs;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rc = run_main(argc, argv);
+  // A report that could not be written (stdout on a full disk, a closed
+  // pipe) is a failed command, not a success.
+  if (!std::cout.flush()) {
+    std::cerr << "diffcomm-sim: error: cannot write the report to standard output\n";
+    return rc == kPassed ? kFailed : rc;
+  }
+  return rc;
 }

@@ -178,7 +178,8 @@ Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device = De
 /// Zero-copy import of a DLPack tensor (DLPack 0.6 DLManagedTensor). Takes
 /// ownership: the producer's deleter runs when the last view goes away.
 /// Throws InvalidArgument for non-contiguous strides, unsupported dtypes or
-/// devices (kDLCPU and kDLCUDA only); on a throw the caller keeps ownership
+/// devices (kDLCPU and kDLCUDA only), a negative ndim or dim, a null shape
+/// or data pointer, or more than 2^63 bytes; on a throw the caller keeps ownership
 /// (the deleter has not run).
 Tensor from_dlpack(DLManagedTensor* managed);
 /// Zero-copy export; the returned tensor keeps this tensor's storage alive

@@ -44,6 +44,13 @@ int ProcessGroup::global_rank(int group_rank) const {
   return state_->backend->global_rank(group_rank);
 }
 
+int ProcessGroup::group_rank(int global) const {
+  for (int r = 0; r < size(); ++r)
+    if (state_->backend->global_rank(r) == global) return r;
+  throw InvalidArgument(fmt::format("group_rank: global rank {} is not a member of group '{}' ({})",
+                                    global, name(), fmt::join(members(), ",")));
+}
+
 std::vector<int> ProcessGroup::members() const {
   std::vector<int> m;
   for (int r = 0; r < size(); ++r) m.push_back(state_->backend->global_rank(r));

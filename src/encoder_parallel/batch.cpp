@@ -3,69 +3,153 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <boost/tokenizer.hpp>
+#include <charconv>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "diffcomm/config.hpp"
-#include "diffcomm/encoder_parallel/qwen2vl.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/tensor.hpp"
 
 namespace diffcomm::encoder_parallel {
 namespace {
-std::vector<std::string> split_csv(const std::string& line) {
-  std::vector<std::string> out;
-  std::string cell;
-  std::istringstream in(line);
-  while (std::getline(in, cell, ',')) {
-    if (!cell.empty() && cell.back() == '\r') cell.pop_back();
-    out.push_back(cell);
-  }
-  return out;
-}
 
-// A whole cell as an integer: std::stoll alone would read "640.5" or "20px"
-// as 640 or 20.
-int64_t parse_integer(const std::string& cell) {
-  std::size_t used = 0;
-  const long long v = std::stoll(cell, &used);
-  if (used != cell.size()) throw std::invalid_argument("'" + cell + "' is not an integer");
+using Separator = boost::escaped_list_separator<char>;
+
+// A whole cell as an integer in [lo, hi]: std::stoll alone would read "640.5"
+// or "20px" as 640 or 20, and throws bare std::invalid_argument.
+int64_t parse_integer(const std::string& cell, int64_t lo, int64_t hi) {
+  int64_t v = 0;
+  const char* end = cell.data() + cell.size();
+  const auto [ptr, ec] = std::from_chars(cell.data(), end, v);
+  if (cell.empty()) throw std::invalid_argument("empty cell, expected an integer");
+  if (ec == std::errc::result_out_of_range ||
+      (ec == std::errc{} && ptr == end && (v < lo || v > hi)))
+    throw std::invalid_argument(fmt::format("'{}' is outside [{}, {}]", cell, lo, hi));
+  if (ec != std::errc{} || ptr != end)
+    throw std::invalid_argument(fmt::format("'{}' is not an integer", cell));
   return v;
 }
-}  // namespace
 
-std::vector<ImageSize> load_image_sizes(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw InvalidArgument(fmt::format("load_image_sizes: cannot open '{}'", path));
-  std::string line;
-  if (!std::getline(in, line))
-    throw InvalidArgument(fmt::format("load_image_sizes: '{}' is empty", path));
-  const auto header = split_csv(line);
-  auto column = [&](const char* name) {
-    auto it = std::find(header.begin(), header.end(), name);
-    if (it == header.end())
-      throw InvalidArgument(
-          fmt::format("load_image_sizes: '{}' has no column '{}' (header: {})", path, name, line));
-    return static_cast<std::size_t>(it - header.begin());
-  };
-  const std::size_t ci = column("image_id"), cw = column("width"), ch = column("height");
-  std::vector<ImageSize> out;
-  for (int lineno = 2; std::getline(in, line); ++lineno) {
-    if (line.empty() || line == "\r") continue;
-    const auto cells = split_csv(line);
-    try {
-      if (cells.size() <= std::max({ci, cw, ch})) throw std::invalid_argument("too few columns");
-      ImageSize s{parse_integer(cells[ci]), parse_integer(cells[cw]), parse_integer(cells[ch])};
-      if (s.width <= 0 || s.height <= 0) throw std::invalid_argument("non-positive size");
-      out.push_back(s);
-    } catch (const std::exception& e) {
-      throw InvalidArgument(
-          fmt::format("load_image_sizes: '{}' line {}: {} ('{}')", path, lineno, e.what(), line));
+// The 1-based character column of an unterminated quote, or 0 when quotes
+// balance (escaped_list_separator itself silently reads to the end of line).
+std::size_t unterminated_quote(std::string_view line) {
+  bool in_quote = false;
+  std::size_t opened = 0;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    if (line[i] == '\\') {
+      ++i;  // the escaped character (a bad escape is the tokenizer's to report)
+    } else if (line[i] == '"') {
+      in_quote = !in_quote;
+      if (in_quote) opened = i + 1;
     }
   }
+  return in_quote ? opened : 0;
+}
+
+std::vector<std::string> split_line(std::string_view line) {
+  if (const std::size_t col = unterminated_quote(line))
+    throw std::invalid_argument(fmt::format("column {} (character): unterminated quote", col));
+  std::vector<std::string> out;
+  try {
+    const std::string copy(line);
+    boost::tokenizer<Separator> cells(copy, Separator('\\', ',', '"'));
+    for (const auto& cell : cells) out.push_back(cell);
+  } catch (const boost::escaped_list_error& e) {
+    throw std::invalid_argument(std::string("bad escape: ") + e.what());
+  }
   return out;
+}
+
+}  // namespace
+
+std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::string& source) {
+  auto fail = [&](std::size_t lineno, const std::string& what) -> InvalidArgument {
+    return InvalidArgument(fmt::format("load_image_sizes: '{}' line {}: {}", source, lineno, what));
+  };
+  std::size_t lineno = 0, at = 0;
+  auto next_line = [&](std::string_view& line) {
+    if (at >= text.size()) return false;
+    const std::size_t nl = text.find('\n', at);
+    const std::size_t end = nl == std::string_view::npos ? text.size() : nl;
+    line = text.substr(at, end - at);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    at = end + 1;
+    ++lineno;
+    return true;
+  };
+  std::string_view line;
+  if (!next_line(line) || line.empty())
+    throw InvalidArgument(fmt::format(
+        "load_image_sizes: '{}' has no header line (expected image_id,width,height)", source));
+  if (line.substr(0, 3) == "\xEF\xBB\xBF") line.remove_prefix(3);  // UTF-8 byte order mark
+  std::vector<std::string> header;
+  try {
+    header = split_line(line);
+  } catch (const std::invalid_argument& e) {
+    throw fail(lineno, fmt::format("header: {}", e.what()));
+  }
+  auto column = [&](const char* name, bool required) -> std::optional<std::size_t> {
+    const auto n = std::count(header.begin(), header.end(), name);
+    if (n > 1)
+      throw fail(lineno, fmt::format("column '{}' appears {} times in the header", name, n));
+    const auto it = std::find(header.begin(), header.end(), name);
+    if (it != header.end()) return static_cast<std::size_t>(it - header.begin());
+    if (required)
+      throw InvalidArgument(fmt::format("load_image_sizes: '{}' has no column '{}' (header: {})",
+                                        source, name, line));
+    return std::nullopt;
+  };
+  const std::size_t ci = *column("image_id", true), cw = *column("width", true),
+                    ch = *column("height", true);
+  const std::optional<std::size_t> cf = column("frames", false);
+  const std::size_t needed = std::max({ci, cw, ch, cf.value_or(0)}) + 1;
+
+  std::vector<ImageSize> out;
+  while (next_line(line)) {
+    if (line.empty()) continue;
+    std::vector<std::string> cells;
+    try {
+      cells = split_line(line);
+    } catch (const std::invalid_argument& e) {
+      throw fail(lineno, e.what());
+    }
+    if (cells.size() < needed)
+      throw fail(lineno, fmt::format("{} cells, the header needs at least {} ('{}')", cells.size(),
+                                     needed, line));
+    auto cell = [&](std::size_t c, int64_t lo, int64_t hi) {
+      try {
+        return parse_integer(cells[c], lo, hi);
+      } catch (const std::invalid_argument& e) {
+        throw fail(lineno, fmt::format("column {} ({}): {}", c + 1, header[c], e.what()));
+      }
+    };
+    ImageSize s;
+    s.image_id = cell(ci, INT64_MIN, INT64_MAX);
+    s.width = cell(cw, 1, kMaxImageSide);
+    s.height = cell(ch, 1, kMaxImageSide);
+    if (cf) s.frames = cell(*cf, 1, kMaxFrames);
+    out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<ImageSize> load_image_sizes(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw InvalidArgument(
+        fmt::format("load_image_sizes: '{}' is a directory, not a CSV file", path));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InvalidArgument(fmt::format("load_image_sizes: cannot open '{}'", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw InvalidArgument(fmt::format("load_image_sizes: cannot read '{}'", path));
+  return parse_image_sizes(text.str(), path);
 }
 
 std::string default_image_sizes_path() {
@@ -91,11 +175,14 @@ int64_t required_seq_multiple(const DecoderMesh& mesh) {
 
 std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
                                  const BatchOptions& o) {
+  constexpr int64_t kMaxOption = int64_t{1} << 40;
   if (dp < 1 || o.samples < 0 || o.images_per_sample < 0 || o.text_min < 0 ||
-      o.text_max < o.text_min || o.seq_multiple < 1)
+      o.text_max < o.text_min || o.text_max > kMaxOption || o.seq_multiple < 1 ||
+      o.seq_multiple > kMaxOption)
     throw InvalidArgument(fmt::format(
         "build_batches: dp {} samples {} images_per_sample {} text [{}, {}] seq_multiple {} "
-        "(need dp >= 1, non-negative counts, text_min <= text_max, seq_multiple >= 1)",
+        "(need dp >= 1, non-negative counts, text_min <= text_max <= 2^40, "
+        "1 <= seq_multiple <= 2^40)",
         dp, o.samples, o.images_per_sample, o.text_min, o.text_max, o.seq_multiple));
   if (images.empty() && o.images_per_sample > 0 && o.samples > 0)
     throw InvalidArgument("build_batches: no images to draw from");
@@ -107,7 +194,12 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
   std::size_t cursor = 0;
   auto text = [&] {
     return o.text_min + static_cast<int64_t>(gen.next_u64() %
-                                             static_cast<uint64_t>(o.text_max - o.text_min + 1));
+                                             (static_cast<uint64_t>(o.text_max - o.text_min) + 1));
+  };
+  o.model.validate();
+  constexpr int64_t kMaxSeqLen = int64_t{1} << 62;
+  auto too_long = [] {
+    return InvalidArgument("build_batches: a sample is longer than 2^62 tokens");
   };
   std::vector<Batch> out(static_cast<std::size_t>(dp));
   for (auto& batch : out)
@@ -117,15 +209,23 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
       for (int k = 0; k < o.images_per_sample; ++k) {
         pos += text();
         const ImageSize& im = images[order[cursor++ % order.size()]];
+        MediaTokens t;
+        try {
+          t = video_tokens(o.model, im.frames, im.height, im.width);
+        } catch (const InvalidArgument& e) {
+          throw InvalidArgument(fmt::format("build_batches: image {} ({}x{}, {} frame(s)): {}",
+                                            im.image_id, im.height, im.width, im.frames, e.what()));
+        }
         ImageSpan span;
         span.token_start = pos;
-        span.tokens = qwen2vl::image_tokens(im.height, im.width);
-        span.patches = qwen2vl::image_patches(im.height, im.width);
+        span.tokens = t.tokens;
+        span.patches = t.patches;
         span.source_id = im.image_id;
         sample.images.push_back(span);
-        pos += span.tokens;
+        if (__builtin_add_overflow(pos, span.tokens, &pos) || pos > kMaxSeqLen) throw too_long();
       }
       pos += text();
+      if (pos > kMaxSeqLen) throw too_long();
       sample.seq_len = (pos + o.seq_multiple - 1) / o.seq_multiple * o.seq_multiple;
       batch.samples.push_back(std::move(sample));
     }

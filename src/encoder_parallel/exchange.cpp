@@ -36,6 +36,11 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
                               const std::vector<EncoderFeature>& producer_records,
                               const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
                               const dist::ProcessGroup& group, ReceiverGrad grad) {
+  try {
+    plan.validate();
+  } catch (const InvalidArgument& e) {
+    fail(e.what());
+  }
   const int n = group.size();
   const int ecp = plan.encoder.encoder_cp;
   if (mode != plan.mode)
@@ -133,7 +138,9 @@ std::vector<EncoderFeature> unpack_records(const Tensor& rows,
     if (it.output_rows < 0)
       throw InvalidArgument(fmt::format("unpack_records: item {} has negative output_rows {}",
                                         it.item_id, it.output_rows));
-    total += it.output_rows;
+    if (__builtin_add_overflow(total, it.output_rows, &total))
+      throw InvalidArgument(fmt::format("unpack_records: the {} items' output_rows exceed 2^63",
+                                        received_items.size()));
   }
   if (!rows.defined() || rows.dim() != 2)
     throw InvalidArgument(

@@ -9,6 +9,9 @@
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::encoder_parallel {
+namespace {
+constexpr int64_t kMaxExchangeSize = int64_t{1} << 24;
+}  // namespace
 
 std::string cp_layout_name(CpLayout layout) {
   return layout == CpLayout::Contiguous ? "contiguous" : "zigzag";
@@ -83,16 +86,23 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
   plan.decoder = decoder;
   plan.encoder = encoder;
   plan.mode = select_feature_exchange(decoder.context(0, 0));
-  plan.exchange_size =
-      plan.mode == FeatureExchangeMode::ParentVariableA2A ? decoder.cp * decoder.tp : decoder.tp;
+  const int64_t exchange_size = plan.mode == FeatureExchangeMode::ParentVariableA2A
+                                    ? int64_t{decoder.cp} * decoder.tp
+                                    : int64_t{decoder.tp};
+  if (exchange_size > kMaxExchangeSize)
+    throw InvalidArgument(
+        fmt::format("plan_exchange: an exchange group of {} ranks (cp {} x tp "
+                    "{}) is larger than {}",
+                    exchange_size, decoder.cp, decoder.tp, kMaxExchangeSize));
+  plan.exchange_size = static_cast<int>(exchange_size);
   if (encoder.buckets < 1 || encoder.encoder_cp < 1)
     throw InvalidArgument(fmt::format("plan_exchange: buckets {} and encoder_cp {} must be >= 1",
                                       encoder.buckets, encoder.encoder_cp));
-  if (encoder.buckets * encoder.encoder_cp != plan.exchange_size)
+  if (int64_t{encoder.buckets} * encoder.encoder_cp != plan.exchange_size)
     throw InvalidArgument(fmt::format(
         "plan_exchange: buckets x encoder_cp = {} x {} = {} but the {} exchange group has {} "
         "ranks (cp {} x tp {})",
-        encoder.buckets, encoder.encoder_cp, encoder.buckets * encoder.encoder_cp,
+        encoder.buckets, encoder.encoder_cp, int64_t{encoder.buckets} * encoder.encoder_cp,
         mode_name(plan.mode), plan.exchange_size, decoder.cp, decoder.tp));
 
   // Items, with their spans validated.
@@ -105,8 +115,8 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
       owned_ranges(s.seq_len, decoder, plan.coordinates(r).first, plan.coordinates(r).second);
     std::vector<std::pair<int64_t, int64_t>> spans;
     for (const ImageSpan& im : s.images) {
-      if (im.token_start < 0 || im.tokens < 0 || im.patches < 0 ||
-          im.token_start + im.tokens > s.seq_len)
+      if (im.token_start < 0 || im.tokens < 0 || im.patches < 0 || im.token_start > s.seq_len ||
+          im.tokens > s.seq_len - im.token_start)
         throw InvalidArgument(fmt::format(
             "plan_exchange: sample {} image at tokens [{}, {}) (patches {}) is outside the "
             "sequence of {} tokens",
@@ -151,7 +161,7 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
   // Destinations: the exchange ranks whose tokens intersect the span.
   plan.destinations.assign(plan.items.size(), {});
   for (const auto& item : plan.items) {
-    const int64_t lo = item.decoder_token_start, hi = lo + item.output_rows;
+    const int64_t lo = item.decoder_token_start, hi = lo + item.output_rows;  // <= seq_len
     for (int r = 0; r < plan.exchange_size; ++r)
       for (const auto& [b, e] : plan.owned(item.batch_index, r))
         if (std::max(lo, b) < std::min(hi, e)) {
@@ -162,10 +172,118 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
   return plan;
 }
 
+void ExchangePlan::validate() const {
+  auto bad = [](const std::string& what) { return InvalidArgument("ExchangePlan: " + what); };
+  if (decoder.cp < 1 || decoder.tp < 1)
+    throw bad(fmt::format("decoder cp {} and tp {} must be >= 1", decoder.cp, decoder.tp));
+  if (decoder.layout != CpLayout::Contiguous && decoder.layout != CpLayout::Zigzag)
+    throw bad(fmt::format("decoder layout {} is not a CpLayout", static_cast<int>(decoder.layout)));
+  const FeatureExchangeMode want = select_feature_exchange(decoder.context(0, 0));
+  if (mode != want)
+    throw bad(fmt::format("mode {} but the decoder mesh (cp {}, tp {}, sp {}) needs {}",
+                          mode_name(mode), decoder.cp, decoder.tp, decoder.sp, mode_name(want)));
+  const int64_t group = mode == FeatureExchangeMode::ParentVariableA2A
+                            ? int64_t{decoder.cp} * decoder.tp
+                            : int64_t{decoder.tp};
+  if (group > kMaxExchangeSize)
+    throw bad(
+        fmt::format("an exchange group of {} ranks is larger than {}", group, kMaxExchangeSize));
+  if (exchange_size != group)
+    throw bad(fmt::format("exchange_size {} but the {} exchange group has {} ranks", exchange_size,
+                          mode_name(mode), group));
+  if (encoder.buckets < 1 || encoder.encoder_cp < 1 ||
+      int64_t{encoder.buckets} * encoder.encoder_cp != exchange_size)
+    throw bad(
+        fmt::format("buckets x encoder_cp = {} x {} must be >= 1 each and equal "
+                    "exchange_size {}",
+                    encoder.buckets, encoder.encoder_cp, exchange_size));
+  for (std::size_t b = 0; b < seq_lens.size(); ++b) {
+    if (seq_lens[b] < 0) throw bad(fmt::format("seq_lens[{}] = {} is negative", b, seq_lens[b]));
+    try {
+      for (int r = 0; r < exchange_size; ++r)
+        owned_ranges(seq_lens[b], decoder, coordinates(r).first, coordinates(r).second);
+    } catch (const InvalidArgument& e) {
+      throw bad(fmt::format("seq_lens[{}]: {}", b, e.what()));
+    }
+  }
+  const std::size_t n = items.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const EncoderWorkItem& it = items[i];
+    if (it.item_id != static_cast<int64_t>(i))
+      throw bad(
+          fmt::format("items[{}].item_id is {}; plans are keyed by position, so item ids "
+                      "must be 0..{} in order",
+                      i, it.item_id, n - 1));
+    if (it.batch_index < 0 || it.batch_index >= static_cast<int64_t>(seq_lens.size()))
+      throw bad(fmt::format("item {} has batch_index {} outside the {} sample(s) of seq_lens", i,
+                            it.batch_index, seq_lens.size()));
+    const int64_t len = seq_lens[static_cast<std::size_t>(it.batch_index)];
+    if (it.input_rows < 0 || it.output_rows < 0)
+      throw bad(fmt::format("item {} has input_rows {} and output_rows {} (need >= 0)", i,
+                            it.input_rows, it.output_rows));
+    if (it.decoder_token_start < 0 || it.decoder_token_start > len ||
+        it.output_rows > len - it.decoder_token_start)
+      throw bad(fmt::format("item {} spans tokens [{}, {} + {}) outside sample {} of {} tokens", i,
+                            it.decoder_token_start, it.decoder_token_start, it.output_rows,
+                            it.batch_index, len));
+  }
+  if (buckets.size() != static_cast<std::size_t>(encoder.buckets))
+    throw bad(
+        fmt::format("{} bucket lists for encoder.buckets = {}", buckets.size(), encoder.buckets));
+  if (bucket_of.size() != n)
+    throw bad(fmt::format("bucket_of has {} entries for {} items", bucket_of.size(), n));
+  std::vector<int> seen(n, 0);
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    int64_t rows = 0;
+    for (int64_t id : buckets[b]) {
+      if (id < 0 || id >= static_cast<int64_t>(n))
+        throw bad(fmt::format("bucket {} lists item {} outside [0, {})", b, id, n));
+      const auto k = static_cast<std::size_t>(id);
+      if (seen[k]++) throw bad(fmt::format("item {} appears more than once in the buckets", id));
+      if (bucket_of[k] != static_cast<int>(b))
+        throw bad(
+            fmt::format("item {} is in bucket {} but bucket_of[{}] = {}", id, b, id, bucket_of[k]));
+      if (__builtin_add_overflow(rows, items[k].output_rows, &rows))
+        throw bad(fmt::format("the rows of bucket {} exceed 2^63", b));
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i)
+    if (!seen[i]) throw bad(fmt::format("item {} is in no bucket", i));
+  if (destinations.size() != n)
+    throw bad(fmt::format("destinations has {} lists for {} items", destinations.size(), n));
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto& d = destinations[i];
+    for (std::size_t k = 0; k < d.size(); ++k) {
+      if (d[k] < 0 || d[k] >= exchange_size)
+        throw bad(
+            fmt::format("item {} has destination {} outside [0, {})", i, d[k], exchange_size));
+      if (k > 0 && d[k] <= d[k - 1])
+        throw bad(fmt::format("destinations of item {} are not ascending and distinct: [{}]", i,
+                              fmt::join(d, ",")));
+    }
+  }
+}
+
 PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
+  validate();
+  if (hidden < 0) throw InvalidArgument(fmt::format("ExchangePlan::stats: hidden {} < 0", hidden));
   PlanStats st;
   const auto n = static_cast<std::size_t>(exchange_size);
-  const uint64_t row_bytes = static_cast<uint64_t>(hidden) * element_size(dtype);
+  uint64_t row_bytes = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(hidden), element_size(dtype), &row_bytes))
+    throw InvalidArgument(fmt::format("ExchangePlan::stats: hidden {} overflows a row", hidden));
+  // Every byte count below is at most (n^2 + n) * total rows * row_bytes.
+  uint64_t total_rows = 0, bound = 0;
+  bool overflow = false;
+  for (const auto& item : items)
+    overflow |=
+        __builtin_add_overflow(total_rows, static_cast<uint64_t>(item.output_rows), &total_rows);
+  if (overflow || __builtin_mul_overflow(total_rows, row_bytes, &bound) ||
+      __builtin_mul_overflow(bound, static_cast<uint64_t>(n) * (n + 1), &bound) ||
+      bound > static_cast<uint64_t>(INT64_MAX))
+    throw InvalidArgument(
+        fmt::format("ExchangePlan::stats: {} rows of {} bytes over {} ranks exceed 2^63 bytes",
+                    total_rows, row_bytes, n));
   std::map<std::pair<int, int>, int64_t> rows;
   for (const auto& item : items) {
     const int src = producer(bucket_of[static_cast<std::size_t>(item.item_id)]);
@@ -208,6 +326,7 @@ PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
 }
 
 std::string ExchangePlan::fingerprint() const {
+  validate();
   std::string s = fmt::format("mode={} cp={} tp={} sp={} layout={} buckets={} ecp={} n={} seq=[{}]",
                               mode_name(mode), decoder.cp, decoder.tp, decoder.sp,
                               cp_layout_name(decoder.layout), encoder.buckets, encoder.encoder_cp,

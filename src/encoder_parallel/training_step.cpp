@@ -211,21 +211,30 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
       a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
   const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
   const dist::ProcessGroup& tp_group = mesh.group("tp");
-  Tensor X, positional;
+  Tensor X, pos_lhs;  // the positional term is <pos_lhs, U> where defined
   if (tp == 1) {
     X = E;
-    positional = dot(E, U);
+    pos_lhs = E;
   } else if (cfg.decoder.sp) {
-    positional = dot(E, U);
+    pos_lhs = E;
     X = nn::all_gather_single(E, tp_group);
   } else {
     X = nn::copy_to_tp_region(E, tp_group);
-    if (res.tp_rank == 0) positional = dot(X, U);
+    if (res.tp_rank == 0) pos_lhs = X;
   }
   const Tensor Y = matmul(X, A_t);
   Tensor loss = scale(dot(Y, Y), 0.5);
-  if (positional.defined()) loss = add(loss, positional);
-  res.loss = loss.item();
+  if (pos_lhs.defined()) loss = add(loss, dot(pos_lhs, U));
+  // The reported loss is accumulated in float64 from this rank's tensors: in
+  // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
+  // while its gradient (Y, U) does not depend on that value.
+  auto dot64 = [](const Tensor& a, const Tensor& b) {
+    const std::vector<double> x = a.to_vector(), y = b.to_vector();
+    double acc = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) acc += x[i] * y[i];
+    return acc;
+  };
+  res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
   backward({loss});
 
   Tensor g = W.grad().defined() ? W.grad().copy_data() : zeros_like(W);

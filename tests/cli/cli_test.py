@@ -568,8 +568,8 @@ def qwen2vl_tokens(height, width, factor=28, min_pixels=56 * 56, max_pixels=1284
     w = max(factor, round(width / factor) * factor)
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
-        h = math.floor(height / beta / factor) * factor
-        w = math.floor(width / beta / factor) * factor
+        h = max(factor, math.floor(height / beta / factor) * factor)  # the clamp (issue 13)
+        w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h = math.ceil(height * beta / factor) * factor
@@ -638,6 +638,87 @@ def tokens_bad_args(cli):
     for path in ["/nonexistent/diffcomm/sizes.csv", nocol, bad]:
         expect_bad(cli, ["tokens", "--images", path], "--images")
     expect_bad(cli, ["tokens", "--model", "llava"], "--model")
+
+
+@scenario
+def tokens_models_and_videos(cli):
+    # Hand-computed (see tests/test_encoder_parallel.cpp, issue 13):
+    #   qwen2vl 56x56 image: 2 x 2 = 4; a 3-frame 56x56 video: 2 temporal
+    #   groups of 2 x 2 = 8; qwen3vl (factor 32, >= 65536 px) 56x56 -> 256x256:
+    #   8 x 8 = 64 tokens, the video 2 x 64 = 128; 480x640: 15 x 20 = 300.
+    path = cli.write("media.csv", "image_id,width,height,frames\n"
+                     "1,56,56,1\n2,56,56,3\n3,640,480,1\n")
+    q2 = parse_tokens(cli.run("tokens", "--images", path, rc=PASSED))
+    expect(q2 == [(1, 4), (2, 8), (3, 391)], f"qwen2vl tokens {q2}")
+    q25 = parse_tokens(cli.run("tokens", "--model", "qwen2.5vl", "--images", path, rc=PASSED))
+    expect(q25 == q2, f"qwen2.5vl has qwen2vl's rule: {q25}")
+    q3 = parse_tokens(cli.run("tokens", "--model", "qwen3vl", "--images", path, rc=PASSED))
+    expect(q3 == [(1, 64), (2, 128), (3, 300)], f"qwen3vl tokens {q3}")
+    # A quoted file name with a comma does not shift the columns.
+    quoted = cli.write("quoted.csv", 'image_id,file_name,width,height\n9,"a,b.jpg",640,480\n')
+    expect(parse_tokens(cli.run("tokens", "--images", quoted, rc=PASSED)) == [(9, 391)],
+           "quoted comma")
+    # 3037000500^2 overflows int64: 128 x 128 tokens (max_pixels), not 4.
+    huge = cli.write("huge.csv", "image_id,width,height\n1,3037000500,3037000500\n")
+    expect(parse_tokens(cli.run("tokens", "--images", huge, rc=PASSED)) == [(1, 16384)], "huge")
+    # A step on a batch mixing images and videos, for every model, passes its check.
+    for model in ["qwen2vl", "qwen2.5vl", "qwen3vl"]:
+        r = cli.run("step", "--images", path, "--model", model, "--ranks", 4, "--cp", 2, "--tp", 2,
+                    "--sp", "--json", rc=PASSED)
+        expect(json.loads(r.out)["check"]["passed"], r.describe())
+
+
+@scenario
+def command_line_edges(cli):
+    """Issue 13 item 11: every edge exits 2 with one line naming the flag."""
+    def bad(args, needle):
+        r = cli.run(*args, rc=BAD_ARGS)
+        lines = r.err.strip().splitlines()
+        expect(len(lines) == 1, f"one line expected\n{r.describe()}")
+        expect(needle in lines[0], f"the message does not name {needle}\n{r.describe()}")
+        expect(r.out.strip() == "", f"a bad argument prints no report\n{r.describe()}")
+    top = "18446744073709551615"
+    bad(["sweep", "--seeds", "18446744073709551616..18446744073709551616"], "--seeds")
+    bad(["step", "--seed", "18446744073709551616"], "--seed")
+    bad(["step", "--seed", "-1"], "--seed")
+    bad(["step", "--dp", 4096, "--cp", 1024, "--tp", 1024], "--cp")
+    bad(["step", "--dp", 4096, "--cp", 2, "--tp", 4], "--dp")
+    bad(["step", "--batch", 0], "--batch")
+    bad(["step", "--hidden", 1048576], "--hidden")
+    bad(["step", "--trace", "/dev/full"], "--trace")
+    bad(["foo"], "unknown subcommand 'foo'")
+    bad(["step", "--images", "/tmp"], "is a directory")
+    bad(["step", "--fault", "rank:1"], "--fault")
+    bad(["step", "--fault", "rank:99999999999:at:1"], "--fault")
+    bad(["step", "--fault", "rank:0:at:0"], "--fault")
+    bad(["step", "--model", "llava"], "--model")
+    bad(["sweep", "--seeds", "1...2"], "--seeds")
+    # The largest seed runs once and the sweep ends (the counter used to wrap to 0).
+    r = cli.run("sweep", "--seeds", f"{top}..{top}", "--batch", 1, rc=PASSED)
+    expect("sweep: 1 seeds, 1 passed, 0 failed" in r.out, r.describe())
+    # float16 passes a meaningful check on the default mesh (the loss is
+    # accumulated in float64; it used to overflow to inf).
+    for dtype in ["float16", "bfloat16", "float32"]:
+        j = json.loads(cli.run("step", "--dtype", dtype, "--json", rc=PASSED).out)
+        expect(j["check"]["passed"] and j["check"]["loss_rel_diff"] < TOLERANCE[dtype][1],
+               f"{dtype}: {j['check']}")
+
+
+@scenario
+def sweep_reproduce_line_quotes_paths(cli):
+    # A forced wrong convention fails every seed; the reproduce line quotes an
+    # --images path with a space and re-runs as printed.
+    spaced = cli.write("with space.csv", open(cli.data, encoding="utf-8").read())
+    r = cli.run("sweep", "--seeds", "0..0", "--tp", 2, "--ranks", 2, "--receiver-grad", "partial",
+                "--images", spaced, rc=FAILED)
+    m = re.search(r"reproduce: (.*)", r.out)
+    expect(m, r.describe())
+    line = m.group(1)
+    expect(f"--images '{spaced}'" in line, f"the path is not quoted: {line}")
+    import shlex
+    argv = shlex.split(line)
+    again = cli.run(*argv[1:], rc=FAILED)
+    expect("FAILED" in again.out, again.describe())
 
 
 # ----------------------------------------------------------------------- main

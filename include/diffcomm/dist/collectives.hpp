@@ -4,8 +4,10 @@
 // raises InvalidArgument *before* any communication, numbers the call,
 // accounts its bytes in the group's Stats, and hands it to the backend.
 //
-// Conventions (torch.distributed / NCCL):
-//  - ranks (src, dst, root, peer) are group-local;
+// Conventions (NCCL / MPI communicators; torch.distributed's where noted):
+//  - ranks (src, dst, root, peer) are group-local, as in NCCL and MPI. In
+//    torch.distributed `src`/`dst` are GLOBAL ranks (group_src/group_dst are
+//    the group-local ones): convert with ProcessGroup::global_rank/group_rank;
 //  - tensors are written in place; outputs must be preallocated with the
 //    documented shape, the inputs' dtype and device;
 //  - "rows" means dim 0; splits count rows, may be zero, and must agree

@@ -1,7 +1,10 @@
 #pragma once
-// ProcessGroup: a handle to a communicator. Ranks in every call are
-// group-local; global_rank() translates. Copies share state (the call
-// sequence number), so pass it by value freely.
+// ProcessGroup: a handle to a communicator. Ranks in every call (roots,
+// src, dst, peers) are group-local, as in MPI and NCCL communicators. Note
+// for PyTorch users: torch.distributed's `src`/`dst` are GLOBAL ranks (newer
+// torch adds `group_src`/`group_dst` for group-local ones); convert with
+// global_rank() and group_rank(). Copies share state (the call sequence
+// number), so pass it by value freely.
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +31,10 @@ class ProcessGroup {
   /// Global rank of the member with group-local rank `group_rank`.
   /// Throws InvalidArgument when out of range.
   int global_rank(int group_rank) const;
+  /// Group-local rank of the member whose global rank is `global_rank` (the
+  /// inverse of global_rank(); torch.distributed.get_group_rank). Throws
+  /// InvalidArgument when that rank is not a member of this group.
+  int group_rank(int global_rank) const;
   /// Global ranks of all members, in group order.
   std::vector<int> members() const;
   const std::string& name() const;

@@ -1,23 +1,41 @@
 #pragma once
 // Realistic multimodal micro-batches from real image sizes (e.g. the shipped
-// COCO val2017 sizes), with image tokens by the Qwen2-VL rule.
+// COCO val2017 sizes) and video clips, with tokens by a vision model's rule
+// (encoder_parallel/tokens.hpp; Qwen2-VL by default).
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "diffcomm/encoder_parallel/planner.hpp"
+#include "diffcomm/encoder_parallel/tokens.hpp"
 
 namespace diffcomm::encoder_parallel {
 
+/// One image (frames == 1) or video clip (frames > 1) of a data set.
 struct ImageSize {
   int64_t image_id = 0;
-  int64_t width = 0;
-  int64_t height = 0;
+  int64_t width = 0;   ///< px
+  int64_t height = 0;  ///< px
+  int64_t frames = 1;  ///< 1: a still image; > 1: a video of that many frames
+  friend bool operator==(const ImageSize&, const ImageSize&) = default;
 };
 
-/// Reads a CSV whose header names the columns image_id, width and height
-/// (others are ignored). Throws InvalidArgument when the file cannot be
-/// read, a column is missing, or a row is malformed (line number given).
+/// Parses CSV text (RFC 4180-style lines: comma-separated, fields may be
+/// quoted with '"', a backslash escapes '"', ',' or '\\' inside a field;
+/// a record is one line, CRLF accepted, blank lines skipped). The header names
+/// the columns image_id, width, height and optionally frames (default 1);
+/// other columns are ignored. Cells are whole integers; width and height >= 1,
+/// frames >= 1. Parsing is boost::tokenizer's escaped_list_separator.
+/// Throws InvalidArgument naming `source`, the line and the column (number and
+/// header name) of the first bad cell: missing or duplicated columns, an
+/// unterminated quote, a bad escape, too few cells, a non-integer or
+/// out-of-range value. Empty text is an error ("no header").
+std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::string& source);
+
+/// parse_image_sizes of a file's content, `source` = the path. Throws
+/// InvalidArgument when the path is a directory or cannot be read, and as
+/// parse_image_sizes.
 std::vector<ImageSize> load_image_sizes(const std::string& path);
 
 /// The path of the shipped COCO val2017 sizes: the copy installed beside the
@@ -37,14 +55,18 @@ struct BatchOptions {
   int64_t text_max = 64;      ///< [text_min, text_max]
   int64_t seq_multiple = 1;   ///< pad each sample's length up to a multiple of this
   uint64_t seed = 0;
+  VisionModel model = qwen2vl_model();  ///< token rule of images and videos
 };
 
 /// dp micro-batches. Images are drawn without replacement in a seeded order
 /// (wrapping around when exhausted); each sample is text, image, text,
-/// image, ..., text, padded with text to seq_multiple. Image tokens and
-/// patches follow qwen2vl::image_tokens / image_patches.
-/// Throws InvalidArgument on empty image lists (when images are needed) or
-/// negative options.
+/// image, ..., text, padded with text to seq_multiple. An entry with
+/// frames > 1 is a video: its tokens and patches follow video_tokens, an
+/// image's image_tokens, both with options.model (ImageSpan::patches = encoder
+/// patches, ImageSpan::tokens = decoder tokens).
+/// Throws InvalidArgument on empty image lists (when images are needed),
+/// negative options, sequence lengths above 2^62, or an entry the model
+/// refuses (its image_id named).
 std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
                                  const BatchOptions& options);
 

@@ -28,8 +28,9 @@ struct RoutedFeatures {
 /// reach every rank (all_gather_v; ReplicatedOverTp keeps each rank's own
 /// copy in backward). A2A modes: each record goes only to its destinations
 /// (all_to_all_single with splits from the plan; ReplicatedOverTp counts the
-/// TP rank 0 copy of each CP owner). Throws InvalidArgument when the records
-/// disagree with the plan (items, order, row counts, width).
+/// TP rank 0 copy of each CP owner). Throws InvalidArgument when the plan is
+/// not valid (ExchangePlan::validate, message names the field) or the records
+/// disagree with it (items, order, row counts, width).
 RoutedFeatures route_features(FeatureExchangeMode mode,
                               const std::vector<EncoderFeature>& producer_records,
                               const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
@@ -37,8 +38,9 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
 
 /// Splits transported rows by the plan into records ordered by
 /// (batch_index, decoder_token_start, item_id). Each record's rows are a
-/// differentiable view. Throws InvalidArgument when rows' row count differs
-/// from the items' total output_rows (both counts in the message).
+/// differentiable view. Throws InvalidArgument for a negative output_rows, a
+/// total above 2^63, or when rows' row count differs from the items' total
+/// output_rows (both counts in the message).
 std::vector<EncoderFeature> unpack_records(const Tensor& rows,
                                            const std::vector<EncoderWorkItem>& received_items);
 

@@ -98,18 +98,33 @@ struct ExchangePlan {
   std::pair<int, int> coordinates(int exchange_rank) const;
   /// Token ranges of a sample owned by an exchange rank (local order).
   std::vector<std::pair<int64_t, int64_t>> owned(int64_t batch_index, int exchange_rank) const;
-  /// Traffic and balance statistics for feature rows of `hidden` elements.
+  /// Traffic and balance statistics for feature rows of `hidden` elements
+  /// (bytes = rows * hidden * element size). Validates the plan first; throws
+  /// InvalidArgument for hidden < 0 or a byte count above 2^63.
   PlanStats stats(int64_t hidden, DType dtype) const;
   /// A text form of everything above (to compare plans across ranks).
+  /// Validates the plan first.
   std::string fingerprint() const;
+  /// Checks that a plan (built by plan_exchange or by hand) is one that
+  /// route_features, stats and fingerprint can use without reading out of
+  /// range: mode == select_feature_exchange(decoder); cp, tp, buckets,
+  /// encoder_cp >= 1; exchange_size == cp*tp (parent mode) or tp, ==
+  /// buckets * encoder_cp; items[i].item_id == i (plans are keyed by
+  /// position); each item's batch_index names a sample, its rows are >= 0 and
+  /// its token span [start, start + output_rows) lies in the sample; the
+  /// sample lengths are >= 0 and divisible by the layout; buckets.size() ==
+  /// buckets, every item in exactly one bucket, bucket_of agreeing;
+  /// destinations.size() == items.size(), each list ascending, without
+  /// duplicates, inside [0, exchange_size); the rows of a bucket sum below
+  /// 2^63. Throws InvalidArgument naming the first field that is wrong.
+  void validate() const;
 };
 
-/// Builds the plan. mode comes from select_feature_exchange; the exchange
-/// group has cp*tp ranks in the parent mode, tp otherwise, and must equal
-/// buckets * encoder_cp. Buckets: longest-processing-time first on patches
-/// (ties: lower item id first, then the least-loaded, lowest bucket); items
-/// within a bucket are sent in item-id order. Destinations: every exchange
-/// rank whose owned tokens intersect the image's span.
+/// Builds the plan (valid by construction: validate() holds). mode comes from
+/// select_feature_exchange; the exchange group has cp*tp ranks in the parent mode, tp otherwise,
+/// and must equal buckets * encoder_cp. Buckets: longest-processing-time first on patches (ties:
+/// lower item id first, then the least-loaded, lowest bucket); items within a bucket are sent in
+/// item-id order. Destinations: every exchange rank whose owned tokens intersect the image's span.
 /// Throws InvalidArgument on inconsistent layouts, overlapping or
 /// out-of-range images, or sequence lengths the layout cannot divide.
 ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,

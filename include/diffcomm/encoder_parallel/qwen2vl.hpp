@@ -1,8 +1,7 @@
 #pragma once
-// Image size -> decoder tokens, by Qwen2-VL's rule (transformers'
-// Qwen2VLImageProcessor.smart_resize): resize so height and width are
-// multiples of 28 px (14 px patches, 2x2 merge) with the pixel count in
-// [min_pixels, max_pixels], keeping the aspect ratio.
+// Image size -> decoder tokens by Qwen2-VL's rule, with explicit pixel
+// bounds: the Qwen2-VL preset of encoder_parallel/tokens.hpp (which also has
+// Qwen2.5-VL, Qwen3-VL and videos). Kept for callers of the fixed-factor API.
 #include <cstdint>
 
 namespace diffcomm::encoder_parallel::qwen2vl {
@@ -16,16 +15,16 @@ struct Resized {
   int64_t width = 0;
 };
 
-/// smart_resize: h = max(28, round(height/28)*28) (Python round: half to
-/// even), likewise w; if h*w > max_pixels, beta = sqrt(height*width /
-/// max_pixels) and h, w = floor(height/beta/28)*28, floor(width/beta/28)*28;
-/// if h*w < min_pixels, beta = sqrt(min_pixels / (height*width)) and h, w =
-/// ceil(height*beta/28)*28, ceil(width*beta/28)*28.
-/// Throws InvalidArgument for non-positive sizes or an aspect ratio > 200.
+/// smart_resize(qwen2vl_model() with these bounds, height, width): see
+/// encoder_parallel::smart_resize for the formula, the clamp of a side to 28
+/// after the down-scaling floor, and the guarantees. (639, 31, 3136, 15680)
+/// -> 560 x 28. Throws InvalidArgument for sizes outside [1, 2^40], an aspect
+/// ratio > 200, max_pixels below one 28 x 28 block or min_pixels outside
+/// [1, max_pixels].
 Resized smart_resize(int64_t height, int64_t width, int64_t min_pixels = kMinPixels,
                      int64_t max_pixels = kMaxPixels);
 
-/// Decoder image tokens: (H/28) * (W/28) of the resized image.
+/// Decoder image tokens: (H/28) * (W/28) of the resized image (default bounds).
 int64_t image_tokens(int64_t height, int64_t width);
 
 /// Encoder patches (14 px): 4 * image_tokens.

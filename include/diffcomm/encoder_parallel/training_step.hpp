@@ -53,7 +53,7 @@ struct StepRankResult {
   Tensor routed_rows;  ///< rows the exchange delivered (detached)
   std::vector<EncoderWorkItem> received_items;
   Tensor encoder_grad;  ///< dL/dW summed over the world (same on every rank)
-  double loss = 0;      ///< this rank's loss term
+  double loss = 0;      ///< this rank's loss term, accumulated in float64 for every dtype
   std::string plan_fingerprint;
 };
 
