@@ -214,10 +214,18 @@ _OPS = {"sum": "sum", "avg": "avg", "product": "product", "min": "min", "max": "
 def _op(op: Any) -> str:
     if isinstance(op, str):
         key = op.lower()
-    else:  # torch.distributed.ReduceOp (an enum-like value in every torch version)
-        key = str(op).split(".")[-1].lower()
-        if key.startswith("redopType") or key == "":
-            key = repr(op).lower()
+    else:  # torch.distributed.ReduceOp (its repr differs between torch versions)
+        key = ""
+        import torch.distributed as tdist  # noqa: PLC0415
+
+        for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
+            value = getattr(tdist.ReduceOp, name, None)
+            try:
+                if value is not None and op == value:
+                    key = name.lower()
+                    break
+            except TypeError:
+                pass
     if key not in _OPS:
         raise InvalidArgument(f"diffcomm.torch: unknown reduce op {op!r} (sum, avg, product, "
                               "min, max or torch.distributed.ReduceOp)")
