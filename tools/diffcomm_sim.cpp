@@ -8,12 +8,10 @@
 
 #include <CLI/CLI.hpp>
 #include <charconv>
-#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
 
@@ -22,11 +20,11 @@
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
+#include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/world.hpp"
 
 namespace ep = diffcomm::encoder_parallel;
 using diffcomm::DType;
-using nlohmann::json;
 
 namespace {
 
@@ -262,211 +260,39 @@ void check_budget(const StepArgs& a, const std::vector<ep::Batch>& per_dp) {
         kMemoryBudgetBytes / (1ull << 30)));
 }
 
-// Writes the world's trace to `path`, failing on any write error (a full
-// disk, /dev/full): the trace goes to a temporary file first, then is copied
-// with a checked stream.
-void write_trace_checked(const diffcomm::sim::World& world, const std::string& path) {
-  namespace fs = std::filesystem;
-  const fs::path tmp =
-      fs::temp_directory_path() / fmt::format("diffcomm-sim-trace-{}.json", ::getpid());
-  world.write_trace(tmp.string());
-  std::ifstream in(tmp, std::ios::binary);
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  const bool ok = in && out && (out << in.rdbuf()) && out.flush();
-  in.close();
-  std::error_code ec;
-  fs::remove(tmp, ec);
-  if (!ok) throw BadArgs(fmt::format("--trace: cannot write '{}'", path));
-}
-
-struct StepOutcome {
-  int code = kPassed;
-  json report;
-  std::string text;
-};
-
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB"};
-  int u = 0;
-  while (b >= 1024 && u < 3) {
-    b /= 1024;
-    ++u;
-  }
-  return fmt::format("{:.1f} {}", b, units[u]);
-}
-
-StepOutcome run_step_command(StepArgs a) {
-  const ep::StepConfig cfg = make_config(a);
-  const auto fault = parse_fault(a.fault, a.ranks);
-  std::vector<ep::ImageSize> images;
+// Loads the images and builds the micro-batches (errors name --images), then
+// runs the step; the report itself is built by the library (sim/report.hpp).
+std::vector<ep::ImageSize> load_images(const std::string& path) {
   try {
-    images = ep::load_image_sizes(a.images);
+    return ep::load_image_sizes(path);
   } catch (const diffcomm::InvalidArgument& e) {
     throw BadArgs(fmt::format("--images: {}", e.what()));
   }
-  ep::BatchOptions bo;
-  bo.samples = a.batch;
-  bo.images_per_sample = a.images_per_sample;
-  bo.seq_multiple = ep::required_seq_multiple(cfg.decoder);
-  bo.seed = a.seed;
-  bo.model = ep::vision_model(a.model);
+}
+
+diffcomm::sim::StepReport run_step_command(StepArgs a) {
+  const ep::StepConfig cfg = make_config(a);
+  const auto fault = parse_fault(a.fault, a.ranks);
+  const std::vector<ep::ImageSize> images = load_images(a.images);
   std::vector<ep::Batch> per_dp;
   try {
-    per_dp = ep::build_batches(images, cfg.dp, bo);
+    per_dp = diffcomm::sim::step_batches(cfg, images, a.batch, a.images_per_sample,
+                                         ep::vision_model(a.model));
   } catch (const diffcomm::InvalidArgument& e) {
     throw BadArgs(fmt::format("--images {}: {}", a.images, e.what()));
   }
   check_budget(a, per_dp);
-  std::vector<ep::ExchangePlan> plans;
+  diffcomm::sim::StepRunOptions options;
+  if (fault) options.fault = diffcomm::sim::Fault{fault->rank, fault->at};
+  options.trace_path = a.trace;
   try {
-    for (const auto& b : per_dp) plans.push_back(ep::plan_exchange(b, cfg.decoder, cfg.encoder));
+    return diffcomm::sim::run_step_report(cfg, per_dp, options);
   } catch (const diffcomm::InvalidArgument& e) {
-    throw BadArgs(e.what());
+    // A plan the library refuses, or a trace it cannot write (a full disk,
+    // /dev/full): bad arguments, exit 2.
+    const std::string what = e.what();
+    throw BadArgs(what.rfind("write_trace", 0) == 0 ? "--trace: " + what : what);
   }
-
-  diffcomm::sim::WorldOptions wo;
-  wo.ranks = a.ranks;
-  wo.seed = a.seed;
-  if (fault) wo.fault = diffcomm::sim::Fault{fault->rank, fault->at};
-  diffcomm::sim::World world(wo);
-  std::vector<ep::StepRankResult> results(static_cast<std::size_t>(a.ranks));
-  const auto t0 = std::chrono::steady_clock::now();
-  StepOutcome out;
-  std::string failure;
-  try {
-    world.run([&](diffcomm::sim::Rank& r) {
-      results[static_cast<std::size_t>(r.rank())] = ep::run_step(r.world(), cfg, per_dp);
-    });
-  } catch (const diffcomm::Error& e) {
-    failure = e.what();
-  }
-  const double wall_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  if (!a.trace.empty()) write_trace_checked(world, a.trace);
-
-  json j;
-  j["mode"] = ep::mode_name(plans[0].mode);
-  j["mesh"] = {{"ranks", a.ranks}, {"dp", cfg.dp}, {"cp", a.cp},
-               {"tp", a.tp},       {"sp", a.sp},   {"cp_layout", a.cp_layout}};
-  j["encoder"] = {{"buckets", a.buckets}, {"encoder_cp", a.encoder_cp}};
-  j["seed"] = a.seed;
-  j["dtype"] = a.dtype;
-  j["hidden"] = a.hidden;
-  int64_t n_images = 0, tokens = 0, image_tokens = 0;
-  for (const auto& b : per_dp)
-    for (const auto& s : b.samples) {
-      tokens += s.seq_len;
-      for (const auto& im : s.images) {
-        ++n_images;
-        image_tokens += im.tokens;
-      }
-    }
-  j["images"] = n_images;
-  j["tokens"] = tokens;
-  j["image_tokens"] = image_tokens;
-  uint64_t total = 0, padded = 0;
-  double imbalance = 1.0;
-  std::vector<ep::PlanStats> stats;
-  for (const auto& p : plans) {
-    stats.push_back(p.stats(cfg.hidden, cfg.dtype));
-    total += stats.back().total_bytes;
-    padded += stats.back().padded_all_gather_bytes;
-    imbalance = std::max(imbalance, stats.back().encoder_imbalance);
-  }
-  j["bytes"] = {{"total", total}, {"padded_all_gather", padded}};
-  j["encoder_imbalance"] = imbalance;
-  j["sim_time_us"] = world.sim_time_us();
-  j["wall_ms"] = wall_ms;
-  json per_rank = json::array();
-  for (int r = 0; r < a.ranks; ++r) {
-    const int cptp = a.cp * a.tp;
-    const int d = r / cptp, e = a.cp > 1 ? r % cptp : r % a.tp;
-    const auto& st = stats[static_cast<std::size_t>(d)];
-    const auto all = world.stats(r).total();
-    per_rank.push_back({{"rank", r},
-                        {"dp", d},
-                        {"cp", (r % cptp) / a.tp},
-                        {"tp", r % a.tp},
-                        {"rows_sent", st.rows_sent[static_cast<std::size_t>(e)]},
-                        {"rows_received", st.rows_received[static_cast<std::size_t>(e)]},
-                        {"bytes_sent", all.bytes_sent},
-                        {"bytes_received", all.bytes_received},
-                        {"calls", all.calls}});
-  }
-  j["per_rank"] = per_rank;
-
-  std::string text = fmt::format(
-      "diffcomm-sim step — {} ranks, mesh dp={} cp={} tp={} sp={} cp_layout={}, mode {}\n"
-      "batch: {} micro-batch(es) x {} samples, {} images ({} image tokens of {} tokens), "
-      "hidden {} {}, seed {}\n"
-      "encoder: {} buckets x encoder_cp {}, imbalance {:.3f} (max/mean patches)\n"
-      "exchange: {} moved across ranks vs {} for a pad-to-max all-gather ({:.2f}x)\n",
-      a.ranks, cfg.dp, a.cp, a.tp, a.sp ? "on" : "off", a.cp_layout, ep::mode_name(plans[0].mode),
-      cfg.dp, a.batch, n_images, image_tokens, tokens, a.hidden, a.dtype, a.seed, a.buckets,
-      a.encoder_cp, imbalance, human_bytes(static_cast<double>(total)),
-      human_bytes(static_cast<double>(padded)),
-      padded ? static_cast<double>(total) / static_cast<double>(padded) : 0.0);
-  text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n", "rank", "dp",
-                      "cp", "tp", "rows_sent", "rows_recv", "bytes_sent", "bytes_recv", "calls");
-  for (const auto& pr : per_rank)
-    text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n",
-                        pr["rank"].get<int>(), pr["dp"].get<int>(), pr["cp"].get<int>(),
-                        pr["tp"].get<int>(), pr["rows_sent"].get<int64_t>(),
-                        pr["rows_received"].get<int64_t>(), pr["bytes_sent"].get<uint64_t>(),
-                        pr["bytes_received"].get<uint64_t>(), pr["calls"].get<uint64_t>());
-  text += fmt::format("simulated time: {:.1f} us (alpha {} us/step, {} GB/s)\n",
-                      world.sim_time_us(), wo.cost.alpha_us, wo.cost.bandwidth_gbps);
-
-  if (!failure.empty()) {
-    const auto messages = world.error_messages();
-    const bool injected = fault && messages[static_cast<std::size_t>(fault->rank)].find(
-                                       "injected fault") != std::string::npos;
-    j["check"] = {{"passed", false}};
-    j["error"] = failure;
-    if (injected) {
-      const std::string& what = messages[static_cast<std::size_t>(fault->rank)];
-      j["fault"] = {
-          {"rank", fault->rank}, {"at_call", fault->at}, {"triggered", true}, {"call", what}};
-      text += fmt::format("injected fault: {}\n", what);
-      int affected = 0;
-      for (const auto& msg : messages)
-        if (!msg.empty()) ++affected;
-      text +=
-          fmt::format("{} of {} ranks ended with an error (RankFailure on the others), none hung\n",
-                      affected, a.ranks);
-    } else {
-      text += fmt::format("run ended: {}\n", failure);
-    }
-    out.code = injected ? kFault : kFailed;
-  } else {
-    const auto ref = ep::reference_step(cfg, per_dp);
-    const auto chk = ep::check_step(cfg, per_dp, results, ref);
-    const auto [ftol, gtol] = ep::tolerance(cfg.dtype);
-    j["check"] = {{"forward_max_abs_diff", chk.forward_max_abs_diff},
-                  {"grad_max_rel_diff", chk.grad_max_rel_diff},
-                  {"loss_rel_diff", chk.loss_rel_diff},
-                  {"forward_tolerance", ftol},
-                  {"grad_tolerance", gtol},
-                  {"passed", chk.passed}};
-    if (fault) {
-      j["fault"] = {{"rank", fault->rank}, {"at_call", fault->at}, {"triggered", false}};
-      text +=
-          fmt::format("note: --fault rank:{}:at:{} never triggered (that rank made fewer calls)\n",
-                      fault->rank, fault->at);
-    }
-    text += fmt::format(
-        "check vs single-rank reference: forward max |diff| = {:.3g} (tol {:.0e}), encoder grad "
-        "max "
-        "rel diff = {:.3g} (tol {:.0e}), loss rel diff = {:.3g} -> {}\n",
-        chk.forward_max_abs_diff, ftol, chk.grad_max_rel_diff, gtol, chk.loss_rel_diff,
-        chk.passed ? "PASSED" : "FAILED");
-    out.code = chk.passed ? kPassed : kFailed;
-  }
-  text += fmt::format("wall time: {:.1f} ms\n", wall_ms);
-  if (!a.trace.empty()) text += fmt::format("trace: {} (open in Perfetto)\n", a.trace);
-  out.report = j;
-  out.text = text;
-  return out;
 }
 
 // `s` as one POSIX shell word: bare when it is only safe characters, else in
@@ -565,32 +391,15 @@ int run_main(int argc, char** argv) {
 
   try {
     if (*step_cmd) {
-      StepOutcome o = run_step_command(step);
-      if (step.json)
-        std::cout << o.report.dump() << "\n";
-      else
-        std::cout << o.text;
-      return o.code;
+      const auto report = run_step_command(step);
+      std::cout << (step.json ? diffcomm::sim::to_json(report) + "\n"
+                              : diffcomm::sim::to_text(report));
+      return report.exit_code();
     }
     if (*check_cmd) {
       const auto rep = diffcomm::sim::check_adjoint(op, check_ranks, check_seed,
                                                     diffcomm::parse_dtype(check_dtype));
-      if (check_json) {
-        std::cout
-            << json{{"op", rep.op},         {"ranks", rep.ranks},     {"seed", rep.seed},
-                    {"dtype", check_dtype}, {"group", rep.group},     {"lhs", rep.lhs},
-                    {"rhs", rep.rhs},       {"rel_err", rep.rel_err}, {"tolerance", rep.tolerance},
-                    {"passed", rep.passed}}
-                   .dump()
-            << "\n";
-      } else {
-        std::cout << fmt::format(
-            "check {} on {} ranks, seed {}, {}: group (global ranks) [{}]\n  sum <A x, y>   = "
-            "{:.17g}\n  "
-            "sum <x, A^T y> = {:.17g}\n  relative error = {:.3g} (tolerance {:.0e}) -> {}\n",
-            rep.op, rep.ranks, rep.seed, check_dtype, fmt::join(rep.group, ", "), rep.lhs, rep.rhs,
-            rep.rel_err, rep.tolerance, rep.passed ? "PASSED" : "FAILED");
-      }
+      std::cout << (check_json ? diffcomm::sim::to_json(rep) + "\n" : diffcomm::sim::to_text(rep));
       return rep.passed ? kPassed : kFailed;
     }
     if (*sweep_cmd) {
@@ -598,36 +407,34 @@ int run_main(int argc, char** argv) {
       const auto range = parse_seed_range(seeds, &why);  // the validator accepted it
       if (!range) throw BadArgs(fmt::format("--seeds '{}': {}", seeds, why));
       const uint64_t lo = range->lo, hi = range->hi;
-      make_config(sweep);  // validate once, resolve defaults for the repro line
+      const ep::StepConfig cfg = make_config(sweep);  // validate once, resolve defaults
+      const std::vector<ep::ImageSize> images = load_images(sweep.images);
       const bool tty = isatty(fileno(stdout)) != 0;
+      const uint64_t count = hi - lo + 1;
       int failures = 0;
-      const uint64_t count = hi - lo + 1;  // <= kMaxSweep
-      // Counted by index: `s <= hi` never ends when hi is 2^64 - 1.
-      for (uint64_t i = 0; i < count; ++i) {
-        const uint64_t s = lo + i;
-        StepArgs a = sweep;
-        a.seed = s;
-        a.json = false;
-        const StepOutcome o = run_step_command(a);
-        if (o.code != kPassed) {
-          ++failures;
-          if (tty) std::cout << "\r";
-          std::cout << fmt::format("seed {} FAILED: {}\n  reproduce: {}\n", s,
-                                   o.report.contains("error") ? o.report["error"].get<std::string>()
-                                                              : o.report["check"].dump(),
-                                   step_command_line(sweep, s));
-        }
-        if (tty) {
-          const uint64_t done = i + 1;
-          const int width = 30;
-          const int filled = static_cast<int>(width * done / count);
-          std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed",
-                                   std::string(static_cast<std::size_t>(filled), '#'),
-                                   std::string(static_cast<std::size_t>(width - filled), '.'), done,
-                                   count, failures)
-                    << std::flush;
-        }
-      }
+      diffcomm::sim::run_sweep(
+          cfg, images, sweep.batch, sweep.images_per_sample, lo, hi,
+          [&](uint64_t s, const diffcomm::sim::StepReport& rep) {
+            if (rep.exit_code() != kPassed) {
+              ++failures;
+              if (tty) std::cout << "\r";
+              std::cout << fmt::format(
+                  "seed {} FAILED: {}\n  reproduce: {}\n", s,
+                  rep.error.empty() ? diffcomm::sim::check_json(rep) : rep.error,
+                  step_command_line(sweep, s));
+            }
+            if (tty) {
+              const uint64_t done = s - lo + 1;
+              const int width = 30;
+              const int filled = static_cast<int>(width * done / count);
+              std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed",
+                                       std::string(static_cast<std::size_t>(filled), '#'),
+                                       std::string(static_cast<std::size_t>(width - filled), '.'),
+                                       done, count, failures)
+                        << std::flush;
+            }
+          },
+          ep::vision_model(sweep.model));
       if (tty) std::cout << "\n";
       std::cout << fmt::format("sweep: {} seeds, {} passed, {} failed\n", count,
                                count - static_cast<uint64_t>(failures), failures);

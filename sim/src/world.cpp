@@ -718,6 +718,8 @@ void World::write_trace(const std::string& path) const {
   std::ofstream out(path);
   if (!out) throw InvalidArgument(fmt::format("write_trace: cannot open '{}' for writing", path));
   out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump() << "\n";
+  out.flush();  // a full disk (/dev/full) shows only here
+  if (!out) throw InvalidArgument(fmt::format("write_trace: cannot write '{}'", path));
 }
 
 namespace {

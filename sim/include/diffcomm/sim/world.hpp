@@ -137,6 +137,7 @@ class World {
   /// order their members arrived in. Same seed => same hash.
   uint64_t trace_hash() const;
   /// Writes trace() as Chrome trace-event JSON (one track per rank).
+  /// Throws InvalidArgument when the file cannot be opened or written.
   void write_trace(const std::string& path) const;
   /// Largest rank clock at the end of the last run, microseconds.
   double sim_time_us() const;

@@ -1,0 +1,56 @@
+"""diffcomm: differentiable collectives and the encoder-parallel feature exchange.
+
+Submodules:
+  diffcomm.torch             differentiable ops on torch tensors (MPI, NCCL, or a simulated rank)
+  diffcomm.sim               the seeded simulated world: run(world_size, fn, seed=...), step/check/sweep
+  diffcomm.encoder_parallel  the planner, token rules and exchange on diffcomm tensors
+  diffcomm.nn                the differentiable collectives on diffcomm tensors
+
+Errors: every exception diffcomm raises derives from diffcomm.Error
+(InvalidArgument, CollectiveMismatch, Deadlock, RankFailure, BackendError).
+"""
+from . import _core
+from ._core import (
+    HAVE_CUDA,
+    HAVE_MPI,
+    HAVE_NCCL,
+    BackendError,
+    CollectiveMismatch,
+    Deadlock,
+    DeviceMesh,
+    Error,
+    InvalidArgument,
+    ProcessGroup,
+    RankFailure,
+    Tensor,
+    __version__,
+    backward,
+    from_dlpack,
+    grad,
+    to_numpy,
+    to_torch,
+)
+from ._core import encoder_parallel, nn
+
+__all__ = [
+    "HAVE_CUDA",
+    "HAVE_MPI",
+    "HAVE_NCCL",
+    "BackendError",
+    "CollectiveMismatch",
+    "Deadlock",
+    "DeviceMesh",
+    "Error",
+    "InvalidArgument",
+    "ProcessGroup",
+    "RankFailure",
+    "Tensor",
+    "__version__",
+    "backward",
+    "encoder_parallel",
+    "from_dlpack",
+    "grad",
+    "nn",
+    "to_numpy",
+    "to_torch",
+]

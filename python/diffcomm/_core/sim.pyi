@@ -1,0 +1,43 @@
+"""The simulated world."""
+
+import diffcomm._core
+
+
+def differentiable_ops() -> list[str]: ...
+
+def check(op: str, ranks: int, seed: int, dtype: str) -> tuple[str, str]:
+    """(json, text) of `diffcomm-sim check`."""
+
+def step(dp: int, cp: int, tp: int, sp: bool, cp_layout: str, buckets: int, encoder_cp: int, samples: int, images_per_sample: int, hidden: int, ffn: int, dtype: str, seed: int, images: str, receiver_grad: str, fault: tuple[int, int] | None, trace: str) -> tuple[str, str, int]:
+    """
+    (json, text, exit code) of `diffcomm-sim step` (defaults resolved by the caller).
+    """
+
+def sweep(dp: int, cp: int, tp: int, sp: bool, cp_layout: str, buckets: int, encoder_cp: int, samples: int, images_per_sample: int, hidden: int, ffn: int, dtype: str, first: int, last: int, images: str, receiver_grad: str) -> str: ...
+
+class ThreadedWorld:
+    """
+    A sim::World whose ranks are OS threads handing a baton (see diffcomm.sim.run).
+    """
+
+    def __init__(self, ranks: int, seed: int = 0, schedule: str = 'random', fault: tuple[int, int] | None = None, trace: bool = True) -> None: ...
+
+    def start(self, rank: int) -> diffcomm._core.ProcessGroup: ...
+
+    def finish(self, rank: int, failure: str) -> None: ...
+
+    def run(self) -> None: ...
+
+    def size(self) -> int: ...
+
+    def error_messages(self) -> list[str]: ...
+
+    def trace_hash(self) -> int: ...
+
+    def sim_time_us(self) -> float: ...
+
+    def stats(self, rank: int) -> dict: ...
+
+    def write_trace(self, path: str) -> None: ...
+
+    def trace_len(self) -> int: ...

@@ -1,0 +1,311 @@
+"""The seeded simulated world from Python.
+
+``run(world_size, fn, seed=...)`` runs ``fn(rank, group)`` once per rank, each
+rank on its own OS thread, with the guarantees of the C++ ``sim::World``:
+
+* exactly one rank runs at a time (a seeded baton; the GIL is released while a
+  rank waits), so the same seed gives the same interleaving
+  (``RunResult.trace_hash`` is equal);
+* a collective whose members disagree raises ``CollectiveMismatch`` on every
+  member, and when every live rank waits and none can proceed every waiting
+  rank raises ``Deadlock`` with the per-rank report; neither hangs. A rank
+  blocked on something other than diffcomm (a lock, ``time.sleep`` in a loop,
+  ``input()``) is outside the world's view and can still hang.
+
+How: every rank has a proxy fiber in an ordinary ``sim::World``; the proxy
+hands the baton to its rank's thread and executes that thread's collectives
+on the world's own backend (rendezvous, fingerprint comparison, data move,
+stats, faults, deadlock report). Cost: each collective call crosses two
+threads per rank (measured in ``python/tests/test_sim_run.py::test_cost``
+and reported in the README: tens of microseconds per rank per call, against
+about a microsecond in the C++ world).
+
+Also here: ``step``, ``check`` and ``sweep`` return the fields of
+``diffcomm-sim ... --json`` (the reports are built by the C++ library), and
+the planner and token rules.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _context, _core
+from ._core import encoder_parallel as _ep
+
+# The planner and the token rules.
+Batch = _ep.Batch
+Sample = _ep.Sample
+ImageSpan = _ep.ImageSpan
+DecoderMesh = _ep.DecoderMesh
+EncoderLayout = _ep.EncoderLayout
+CpLayout = _ep.CpLayout
+MeshContext = _ep.MeshContext
+FeatureExchangeMode = _ep.FeatureExchangeMode
+ReceiverGrad = _ep.ReceiverGrad
+ExchangePlan = _ep.ExchangePlan
+plan_exchange = _ep.plan_exchange
+select_feature_exchange = _ep.select_feature_exchange
+receiver_grad_for = _ep.receiver_grad_for
+owned_ranges = _ep.owned_ranges
+mode_name = _ep.mode_name
+smart_resize = _ep.smart_resize
+image_tokens = _ep.image_tokens
+image_patches = _ep.image_patches
+required_seq_multiple = _ep.required_seq_multiple
+
+__all__ = [
+    "run", "RunResult", "step", "check", "sweep", "StepReport", "default_images_path",
+    "batch_from_image_sizes", "Batch", "Sample", "ImageSpan", "DecoderMesh", "EncoderLayout",
+    "CpLayout", "MeshContext", "FeatureExchangeMode", "ReceiverGrad", "ExchangePlan",
+    "plan_exchange", "select_feature_exchange", "receiver_grad_for", "owned_ranges", "mode_name",
+    "smart_resize", "image_tokens", "image_patches", "required_seq_multiple",
+]
+
+
+# --------------------------------------------------------------------- run
+class RunResult:
+    """What ``run`` returns: per-rank return values and the world's record."""
+
+    def __init__(self, world: "_core.sim.ThreadedWorld", results: List[Any]):
+        self._world = world
+        #: fn's return value on every rank, by rank.
+        self.results = results
+        #: Hash of the interleaving (calls in completion order with their
+        #: members' arrival order): equal for equal seeds.
+        self.trace_hash: int = world.trace_hash()
+        #: Virtual time of the run from the world's alpha-beta cost model (us).
+        self.sim_time_us: float = world.sim_time_us()
+
+    def stats(self, rank: int) -> Dict[str, Any]:
+        """Calls and bytes of one rank: {'total': {...}, 'entries': [...]}."""
+        return self._world.stats(rank)
+
+    def write_trace(self, path: str) -> None:
+        """Chrome trace-event JSON of the run (open in Perfetto)."""
+        self._world.write_trace(path)
+
+    def __getitem__(self, rank: int) -> Any:
+        return self.results[rank]
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __iter__(self):
+        return iter(self.results)
+
+
+def run(
+    world_size: int,
+    fn: Callable[[int, "_core.ProcessGroup"], Any],
+    *,
+    seed: int = 0,
+    schedule: str = "random",
+    fault: Optional[Tuple[int, int]] = None,
+    trace: bool = True,
+) -> RunResult:
+    """Runs ``fn(rank, group)`` for every rank of a simulated world.
+
+    ``group`` is the rank's world group (a ``diffcomm.ProcessGroup``); inside
+    ``fn``, ``group=None`` in diffcomm.torch means this group. ``schedule``:
+    ``"random"`` (seeded) or ``"round_robin"``. ``fault=(rank, k)`` makes that
+    rank fail at its k-th diffcomm call (the others get ``RankFailure``).
+
+    Returns a RunResult. If any rank raised, re-raises the first failure in
+    the world's (deterministic) order, with ``.rank`` (the rank that raised
+    it) and ``.rank_errors`` (every rank's exception or None) attached;
+    diffcomm errors keep their class (CollectiveMismatch, Deadlock, ...).
+    """
+    world = _core.sim.ThreadedWorld(world_size, seed, schedule, fault, trace)
+    results: List[Any] = [None] * world_size
+    errors: List[Optional[BaseException]] = [None] * world_size
+    order: List[int] = []
+
+    def body(rank: int) -> None:
+        try:
+            group = world.start(rank)
+        except _core.Error as e:  # the world ended before this rank ran
+            errors[rank] = e
+            return
+        _context.set_thread_group(group)
+        try:
+            results[rank] = fn(rank, group)
+        except BaseException as e:  # reported, re-raised by run()
+            errors[rank] = e
+            order.append(rank)
+            msg = f"rank {rank}: {type(e).__name__}: {e}"
+            del group
+            _context.set_thread_group(None)
+            world.finish(rank, msg)
+            return
+        del group
+        _context.set_thread_group(None)
+        world.finish(rank, "")
+
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"diffcomm-sim-rank-{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    world.run()
+    for t in threads:
+        t.join()
+    if order:
+        first = errors[order[0]]
+        assert first is not None
+        first.rank = order[0]  # type: ignore[attr-defined]
+        first.rank_errors = errors  # type: ignore[attr-defined]
+        raise first
+    return RunResult(world, results)
+
+
+# ------------------------------------------------------ step / check / sweep
+class StepReport(dict):
+    """The fields of ``diffcomm-sim step --json`` (a dict), plus ``text`` (the
+    human report) and ``exit_code`` (0 passed, 1 failed, 3 injected fault)."""
+
+    text: str
+    exit_code: int
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+
+def default_images_path() -> str:
+    """The MS COCO 2017 val image sizes shipped with the package (CC BY 4.0)."""
+    here = os.path.join(os.path.dirname(__file__), "data", "image_sizes.csv")
+    if os.path.exists(here):
+        return here
+    path = _ep.default_image_sizes_path()
+    if not path:
+        raise _core.InvalidArgument("diffcomm.sim: the shipped COCO image sizes were not found")
+    return path
+
+
+def _resolve(ranks, dp, cp, tp, encoder_buckets, encoder_cp, ffn):
+    """The defaults of diffcomm-sim: dp from ranks, buckets from the exchange size."""
+    cptp = cp * tp
+    if dp is None:
+        if ranks is not None and ranks % cptp != 0:
+            raise _core.InvalidArgument(f"ranks {ranks} is not a multiple of cp*tp = {cptp}")
+        dp = ranks // cptp if ranks is not None else 1
+    if ranks is not None and ranks != dp * cptp:
+        raise _core.InvalidArgument(f"ranks {ranks} != dp*cp*tp = {dp}*{cp}*{tp}")
+    exchange = cptp if cp > 1 else tp
+    if encoder_buckets is None:
+        if exchange % encoder_cp != 0:
+            raise _core.InvalidArgument(
+                f"encoder_cp {encoder_cp} does not divide the exchange group of {exchange} ranks")
+        encoder_buckets = exchange // encoder_cp
+    if encoder_buckets * encoder_cp != exchange:
+        raise _core.InvalidArgument(
+            f"encoder_buckets {encoder_buckets} x encoder_cp {encoder_cp} must equal the exchange "
+            f"group size {exchange}")
+    if ffn % tp != 0:
+        raise _core.InvalidArgument(f"ffn {ffn} is not a multiple of tp {tp}")
+    return dp, encoder_buckets
+
+
+def step(
+    *,
+    ranks: Optional[int] = None,
+    dp: Optional[int] = None,
+    cp: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    cp_layout: str = "contiguous",
+    encoder_buckets: Optional[int] = None,
+    encoder_cp: int = 1,
+    batch: int = 4,
+    images_per_sample: int = 2,
+    hidden: int = 32,
+    ffn: int = 32,
+    dtype: str = "float64",
+    seed: int = 0,
+    images: Optional[str] = None,
+    receiver_grad: str = "auto",
+    fault: Optional[Tuple[int, int]] = None,
+    trace: Optional[str] = None,
+) -> StepReport:
+    """``diffcomm-sim step`` as a function: one seeded encoder-parallel training
+    step on real image sizes in the simulated world, checked against the
+    single-rank reference. Same options and defaults as the CLI; returns the
+    fields of ``--json`` (see the README's table)."""
+    dp, buckets = _resolve(ranks, dp, cp, tp, encoder_buckets, encoder_cp, ffn)
+    js, text, code = _core.sim.step(
+        dp, cp, tp, sp, cp_layout, buckets, encoder_cp, batch, images_per_sample, hidden, ffn,
+        dtype, seed, images or default_images_path(), receiver_grad, fault, trace or "")
+    rep = StepReport(json.loads(js))
+    rep.text = text
+    rep.exit_code = code
+    return rep
+
+
+def check(op: str, ranks: int, seed: int, dtype: str = "float64") -> Dict[str, Any]:
+    """``diffcomm-sim check --json``: the adjoint identity of one differentiable
+    op on a random sub-group; keys op, ranks, seed, dtype, group, lhs, rhs,
+    rel_err, tolerance, passed."""
+    js, _ = _core.sim.check(op, ranks, seed, dtype)
+    return json.loads(js)
+
+
+def sweep(seeds: Tuple[int, int], **kwargs: Any) -> Dict[str, Any]:
+    """``diffcomm-sim sweep``: step over seeds first..last (inclusive, a pair).
+    Keys: first, last, seeds, passed, failed, failures [{seed, exit_code, what}]."""
+    first, last = seeds
+    for bad in ("seed", "fault", "trace"):
+        if bad in kwargs:
+            raise _core.InvalidArgument(f"sweep: '{bad}' is not a sweep option")
+    ranks = kwargs.pop("ranks", None)
+    dp = kwargs.pop("dp", None)
+    cp = kwargs.pop("cp", 1)
+    tp = kwargs.pop("tp", 1)
+    encoder_cp = kwargs.pop("encoder_cp", 1)
+    ffn = kwargs.pop("ffn", 32)
+    dp, buckets = _resolve(ranks, dp, cp, tp, kwargs.pop("encoder_buckets", None), encoder_cp, ffn)
+    sp = kwargs.pop("sp", False)
+    cp_layout = kwargs.pop("cp_layout", "contiguous")
+    batch = kwargs.pop("batch", 4)
+    ips = kwargs.pop("images_per_sample", 2)
+    hidden = kwargs.pop("hidden", 32)
+    dtype = kwargs.pop("dtype", "float64")
+    images = kwargs.pop("images", None) or default_images_path()
+    receiver_grad = kwargs.pop("receiver_grad", "auto")
+    if kwargs:
+        raise _core.InvalidArgument(f"sweep: unknown options {sorted(kwargs)}")
+    return json.loads(_core.sim.sweep(dp, cp, tp, sp, cp_layout, buckets, encoder_cp, batch, ips,
+                                      hidden, ffn, dtype, first, last, images, receiver_grad))
+
+
+def batch_from_image_sizes(
+    samples: Sequence[Sequence[Tuple[int, int]]],
+    *,
+    text_tokens: int = 16,
+    seq_multiple: int = 1,
+) -> "_ep.Batch":
+    """A Batch from image sizes: ``samples[i]`` lists the (height, width) in
+    pixels of sample i's images. Each sample is text, image, text, image, ...,
+    text (``text_tokens`` text tokens each), padded with text to a multiple of
+    ``seq_multiple`` (use ``required_seq_multiple(decoder_mesh)``). Image
+    tokens and patches follow Qwen2-VL (``image_tokens``: resize to multiples
+    of 28 px within min/max pixels, tokens = (H/28)(W/28); patches = 4x)."""
+    if text_tokens < 0 or seq_multiple < 1:
+        raise _core.InvalidArgument("batch_from_image_sizes: text_tokens >= 0, seq_multiple >= 1")
+    out = []
+    source = 0
+    for sizes in samples:
+        pos = 0
+        spans = []
+        for (h, w) in sizes:
+            pos += text_tokens
+            tokens = image_tokens(h, w)
+            spans.append(ImageSpan(pos, tokens, image_patches(h, w), source))
+            source += 1
+            pos += tokens
+        pos += text_tokens
+        seq_len = -(-pos // seq_multiple) * seq_multiple if pos else seq_multiple
+        out.append(Sample(seq_len, spans))
+    return Batch(out)

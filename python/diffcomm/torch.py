@@ -1,0 +1,430 @@
+"""Differentiable collectives and the encoder-parallel exchange on torch tensors.
+
+Every op here runs diffcomm's own C++ op on the torch tensors' storage
+(borrowed through DLPack, no copy) and returns torch tensors that share
+diffcomm's output storage (no copy). Autograd goes through ONE generic bridge,
+``_Bridge``: its forward runs the diffcomm op on diffcomm tensors, recording
+diffcomm's autograd graph; its backward calls ``diffcomm::grad`` on that
+graph, so the adjoints (exact, with diffcomm's Max/Min/Product gradients and
+gather conventions) are the C++ ones, written once.
+
+Backends: ``init_process_group("mpi")`` (CPU tensors over MPI_COMM_WORLD, or
+``comm=`` an mpi4py communicator), ``init_process_group("nccl", group=pg)``
+(CUDA tensors; an own communicator from a unique id broadcast over the torch
+ProcessGroup ``pg``, on torch's current stream; only in builds with NCCL), or
+any rank of ``diffcomm.sim.run`` (``group=None`` is then that rank's world).
+
+Conventions (differences from torch.distributed.nn.functional):
+
+* ``src``/``dst`` are **global** ranks, as in torch: ranks of the group the
+  backend was created from (MPI_COMM_WORLD, the mpi4py communicator, the
+  simulated world). ``group_src``/``group_dst`` are group-local ranks. Give
+  exactly one.
+* Ops return new tensors; there are no output arguments (torch's
+  ``reduce_scatter(output, input_list)``, ``all_to_all(output_list,
+  input_list)`` and ``all_to_all_single(output, input, ...)`` take outputs
+  first; here ``reduce_scatter(input_list)``, ``all_to_all(input_list,
+  output_shapes=None)``, ``all_to_all_single(input, output_split_sizes,
+  input_split_sizes)``).
+* ``reduce`` returns zeros on ranks other than dst (torch leaves them
+  unspecified); ``gather`` returns zeros on ranks other than dst.
+* ``op`` accepts ``torch.distributed.ReduceOp`` values or the strings
+  ``"sum" "avg" "product" "min" "max"``. Max/Min/Product have their true
+  gradients (all_reduce, reduce); torch's autograd functions apply the forward
+  op to the gradients instead.
+* Gathers take ``grad="partial"`` (the adjoint, default) or ``"replicated"``
+  (receivers are replicas with complete gradients: keep own slice).
+* Extra ops not in torch: ``all_gather_single`` (torch's
+  all_gather_into_tensor), ``all_gather_v``, ``reduce_scatter_single``
+  (reduce_scatter_tensor), ``reduce_scatter_v``, ``copy_to_tp_region``, and
+  the exchange: ``route_features``, ``unpack_records``, ``merge_into_decoder``.
+* Inputs must be contiguous (``InvalidArgument`` otherwise: diffcomm borrows
+  storage and never copies silently); incoming gradients are made contiguous.
+* Every member must call every op, and, as in torch.distributed.nn, inputs
+  must agree across ranks on requires_grad so every rank runs the backward
+  collective.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _context, _core
+from ._core import InvalidArgument
+from ._core import encoder_parallel as _ep
+from ._core import nn as _nn
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "get_world", "get_rank", "get_world_size",
+    "new_group", "to_diffcomm", "from_diffcomm",
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
+    "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
+    "all_to_all", "all_to_all_single", "copy_to_tp_region",
+    "Record", "route_features", "unpack_records", "merge_into_decoder",
+]
+
+#: An encoder record on torch: the work item and its feature rows [output_rows, hidden].
+Record = collections.namedtuple("Record", ["item", "rows"])
+
+
+# ----------------------------------------------------------------- groups
+def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = None,
+                       device: Optional[int] = None) -> _core.ProcessGroup:
+    """Creates this process's diffcomm world group and makes it the default
+    (``group=None``).
+
+    * ``"mpi"``: MPI_COMM_WORLD (MPI is initialised unless it already is, e.g.
+      by mpi4py), or ``comm=`` an mpi4py communicator (borrowed, never freed).
+    * ``"nccl"``: ``group=`` a torch.distributed ProcessGroup (default: torch's
+      world); rank 0 of it creates an NCCL unique id, broadcast over that group
+      (the vLLM PyNcclCommunicator pattern); the communicator runs on torch's
+      current CUDA stream of ``device`` (default: torch.cuda.current_device()).
+    """
+    if backend == "mpi":
+        if not _core.HAVE_MPI:
+            raise _core.BackendError("diffcomm was built without MPI")
+        if comm is not None:
+            from mpi4py import MPI  # noqa: PLC0415
+
+            pg = _core.mpi.from_comm_address(MPI._addressof(comm), "mpi")
+        else:
+            _core.mpi.init()
+            pg = _core.mpi.world()
+    elif backend == "nccl":
+        if not _core.HAVE_NCCL:
+            raise _core.BackendError("diffcomm was built without NCCL")
+        import torch.distributed as dist  # noqa: PLC0415
+
+        tgroup = group if group is not None else dist.group.WORLD
+        rank, size = dist.get_rank(tgroup), dist.get_world_size(tgroup)
+        box = [_core.nccl.unique_id() if rank == 0 else None]
+        src = dist.get_global_rank(tgroup, 0) if tgroup is not dist.group.WORLD else 0
+        dist.broadcast_object_list(box, src=src, group=tgroup)
+        dev = torch.cuda.current_device() if device is None else device
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        pg = _core.nccl.init_rank(box[0], size, rank, dev, stream)
+    else:
+        raise InvalidArgument(f"init_process_group: unknown backend {backend!r} (mpi, nccl)")
+    _context.set_process_group(pg)
+    return pg
+
+
+def destroy_process_group() -> None:
+    """Forgets the default group (and finalises MPI if diffcomm initialised it)."""
+    _context.set_process_group(None)
+    if _core.HAVE_MPI:
+        _core.mpi.finalize()
+
+
+def get_world() -> _core.ProcessGroup:
+    """The default group: this simulated rank's world, else the process's."""
+    return _context.default_group()
+
+
+def _group(group: Optional[_core.ProcessGroup]) -> _core.ProcessGroup:
+    return group if group is not None else _context.default_group()
+
+
+def get_rank(group: Optional[_core.ProcessGroup] = None) -> int:
+    return _group(group).rank()
+
+
+def get_world_size(group: Optional[_core.ProcessGroup] = None) -> int:
+    return _group(group).size()
+
+
+def new_group(ranks: Sequence[int], group: Optional[_core.ProcessGroup] = None,
+              name: str = "") -> Optional[_core.ProcessGroup]:
+    """Collective over ``group``: the sub-group of the given **global** ranks
+    (torch.distributed.new_group); None on non-members."""
+    g = _group(group)
+    return g.new_group([g.group_rank(r) for r in ranks], name)
+
+
+# ----------------------------------------------------------------- tensors
+def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
+    """A diffcomm Tensor sharing ``t``'s storage (DLPack, no copy). Raises
+    InvalidArgument for non-contiguous tensors."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"diffcomm.torch: expected a torch.Tensor, got {type(t).__name__}")
+    return _core.from_dlpack(t.detach(), requires_grad)
+
+
+def from_diffcomm(t: _core.Tensor) -> torch.Tensor:
+    """A torch.Tensor sharing the diffcomm tensor's storage (no copy)."""
+    return _core.to_torch(t)
+
+
+class _Bridge(torch.autograd.Function):
+    """The one bridge between torch autograd and diffcomm autograd.
+
+    forward(run, *xs): xs become diffcomm leaves (requires_grad where torch
+    needs their gradient), ``run`` applies diffcomm ops to them and returns
+    diffcomm tensors, recorded in diffcomm's graph. backward: diffcomm::grad
+    of those outputs w.r.t. those leaves, with torch's output gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.Tensor):
+        needs = ctx.needs_input_grad[1:]
+        ins = [to_diffcomm(x, bool(n)) for x, n in zip(xs, needs)]
+        outs = run(ins)
+        ctx.dc_inputs = ins
+        ctx.dc_outputs = outs
+        result = tuple(_core.to_torch(o) for o in outs)
+        frozen = [r for r, o in zip(result, outs) if not o.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: torch.Tensor):
+        roots, cotangents = [], []
+        for out, g in zip(ctx.dc_outputs, grads):
+            if not out.requires_grad:
+                continue
+            if g is None:
+                g = torch.zeros(out.shape, dtype=getattr(torch, out.dtype))
+            roots.append(out)
+            cotangents.append(to_diffcomm(g.contiguous()))
+        wanted = [x for x in ctx.dc_inputs if x.requires_grad]
+        result: List[Optional[torch.Tensor]] = [None]
+        got = iter(_core.grad(roots, wanted, cotangents, True) if roots and wanted else [])
+        for x in ctx.dc_inputs:
+            result.append(_core.to_torch(next(got)) if x.requires_grad else None)
+        return tuple(result)
+
+
+def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]],
+           *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    for x in xs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"diffcomm.torch: expected torch.Tensor inputs, got {type(x).__name__}")
+    return _Bridge.apply(run, *xs)
+
+
+_OPS = {"sum": "sum", "avg": "avg", "product": "product", "min": "min", "max": "max",
+        "prod": "product", "mean": "avg"}
+
+
+def _op(op: Any) -> str:
+    if isinstance(op, str):
+        key = op.lower()
+    else:  # torch.distributed.ReduceOp (its repr differs between torch versions)
+        key = ""
+        import torch.distributed as tdist  # noqa: PLC0415
+
+        for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
+            value = getattr(tdist.ReduceOp, name, None)
+            try:
+                if value is not None and op == value:
+                    key = name.lower()
+                    break
+            except TypeError:
+                pass
+    if key not in _OPS:
+        raise InvalidArgument(f"diffcomm.torch: unknown reduce op {op!r} (sum, avg, product, "
+                              "min, max or torch.distributed.ReduceOp)")
+    return _OPS[key]
+
+
+def _root(g: _core.ProcessGroup, rank: Optional[int], group_rank: Optional[int], what: str) -> int:
+    if rank is not None and group_rank is not None:
+        raise InvalidArgument(f"diffcomm.torch: give {what} (global) or group_{what}, not both")
+    if group_rank is not None:
+        return group_rank
+    if rank is None:
+        raise InvalidArgument(f"diffcomm.torch: {what} (global rank) or group_{what} is required")
+    return g.group_rank(rank)
+
+
+# ----------------------------------------------------------------- the 13 ops
+def all_reduce(tensor: torch.Tensor, op: Any = "sum",
+               group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """y = reduce over members of tensor. Sum/Avg: adjoint all_reduce.
+    Max/Min: gradient to the extremum holders, split among ties.
+    Product: dx_r = G * prod_{s != r} x_s."""
+    g, o = _group(group), _op(op)
+    return _apply(lambda i: [_nn.all_reduce(i[0], g, o)], tensor)[0]
+
+
+def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
+              group: Optional[_core.ProcessGroup] = None, *,
+              group_src: Optional[int] = None) -> torch.Tensor:
+    """y = tensor of src on every rank; dx = sum of the gradients on src, zeros elsewhere."""
+    g = _group(group)
+    s = _root(g, src, group_src, "src")
+    return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor)[0]
+
+
+def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
+           group: Optional[_core.ProcessGroup] = None, *,
+           group_dst: Optional[int] = None) -> torch.Tensor:
+    """y = reduce of tensor on dst; zeros on other ranks. dx: dst's gradient on every rank."""
+    g, o = _group(group), _op(op)
+    d = _root(g, dst, group_dst, "dst")
+    return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor)[0]
+
+
+def all_gather(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
+               grad: str = "partial") -> Tuple[torch.Tensor, ...]:
+    """y[s] = tensor of member s. Backward: one reduce_scatter (partial) or own slice (replicated)."""
+    g = _group(group)
+    return _apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor)
+
+
+def all_gather_single(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
+                      grad: str = "partial") -> torch.Tensor:
+    """Rows of every member concatenated along dim 0 (torch's all_gather_into_tensor)."""
+    g = _group(group)
+    return _apply(lambda i: [_nn.all_gather_single(i[0], g, grad)], tensor)[0]
+
+
+def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
+                 group: Optional[_core.ProcessGroup] = None, *,
+                 grad: str = "partial") -> torch.Tensor:
+    """Concatenation of the members' tensors, member s having output_split_sizes[s] rows."""
+    g, splits = _group(group), list(output_split_sizes)
+    return _apply(lambda i: [_nn.all_gather_v(i[0], splits, g, grad)], tensor)[0]
+
+
+def gather(tensor: torch.Tensor, dst: Optional[int] = None,
+           group: Optional[_core.ProcessGroup] = None, *,
+           group_dst: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+    """On dst y[s] = tensor of member s; zeros elsewhere. dst defaults to group rank 0 as in torch."""
+    g = _group(group)
+    d = _root(g, dst, group_dst if (group_dst is not None or dst is not None) else 0, "dst")
+    return _apply(lambda i: list(_nn.gather(i[0], d, g)), tensor)
+
+
+def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
+            group: Optional[_core.ProcessGroup] = None, *,
+            group_src: Optional[int] = None) -> torch.Tensor:
+    """y = tensors[rank] of src. Every rank passes size() tensors of the output shape
+    (values ignored off src). src defaults to group rank 0."""
+    g = _group(group)
+    s = _root(g, src, group_src if (group_src is not None or src is not None) else 0, "src")
+    return _apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors)[0]
+
+
+def reduce_scatter(input_list: Sequence[torch.Tensor], op: Any = "sum",
+                   group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """y = reduce over members s of input_list[rank] of s (no output argument)."""
+    g, o = _group(group), _op(op)
+    return _apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list)[0]
+
+
+def reduce_scatter_single(tensor: torch.Tensor, op: Any = "sum",
+                          group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """[size*R, ...] -> [R, ...] (torch's reduce_scatter_tensor)."""
+    g, o = _group(group), _op(op)
+    return _apply(lambda i: [_nn.reduce_scatter_single(i[0], g, o)], tensor)[0]
+
+
+def reduce_scatter_v(tensor: torch.Tensor, input_split_sizes: Sequence[int], op: Any = "sum",
+                     group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """[sum(input_split_sizes), ...] -> [input_split_sizes[rank], ...]."""
+    g, o, splits = _group(group), _op(op), list(input_split_sizes)
+    return _apply(lambda i: [_nn.reduce_scatter_v(i[0], splits, g, o)], tensor)[0]
+
+
+def all_to_all(input_tensor_list: Sequence[torch.Tensor],
+               group: Optional[_core.ProcessGroup] = None, *,
+               output_shapes: Optional[Sequence[Sequence[int]]] = None) -> Tuple[torch.Tensor, ...]:
+    """y[s] = input_tensor_list[rank] of member s. output_shapes[s]: shape of y[s]
+    (default: the shape of input_tensor_list[s] here)."""
+    g = _group(group)
+    shapes = [list(s) for s in output_shapes] if output_shapes is not None else []
+    return _apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list)
+
+
+def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence[int]] = None,
+                      input_split_sizes: Optional[Sequence[int]] = None,
+                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """Rows routed by splits (None: even). Backward: splits swapped; dx has input's shape."""
+    g = _group(group)
+    out = list(output_split_sizes) if output_split_sizes is not None else []
+    inp = list(input_split_sizes) if input_split_sizes is not None else []
+    return _apply(lambda i: [_nn.all_to_all_single(i[0], out, inp, g)], input)[0]
+
+
+def copy_to_tp_region(tensor: torch.Tensor,
+                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """Megatron's copy to the TP region: identity forward, all_reduce of the gradient."""
+    g = _group(group)
+    return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor)[0]
+
+
+# ----------------------------------------------------------------- exchange
+def route_features(producer_records: Sequence[Tuple[Any, torch.Tensor]], prototype: torch.Tensor,
+                   plan: "_ep.ExchangePlan", group: Optional[_core.ProcessGroup] = None, *,
+                   exchange_rank: Optional[int] = None, mode: Any = None,
+                   receiver_grad: Any = None) -> Tuple[torch.Tensor, List[Any]]:
+    """Sends this rank's encoder records (``(EncoderWorkItem, rows)`` pairs,
+    exactly the items of the bucket it produces, in bucket order; empty on
+    non-producers) to the exchange ranks that own their tokens.
+
+    ``prototype`` fixes dtype, device and width ([0, hidden] is fine).
+    ``group`` is the exchange group (TP group in TP modes, CP x TP parent
+    group in the parent mode); ``exchange_rank`` defaults to group.rank();
+    ``mode`` to plan.mode; ``receiver_grad`` to the mesh's convention
+    (ReplicatedOverTp for tp > 1 without SP, else Partial).
+    Returns (rows, items): received rows and their work items in row order.
+    The op always records a backward node (like cat_or_empty), so a rank that
+    sends nothing still runs the backward all-to-all.
+    """
+    g = _group(group)
+    er = g.rank() if exchange_rank is None else exchange_rank
+    m = plan.mode if mode is None else mode
+    rg = receiver_grad if receiver_grad is not None else _ep.receiver_grad_for(
+        plan.decoder.context(0, 0))
+    items = [r[0] for r in producer_records]
+    if not prototype.requires_grad:
+        prototype = prototype.detach().requires_grad_()
+    received: List[Any] = []
+
+    def run(ins: List[_core.Tensor]) -> List[_core.Tensor]:
+        feats = [_ep.EncoderFeature(it, t) for it, t in zip(items, ins[1:])]
+        routed = _ep.route_features(m, feats, ins[0], er, plan, g, rg)
+        received.extend(routed.items)
+        return [routed.rows]
+
+    rows = _apply(run, prototype, *[r[1] for r in producer_records])[0]
+    return rows, received
+
+
+def unpack_records(rows: torch.Tensor, received_items: Sequence[Any]) -> List[Record]:
+    """Splits routed rows by the plan into Records sorted by (batch_index,
+    decoder_token_start, item_id); each record's rows are differentiable.
+    InvalidArgument when rows and items disagree."""
+    order: List[Any] = []
+
+    def run(ins: List[_core.Tensor]) -> List[_core.Tensor]:
+        recs = _ep.unpack_records(ins[0], list(received_items))
+        order.extend(r.item for r in recs)
+        return [r.rows for r in recs]
+
+    outs = _apply(run, rows)
+    return [Record(it, t) for it, t in zip(order, outs)]
+
+
+def merge_into_decoder(base: torch.Tensor, records: Sequence[Tuple[Any, torch.Tensor]],
+                       layout: "_ep.ShardLayout",
+                       anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """base [layout.rows(), hidden] with every record's owned image-token rows
+    replaced by the record's rows. ``anchor``: the routed rows the records came
+    from (keeps the exchange's backward reachable on a rank with no records)."""
+    items = [r[0] for r in records]
+    xs = [base] + ([anchor] if anchor is not None else []) + [r[1] for r in records]
+    has_anchor = anchor is not None
+
+    def run(ins: List[_core.Tensor]) -> List[_core.Tensor]:
+        rec_t = ins[2:] if has_anchor else ins[1:]
+        feats = [_ep.EncoderFeature(it, t) for it, t in zip(items, rec_t)]
+        return [_ep.merge_into_decoder(ins[0], feats, layout, ins[1] if has_anchor else None)]
+
+    return _apply(run, *xs)[0]

@@ -1,0 +1,199 @@
+#include "threaded_world.hpp"
+
+#include <fmt/format.h>
+
+#include "diffcomm/error.hpp"
+
+namespace diffcomm::threaded {
+
+// ---------------------------------------------------------------- channel
+void RankChannel::hand_to_rank(std::unique_lock<std::mutex>& lock) {
+  rank_turn_ = true;
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return !rank_turn_; });
+}
+
+void RankChannel::serve() {
+  std::unique_lock lock(mutex_);
+  started_ = true;
+  hand_to_rank(lock);
+  while (!finished_) {
+    // The world's thread runs the call; the rank thread waits. The op may
+    // block this fiber in a rendezvous: other proxy fibers then run (the
+    // lock is released so they never touch this channel's mutex anyway).
+    const std::function<void()>* op = op_;
+    op_ = nullptr;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      (*op)();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    op_error_ = error;
+    hand_to_rank(lock);
+  }
+  done_ = true;
+  if (!failure_.empty()) throw Error(failure_);
+}
+
+void RankChannel::abort(std::string why) {
+  std::lock_guard lock(mutex_);
+  if (started_) return;
+  aborted_ = std::move(why);
+  rank_turn_ = true;
+  cv_.notify_all();
+}
+
+void RankChannel::wait_start() {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return rank_turn_; });
+  if (!aborted_.empty()) throw Error(aborted_);
+}
+
+void RankChannel::call(const std::function<void()>& op) {
+  std::unique_lock lock(mutex_);
+  if (done_ || finished_ || !rank_turn_)
+    throw InvalidArgument(
+        "diffcomm.sim: this rank's simulated world has finished (a group from sim.run was used "
+        "after its rank function returned, or from another thread)");
+  op_ = &op;
+  rank_turn_ = false;
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return rank_turn_; });
+  if (op_error_) {
+    std::exception_ptr e = op_error_;
+    op_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void RankChannel::finish(std::string failure) {
+  std::lock_guard lock(mutex_);
+  if (!aborted_.empty()) return;  // the world never started this rank
+  finished_ = true;
+  failure_ = std::move(failure);
+  rank_turn_ = false;
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------- backend
+namespace {
+
+// The rank thread's view of one simulated group: every primitive is executed
+// on the world's thread through the channel, by the world's own backend.
+class BatonBackend final : public dist::Backend {
+ public:
+  BatonBackend(std::shared_ptr<void> keep_alive, std::shared_ptr<RankChannel> channel,
+               std::shared_ptr<dist::Backend> real)
+      : keep_alive_(std::move(keep_alive)), channel_(std::move(channel)), real_(std::move(real)) {}
+
+  std::string backend_name() const override { return "sim"; }
+  int rank() const override { return real_->rank(); }
+  int size() const override { return real_->size(); }
+  int global_rank(int r) const override { return real_->global_rank(r); }
+  bool supports(const Device& d) const override { return real_->supports(d); }
+
+  std::shared_ptr<dist::Backend> split(dist::Call& call, int color, int key) override {
+    std::shared_ptr<dist::Backend> out;
+    channel_->call([&] { out = real_->split(call, color, key); });
+    if (!out) return nullptr;
+    return std::make_shared<BatonBackend>(keep_alive_, channel_, std::move(out));
+  }
+#define DIFFCOMM_FORWARD(name)               \
+  void name(dist::Call& c) override {        \
+    channel_->call([&] { real_->name(c); }); \
+  }
+  DIFFCOMM_FORWARD(barrier)
+  DIFFCOMM_FORWARD(all_reduce)
+  DIFFCOMM_FORWARD(broadcast)
+  DIFFCOMM_FORWARD(reduce)
+  DIFFCOMM_FORWARD(all_gather)
+  DIFFCOMM_FORWARD(all_gather_single)
+  DIFFCOMM_FORWARD(all_gather_v)
+  DIFFCOMM_FORWARD(gather)
+  DIFFCOMM_FORWARD(scatter)
+  DIFFCOMM_FORWARD(reduce_scatter)
+  DIFFCOMM_FORWARD(reduce_scatter_single)
+  DIFFCOMM_FORWARD(reduce_scatter_v)
+  DIFFCOMM_FORWARD(all_to_all)
+  DIFFCOMM_FORWARD(all_to_all_single)
+  DIFFCOMM_FORWARD(send)
+  DIFFCOMM_FORWARD(recv)
+#undef DIFFCOMM_FORWARD
+
+ private:
+  std::shared_ptr<void> keep_alive_;  // the world: outlives every group handle
+  std::shared_ptr<RankChannel> channel_;
+  std::shared_ptr<dist::Backend> real_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------- world
+struct ThreadedWorldState {
+  explicit ThreadedWorldState(sim::WorldOptions o) : world(std::move(o)) {}
+  sim::World world;
+  std::vector<std::shared_ptr<RankChannel>> channels;
+  // Filled by each proxy fiber before it hands the baton over.
+  std::vector<std::optional<dist::ProcessGroup>> groups;
+  std::mutex mutex;
+};
+
+ThreadedWorld::ThreadedWorld(sim::WorldOptions options)
+    : state_(std::make_shared<ThreadedWorldState>(std::move(options))) {
+  const auto n = static_cast<std::size_t>(state_->world.options().ranks);
+  for (std::size_t r = 0; r < n; ++r) state_->channels.push_back(std::make_shared<RankChannel>());
+  state_->groups.resize(n);
+}
+
+ThreadedWorld::~ThreadedWorld() = default;
+
+int ThreadedWorld::size() const { return state_->world.options().ranks; }
+const sim::World& ThreadedWorld::world() const { return state_->world; }
+std::vector<std::string> ThreadedWorld::error_messages() const {
+  return state_->world.error_messages();
+}
+
+dist::ProcessGroup ThreadedWorld::start(int rank) {
+  if (rank < 0 || rank >= size())
+    throw InvalidArgument(
+        fmt::format("ThreadedWorld::start: rank {} outside [0, {})", rank, size()));
+  auto& ch = *state_->channels[static_cast<std::size_t>(rank)];
+  ch.wait_start();
+  std::lock_guard lock(state_->mutex);
+  return *state_->groups[static_cast<std::size_t>(rank)];
+}
+
+void ThreadedWorld::finish(int rank, std::string failure) {
+  if (rank < 0 || rank >= size())
+    throw InvalidArgument(
+        fmt::format("ThreadedWorld::finish: rank {} outside [0, {})", rank, size()));
+  state_->channels[static_cast<std::size_t>(rank)]->finish(std::move(failure));
+}
+
+void ThreadedWorld::run() {
+  auto state = state_;
+  try {
+    state->world.run([state](sim::Rank& r) {
+      const auto slot = static_cast<std::size_t>(r.rank());
+      const dist::ProcessGroup& world_group = r.world();
+      // Non-owning handles into the world, kept valid by `state`.
+      std::shared_ptr<dist::Backend> real(state, &world_group.backend());
+      std::shared_ptr<dist::Stats> stats(state, &world_group.stats());
+      {
+        std::lock_guard lock(state->mutex);
+        state->groups[slot] = dist::ProcessGroup(
+            std::make_shared<BatonBackend>(state, state->channels[slot], std::move(real)),
+            world_group.name(), std::move(stats));
+      }
+      state->channels[slot]->serve();
+    });
+  } catch (const Error&) {
+    // Every rank's error is in error_messages(); the rank threads saw theirs.
+  }
+  for (auto& ch : state->channels) ch->abort("diffcomm.sim: the world ended before this rank ran");
+}
+
+}  // namespace diffcomm::threaded

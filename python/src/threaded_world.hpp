@@ -1,0 +1,93 @@
+#pragma once
+// ThreadedWorld: a sim::World whose ranks run on OS threads (one per rank,
+// e.g. Python threads), with exactly one rank running at a time.
+//
+// Fibers cannot switch under CPython frames, so each rank's code runs on its
+// own OS thread, while the simulated world itself runs unchanged: every rank
+// has a small proxy fiber in a sim::World. A proxy fiber hands a baton to its
+// rank's thread and blocks the world's thread until that thread either
+// issues a dist call (which the fiber then executes on the real simulated
+// backend: rendezvous, fingerprint comparison, data move, stats, faults,
+// deadlock detection — all the world's own code) or finishes. So:
+//  - exactly one thread runs at a time (the world's or one rank's);
+//  - the interleaving is the world's seeded fiber schedule: same seed, same
+//    interleaving, same trace_hash();
+//  - mismatches, deadlocks and rank failures surface as the world raises
+//    them, on every affected rank, never as a hang — unless a rank blocks on
+//    something other than diffcomm (a lock, a queue, an endless loop).
+// Cost: each dist call crosses threads twice (rank thread -> world thread ->
+// rank thread), plus one hand-over per rank that the world schedules.
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/group.hpp"
+#include "diffcomm/sim/world.hpp"
+
+namespace diffcomm::threaded {
+
+/// The baton between one rank's thread and its proxy fiber.
+class RankChannel {
+ public:
+  /// Rank thread: blocks until the world first hands this rank the baton.
+  /// Throws Error when the world was aborted before the rank started.
+  void wait_start();
+  /// Rank thread: runs `op` on the world's thread (the fiber) and blocks
+  /// until it finished; rethrows what it threw.
+  void call(const std::function<void()>& op);
+  /// Rank thread: the rank function finished (failure: its message, or "").
+  /// The proxy fiber then returns or throws Error(failure).
+  void finish(std::string failure);
+
+  // World side (the proxy fiber).
+  void serve();                 ///< hands the baton over and serves calls until finish()
+  void abort(std::string why);  ///< wakes a rank thread that never got the baton
+
+ private:
+  void hand_to_rank(std::unique_lock<std::mutex>& lock);
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool rank_turn_ = false;
+  bool started_ = false;
+  bool finished_ = false;
+  bool done_ = false;  // the fiber returned: further calls are refused
+  std::string failure_;
+  std::string aborted_;
+  const std::function<void()>* op_ = nullptr;
+  std::exception_ptr op_error_;
+};
+
+struct ThreadedWorldState;
+
+/// A simulated world of `options.ranks` thread-ranks. Usage:
+///   ThreadedWorld w(options);
+///   // thread r:  auto g = w.start(r); ... diffcomm calls on g ...; w.finish(r, "");
+///   w.run();     // on one more thread: returns when every rank finished
+class ThreadedWorld {
+ public:
+  /// Throws InvalidArgument for options sim::World rejects.
+  explicit ThreadedWorld(sim::WorldOptions options);
+  ~ThreadedWorld();
+
+  /// Rank thread: waits for the baton, returns this rank's world group
+  /// (sub-groups and meshes made from it work as in sim::World).
+  dist::ProcessGroup start(int rank);
+  /// Rank thread: see RankChannel::finish.
+  void finish(int rank, std::string failure);
+  /// Runs the world (blocks). Returns normally even when ranks failed; see
+  /// error_messages(). Any rank thread still waiting afterwards is released.
+  void run();
+
+  int size() const;
+  const sim::World& world() const;
+  std::vector<std::string> error_messages() const;
+
+ private:
+  std::shared_ptr<ThreadedWorldState> state_;
+};
+
+}  // namespace diffcomm::threaded

@@ -1,0 +1,247 @@
+"""diffcomm.torch over MPI vs torch.distributed.nn.functional on gloo, in the
+same processes. Data and cotangents differ per rank (CASES.md 6)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.distributed.nn.functional as tnn
+
+import diffcomm
+import diffcomm.torch as dt
+
+f64 = torch.float64
+
+
+def rank():
+    return tdist.get_rank()
+
+
+def size():
+    return tdist.get_world_size()
+
+
+def data(*shape, salt=0):
+    g = torch.Generator().manual_seed(1000 * rank() + salt)
+    return torch.randint(-8, 9, shape, generator=g).to(f64)
+
+
+def cot(*shape, salt=0):
+    return data(*shape, salt=salt + 500)
+
+
+def run_both(diffcomm_fn, torch_fn, inputs, cotangent_salt=0):
+    """Values and input gradients of the same computation through diffcomm and torch."""
+    out = []
+    for fn in (diffcomm_fn, torch_fn):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        ys = fn(*xs)
+        ys = list(ys) if isinstance(ys, (tuple, list)) else [ys]
+        loss = sum((y * cot(*y.shape, salt=cotangent_salt + k)).sum() for k, y in enumerate(ys))
+        loss.backward()
+        out.append(([y.detach() for y in ys], [x.grad for x in xs]))
+    return out
+
+
+def assert_same(a, b):
+    (ya, ga), (yb, gb) = a, b
+    assert len(ya) == len(yb)
+    for u, v in zip(ya, yb):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-12)
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-12)
+
+
+def test_all_reduce_sum():
+    assert_same(*run_both(lambda x: dt.all_reduce(x), lambda x: tnn.all_reduce(x), [data(3, 2)]))
+
+
+def test_all_reduce_avg():
+    # gloo has no AVG: the oracle is torch's differentiable SUM over N.
+    assert_same(*run_both(lambda x: dt.all_reduce(x, tdist.ReduceOp.AVG),
+                          lambda x: tnn.all_reduce(x) / size(), [data(5)]))
+
+
+def test_broadcast_global_and_group_src():
+    for src in range(size()):
+        assert_same(*run_both(lambda x: dt.broadcast(x, src=src),
+                              lambda x: tnn.broadcast(x, src=src), [data(4)]))
+        assert_same(*run_both(lambda x: dt.broadcast(x, group_src=src),
+                              lambda x: tnn.broadcast(x, src=src), [data(2, 2)]))
+
+
+def test_reduce_sum():
+    dst = 2
+    (yd, gd), (yt, gt) = run_both(lambda x: dt.reduce(x, dst=dst),
+                                  lambda x: tnn.reduce(x, dst), [data(3)])
+    # torch leaves non-dst outputs unspecified; diffcomm defines them as zeros.
+    if rank() == dst:
+        torch.testing.assert_close(yd[0], yt[0], rtol=0, atol=0)
+    else:
+        assert torch.count_nonzero(yd[0]) == 0
+    # torch's backward ignores non-dst cotangents too, so gradients agree everywhere.
+    torch.testing.assert_close(gd[0], gt[0], rtol=0, atol=0)
+
+
+def test_all_gather():
+    assert_same(*run_both(lambda x: dt.all_gather(x), lambda x: tnn.all_gather(x), [data(2, 3)]))
+
+
+def test_gather():
+    dst = 1
+    (yd, gd), (yt, gt) = run_both(lambda x: dt.gather(x, dst=dst),
+                                  lambda x: tnn.gather(x, dst=dst), [data(3)])
+    if rank() == dst:
+        for u, v in zip(yd, yt):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)
+    torch.testing.assert_close(gd[0], gt[0], rtol=0, atol=0)
+
+
+def test_scatter():
+    src = 3
+    xs = [data(2, salt=s) for s in range(size())]
+    assert_same(*run_both(lambda *t: dt.scatter(list(t), src=src),
+                          lambda *t: tnn.scatter(list(t), src=src), xs))
+
+
+def test_all_to_all_single_uneven():
+    n = size()
+    # rank r sends (r + j) % 3 rows to j; receives (s + r) % 3 rows from s.
+    ins = [(rank() + j) % 3 for j in range(n)]
+    outs = [(s + rank()) % 3 for s in range(n)]
+    x = data(sum(ins), 2)
+
+    def torch_a2a(t):
+        out = torch.empty(sum(outs), 2, dtype=f64)
+        return tnn.all_to_all_single(out, t, outs, ins)
+
+    assert_same(*run_both(lambda t: dt.all_to_all_single(t, outs, ins), torch_a2a, [x]))
+
+
+def test_reduce_scatter_ops_vs_all_reduce_oracle():
+    # gloo has no reduce_scatter: the oracle is torch's differentiable
+    # all_reduce followed by this rank's slice.
+    n, r = size(), rank()
+    xs = [data(2, salt=s) for s in range(n)]
+    assert_same(*run_both(lambda *t: dt.reduce_scatter(list(t)),
+                          lambda *t: tnn.all_reduce(torch.stack(t))[r], xs))
+    x = data(3 * n, 2)
+    assert_same(*run_both(lambda t: dt.reduce_scatter_single(t),
+                          lambda t: tnn.all_reduce(t)[3 * r:3 * r + 3], [x]))
+    assert_same(*run_both(lambda t: dt.reduce_scatter_single(t, "avg"),
+                          lambda t: tnn.all_reduce(t)[3 * r:3 * r + 3] / n, [x]))
+    splits = [1, 0, 3, 2][:n] + [1] * max(0, n - 4)
+    x = data(sum(splits), 2)
+    off = sum(splits[:r])
+    assert_same(*run_both(lambda t: dt.reduce_scatter_v(t, splits),
+                          lambda t: tnn.all_reduce(t)[off:off + splits[r]], [x]))
+
+
+def test_gather_variants_vs_all_gather_oracle():
+    n = size()
+    x = data(2, 3)
+    assert_same(*run_both(lambda t: dt.all_gather_single(t),
+                          lambda t: torch.cat(tnn.all_gather(t)), [x]))
+    splits = [(s * 2) % 3 for s in range(n)]
+    x = data(splits[rank()], 2)
+
+    def torch_v(t):  # pad to the max, all_gather, unpad
+        m = max(splits)
+        padded = torch.cat([t, t.new_zeros(m - t.shape[0], 2)])
+        return torch.cat([y[:k] for y, k in zip(tnn.all_gather(padded), splits)])
+
+    assert_same(*run_both(lambda t: dt.all_gather_v(t, splits), torch_v, [x]))
+
+
+def test_all_to_all_list_vs_single_oracle():
+    n = size()
+    xs = [data(2, salt=j) for j in range(n)]
+
+    def torch_a2a(*t):
+        y = tnn.all_to_all_single(torch.empty(2 * n, dtype=f64), torch.cat(t))
+        return list(y.split(2))
+
+    assert_same(*run_both(lambda *t: dt.all_to_all(list(t)), torch_a2a, xs))
+
+
+def test_copy_to_tp_region():
+    # Oracle: Megatron's copy-to-TP-region written with torch's own all_reduce.
+    assert_same(*run_both(lambda t: dt.copy_to_tp_region(t), lambda t: _CopyToTp.apply(t),
+                          [data(3)]))
+
+
+class _CopyToTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        tdist.all_reduce(g)
+        return g
+
+
+def test_max_min_product_closed_forms():
+    n, r = size(), rank()
+    x = torch.tensor([float(r % 2), float(-r), 1.0 + r, 0.0 if r == 1 else 2.0], dtype=f64)
+    allx = [torch.tensor([float(s % 2), float(-s), 1.0 + s, 0.0 if s == 1 else 2.0], dtype=f64)
+            for s in range(n)]
+    c = torch.tensor([1.0 + r, 2.0, -1.0, 0.5], dtype=f64)
+    G = sum(torch.tensor([1.0 + s, 2.0, -1.0, 0.5], dtype=f64) for s in range(n))
+    stack = torch.stack(allx)
+    for op, ref in (("max", stack.max(0).values), ("min", stack.min(0).values),
+                    ("product", stack.prod(0))):
+        xl = x.clone().requires_grad_()
+        y = dt.all_reduce(xl, op)
+        (y * c).sum().backward()
+        torch.testing.assert_close(y.detach(), ref, rtol=0, atol=0)
+        if op == "product":
+            expect = G * torch.stack([a for s, a in enumerate(allx) if s != r]).prod(0)
+        else:
+            holders = (stack == ref).to(f64)
+            expect = G * holders[r] / holders.sum(0)
+        torch.testing.assert_close(xl.grad, expect, rtol=0, atol=1e-12)
+
+
+def test_nonzero_rank_mismatch_is_local_error():
+    with pytest.raises(diffcomm.InvalidArgument):
+        dt.all_to_all_single(data(3), [1] * size(), [5] * size())
+
+
+def test_encoder_parallel_step_equals_reference():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples",
+                                    "python"))
+    from encoder_parallel_step import StepConfig, check, step  # noqa: PLC0415
+
+    world = dt.get_world()
+    for cfg in (StepConfig(cp=2, tp=2, sp=True, ffn=4, seed=3),
+                StepConfig(cp=1, tp=4, sp=False, ffn=8, seed=4),
+                StepConfig(cp=2, tp=2, layout="zigzag", ffn=4, seed=5,
+                           images=[[(640, 480), (90, 60)], [(333, 500)], []])):
+        mine = step(rank(), world, cfg)
+        # Every rank checks every rank's result: gather the shards over gloo.
+        everyone = [None] * size()
+        tdist.all_gather_object(everyone, mine)
+        check(cfg, everyone)
+
+
+def test_mpi4py_communicator():
+    MPI = pytest.importorskip("mpi4py.MPI")
+    # A split communicator (evens / odds), borrowed by diffcomm; src is global
+    # in that communicator's numbering.
+    comm = MPI.COMM_WORLD.Split(color=rank() % 2, key=rank())
+    try:
+        g = diffcomm._core.mpi.from_comm_address(MPI._addressof(comm), "halves")
+        assert g.size() == comm.Get_size() and g.rank() == comm.Get_rank()
+        x = torch.tensor([float(rank())], dtype=f64, requires_grad=True)
+        y = dt.all_reduce(x, group=g)
+        members = [r for r in range(size()) if r % 2 == rank() % 2]
+        assert y.item() == float(sum(members))
+        (y * (rank() + 1)).sum().backward()
+        assert x.grad.item() == float(sum(r + 1 for r in members))
+        del g
+    finally:
+        comm.Free()

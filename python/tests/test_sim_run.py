@@ -1,0 +1,289 @@
+"""diffcomm.sim.run: CASES.md in Python, mismatch/deadlock on every rank,
+determinism, the exchange property (hypothesis), the per-collective cost."""
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import diffcomm
+import diffcomm.sim as sim
+import diffcomm.torch as dt
+
+f64 = torch.float64
+
+
+def leaf(values):
+    return torch.tensor(values, dtype=f64, requires_grad=True)
+
+
+# ------------------------------------------------------------ CASES.md 1-6
+def test_case1_subgroup_all_gather():
+    def fn(rank, world):
+        g = dt.new_group([2, 3], world)  # global ranks; collective over the world
+        if g is None:
+            return None
+        assert g.members() == [2, 3]
+        x = leaf([1.0])
+        sum(y.sum() for y in dt.all_gather(x, g)).backward()
+        return x.grad.tolist()
+
+    assert sim.run(4, fn, seed=7).results == [None, None, [2.0], [2.0]]
+
+
+def test_case2_broadcast_src_in_subgroup():
+    cot = [1.0, 2.0, 4.0]
+
+    def fn(rank, world):
+        x = leaf([10.0 + rank])
+        y = dt.broadcast(x, src=1)
+        assert y.tolist() == [11.0]
+        (y * cot[rank]).sum().backward()
+        return x.grad.tolist()
+
+    assert sim.run(3, fn, seed=1).results == [[0.0], [7.0], [0.0]]
+
+    def alone(rank, world):
+        g = world.new_group([1])
+        if g is None:
+            return None
+        out = []
+        for kwargs in ({"src": 1}, {"group_src": 0}):  # global 1 == group-local 0
+            x = leaf([1.0, 1.0])
+            dt.broadcast(x, group=g, **kwargs).sum().backward()
+            out.append(x.grad.tolist())
+        return out
+
+    assert sim.run(2, alone).results == [None, [[1.0, 1.0], [1.0, 1.0]]]
+
+
+def test_case3_avg():
+    xs, cot = [2.0, 4.0], [1.0, 3.0]
+
+    def fn(rank, world):
+        x = leaf([xs[rank]])
+        y = dt.all_reduce(x, "avg")
+        assert y.tolist() == [3.0]
+        (y * cot[rank]).sum().backward()
+        return x.grad.tolist()
+
+    assert sim.run(2, fn).results == [[2.0], [2.0]]
+
+
+def test_case4_zero_element_all_gather():
+    def fn(rank, world):
+        x = torch.zeros(1, 0, 2, dtype=f64, requires_grad=True)
+        ys = dt.all_gather(x)
+        assert [tuple(y.shape) for y in ys] == [(1, 0, 2), (1, 0, 2)]
+        sum(y.sum() for y in ys).backward()
+        return tuple(x.grad.shape), world.stats()["total"]["calls"]
+
+    res = sim.run(2, fn).results
+    assert res[0][0] == res[1][0] == (1, 0, 2)
+    assert res[0][1] == res[1][1] == 2  # forward all_gather + backward reduce_scatter on both
+
+
+def test_case5_rank_that_receives_nothing():
+    def fn(rank, world):
+        x = leaf([5.0 if rank == 0 else 7.0])
+        out_splits = [1, 1] if rank == 0 else [0, 0]
+        y = dt.all_to_all_single(x, out_splits, [1, 0])
+        if rank == 0:
+            assert y.tolist() == [5.0, 7.0]
+            (2 * y[0] + 3 * y[1]).backward()
+        else:
+            assert y.numel() == 0
+            y.sum().backward()  # no loss term, but it must still run the backward all-to-all
+        return x.grad.tolist()
+
+    assert sim.run(2, fn, seed=3).results == [[2.0], [3.0]]
+
+
+def test_case6_asymmetric_cotangents():
+    w = [(1.0, 2.0), (3.0, 4.0)]
+
+    def fn(rank, world):
+        x = leaf([10.0 * (rank + 1)])
+        g0, g1 = dt.all_gather(x)
+        (w[rank][0] * g0 + w[rank][1] * g1).sum().backward()
+        return x.grad.tolist()
+
+    assert sim.run(2, fn).results == [[4.0], [6.0]]
+
+
+# ------------------------------------------------ Max/Min/Product (closed forms)
+def test_nonlinear_reductions_closed_form():
+    xs = [[3.0, -1.0, 0.0], [5.0, -1.0, 2.0], [5.0, 4.0, 0.5]]
+
+    def fn(rank, world):
+        out = {}
+        for op in ("max", "min", "product"):
+            x = leaf(xs[rank])
+            y = dt.all_reduce(x, op)
+            (y * (rank + 1)).sum().backward()
+            out[op] = (y.tolist(), x.grad.tolist())
+        return out
+
+    res = sim.run(3, fn, seed=2).results
+    G = 1 + 2 + 3
+    assert res[0]["max"][0] == [5.0, 4.0, 2.0]
+    # max: ties split evenly (element 0: ranks 1 and 2)
+    assert [r["max"][1] for r in res] == [[0, 0, 0], [G / 2, 0, G], [G / 2, G, 0]]
+    assert [r["min"][1] for r in res] == [[G, G / 2, G], [0, G / 2, 0], [0, 0, 0]]
+    prod = [3.0 * 5 * 5, -1.0 * -1 * 4, 0.0 * 2 * 0.5]
+    assert res[0]["product"][0] == prod
+    for r in range(3):
+        others = [[xs[s][i] for s in range(3) if s != r] for i in range(3)]
+        assert res[r]["product"][1] == [G * a * b for a, b in others]
+
+
+# ------------------------------------------------ mismatch, deadlock: every rank
+def test_mismatch_raised_on_every_rank():
+    def fn(rank, world):
+        n = 3 if rank == 2 else 2
+        try:
+            dt.all_reduce(torch.ones(n, dtype=f64))
+        except diffcomm.CollectiveMismatch as e:
+            return str(e)
+        return None
+
+    msgs = sim.run(3, fn, seed=5).results
+    assert all(m is not None for m in msgs)
+    for m in msgs:
+        assert "shape differs" in m and "rank 2 (global 2)" in m, m
+
+    # Uncaught: run() re-raises the first, every rank's exception attached.
+    with pytest.raises(diffcomm.CollectiveMismatch) as info:
+        sim.run(3, lambda r, w: dt.all_reduce(torch.ones(3 if r == 2 else 2)), seed=5)
+    assert [type(e) for e in info.value.rank_errors] == [diffcomm.CollectiveMismatch] * 3
+
+
+def test_deadlock_cycle_reported_on_every_rank():
+    # Three pairwise groups entered in a cycle: every rank waits for another.
+    def fn(rank, world):
+        a = world.new_group([0, 1])
+        b = world.new_group([1, 2])
+        c = world.new_group([0, 2])
+        order = {0: [a, c], 1: [b, a], 2: [c, b]}[rank]
+        try:
+            for g in order:
+                dt.all_reduce(torch.ones(1), group=g)
+        except diffcomm.Deadlock as e:
+            return str(e)
+        return None
+
+    msgs = sim.run(3, fn, seed=11).results
+    assert all(m is not None for m in msgs), msgs
+    for m in msgs:
+        assert "deadlock" in m
+        for r in range(3):
+            assert f"rank {r}: waiting in all_reduce" in m, m
+
+
+def test_deadlock_skipped_backward_is_reported_not_hung():
+    def fn(rank, world):
+        x = leaf([1.0])
+        y = dt.all_reduce(x)
+        if rank != 1:  # rank 1 skips its backward collective
+            y.sum().backward()
+
+    with pytest.raises(diffcomm.Deadlock) as info:
+        sim.run(3, fn, seed=0)
+    errs = info.value.rank_errors
+    assert errs[1] is None and isinstance(errs[0], diffcomm.Deadlock)
+    assert "rank 1: finished" in str(errs[0])
+
+
+def test_fault_gives_rank_failure_to_the_others():
+    def fn(rank, world):
+        for _ in range(3):
+            dt.all_reduce(torch.ones(2))
+
+    with pytest.raises(diffcomm.Error) as info:
+        sim.run(4, fn, seed=1, fault=(2, 2))
+    errs = info.value.rank_errors
+    assert "injected fault" in str(errs[2])
+    assert all(isinstance(errs[r], diffcomm.RankFailure) for r in (0, 1, 3))
+
+
+def test_python_exception_on_one_rank_fails_the_others():
+    def fn(rank, world):
+        if rank == 0:
+            raise ValueError("boom")
+        dt.all_reduce(torch.ones(1))
+
+    with pytest.raises(ValueError, match="boom") as info:
+        sim.run(3, fn)
+    assert isinstance(info.value.rank_errors[1], diffcomm.RankFailure)
+    assert "boom" in str(info.value.rank_errors[1])
+
+
+# ------------------------------------------------ determinism
+def _interleaving(seed):
+    log = []
+
+    def fn(rank, world):
+        g = world.new_group([0, 1, 2, 3, 4])
+        for k in range(4):
+            log.append((rank, k))
+            dt.all_reduce(torch.ones(1), group=g if k % 2 else None)
+
+    r = sim.run(5, fn, seed=seed)
+    return r.trace_hash, tuple(log)
+
+
+def test_same_seed_same_interleaving():
+    a, b = _interleaving(42), _interleaving(42)
+    assert a == b
+    others = {_interleaving(s)[1] for s in range(8)}
+    assert len(others) > 1, "the seed should change the interleaving"
+
+
+# ------------------------------------------------ the exchange property
+from encoder_parallel_step import StepConfig, check, step  # noqa: E402
+
+meshes = st.sampled_from([(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (3, 1), (2, 3)])
+image = st.tuples(st.integers(28, 400), st.integers(28, 400))
+batches = st.lists(st.lists(image, max_size=3), min_size=1, max_size=3)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mesh=meshes, sp=st.booleans(), zigzag=st.booleans(), images=batches,
+       seed=st.integers(0, 2**32 - 1))
+def test_exchange_equals_single_rank_reference(mesh, sp, zigzag, images, seed):
+    cp, tp = mesh
+    cfg = StepConfig(cp=cp, tp=tp, sp=sp and tp > 1, layout="zigzag" if zigzag else "contiguous",
+                     ffn=2 * tp, images=images, seed=seed % 1000)
+    res = sim.run(cfg.world_size, lambda r, g: step(r, g, cfg), seed=seed)
+    check(cfg, res.results)
+
+
+def test_wrong_receiver_convention_fails_the_reference():
+    cfg = StepConfig(tp=2, receiver_grad=sim.ReceiverGrad.Partial)  # TP replicas, no SP
+    res = sim.run(2, lambda r, g: step(r, g, cfg))
+    with pytest.raises(AssertionError, match="encoder grad rel diff"):
+        check(cfg, res.results)
+
+
+# ------------------------------------------------ cost of the baton
+def test_cost_per_collective(capsys):
+    """Measures one 8-byte all_reduce per rank through the thread baton and
+    prints it (README: 'per-collective cost'); bounds it loosely."""
+    calls = 200
+
+    def fn(rank, world):
+        x = torch.ones(1, dtype=f64)
+        for _ in range(calls):
+            dt.all_reduce(x)
+
+    out = []
+    for n in (2, 8):
+        t = time.perf_counter()
+        sim.run(n, fn, trace=False)
+        per_call = (time.perf_counter() - t) / calls
+        out.append((n, per_call * 1e6, per_call * 1e6 / n))
+    with capsys.disabled():
+        for n, us, per_rank in out:
+            print(f"\n[cost] sim.run world {n}: {us:.0f} us per all_reduce ({per_rank:.1f} us per rank)")
+    assert all(per_rank < 5000 for _, _, per_rank in out)
