@@ -284,13 +284,10 @@ struct World::Impl {
   // Returns "" when the members agree, else the mismatch report (the shared
   // dist::compare, so production's checked mode reports in the same words).
   static std::string compare(const Rendezvous& rv) {
-    std::vector<dist::CallDesc> descs;
-    descs.reserve(rv.calls.size());
-    std::vector<const dist::CallDesc*> ptrs;
-    ptrs.reserve(rv.calls.size());
-    for (const Call* c : rv.calls) descs.push_back(dist::describe(*c));
-    for (const auto& d : descs) ptrs.push_back(&d);
-    return dist::compare(ptrs, rv.group->members);
+    // In place: descriptions are built only on a mismatch (N^2 split
+    // entries and shapes otherwise, for all_to_all_single / all_to_all).
+    const std::vector<const Call*> calls(rv.calls.begin(), rv.calls.end());
+    return dist::compare(calls, rv.group->members);
   }
 
   // ---------------------------------------------------------- data movement
@@ -298,9 +295,11 @@ struct World::Impl {
   // output of the same call (dist/collectives.cpp), the one rule of every
   // backend, so the data move below never reads what it has written.
 
-  static int64_t offset_of(const std::vector<int64_t>& splits, std::size_t upto) {
-    return std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(upto),
-                           int64_t{0});
+  static int64_t offset_of(const dist::SplitList& splits, std::size_t upto) {
+    if (splits.is_uniform()) return static_cast<int64_t>(upto) * splits.uniform_value();
+    int64_t sum = 0;
+    for (std::size_t i = 0; i < upto; ++i) sum += splits[i];
+    return sum;
   }
 
   static void move_data(std::vector<Call*>& c) {
@@ -403,7 +402,7 @@ struct World::Impl {
           dst[j] = static_cast<char*>(c[j]->outputs[0].data_ptr());
         for (std::size_t s = 0; s < n; ++s) {
           const char* src = static_cast<const char*>(c[s]->inputs[0].data_ptr());
-          const int64_t* in_splits = c[s]->input_splits.data();
+          const dist::SplitList& in_splits = c[s]->input_splits;
           int64_t in_at = 0;  // bytes
           for (std::size_t j = 0; j < n; ++j) {
             const int64_t bytes = in_splits[j] * row_bytes;

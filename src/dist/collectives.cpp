@@ -20,6 +20,7 @@ uint64_t nbytes(const std::vector<Tensor>& ts) {
   return s;
 }
 int64_t split_sum(const Splits& s) { return std::accumulate(s.begin(), s.end(), int64_t{0}); }
+int64_t split_sum(const SplitList& s) { return s.sum(); }
 
 // The aliasing rule, one for every backend: an input whose bytes overlap an
 // output of the same call is staged (copied) before the backend sees the
@@ -132,10 +133,12 @@ class Checker {
           fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
     call_.root = r;
   }
-  void splits(const Splits& s, const std::string& role) {
+  void splits(const SplitList& s, const std::string& role) {
     if (static_cast<int>(s.size()) != size())
       fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
-    for (std::size_t i = 0; i < s.size(); ++i)
+    // A uniform list has one value to check (its first entry reports).
+    const std::size_t check = s.is_uniform() ? std::min<std::size_t>(s.size(), 1) : s.size();
+    for (std::size_t i = 0; i < check; ++i)
       if (s[i] < 0) fail(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
   }
   void reduce_op(ReduceOp op) {
@@ -442,10 +445,11 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
       c.fail(
           fmt::format("{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits",
                       role, t.size(0), c.size(), role));
-    return even_splits(t.size(0), c.size(), "all_to_all_single");
+    // Uniform: no N-entry vector per rank (see SplitList).
+    return SplitList::uniform(static_cast<std::size_t>(c.size()), t.size(0) / c.size());
   };
-  Splits in = input_splits.empty() ? even(input, "input") : input_splits;
-  Splits out = output_splits.empty() ? even(output, "output") : output_splits;
+  SplitList in = input_splits.empty() ? even(input, "input") : SplitList(input_splits);
+  SplitList out = output_splits.empty() ? even(output, "output") : SplitList(output_splits);
   c.splits(in, "input_splits");
   c.splits(out, "output_splits");
   if (split_sum(in) != input.size(0))
