@@ -309,11 +309,25 @@ struct World::Impl {
       case OpType::Barrier:
       case OpType::NewGroup: break;
       case OpType::AllReduce: {
+        // Reduced straight into rank 0's output (its own input: reduce_into
+        // reads each block before writing it), then copied from there: no
+        // temporary tensor and one write of B fewer. A temporary only when
+        // some other member's buffer partly overlaps rank 0's.
         std::vector<Tensor> ins;
+        ins.reserve(n);
         for (auto* ci : c) ins.push_back(ci->inputs[0]);
-        Tensor tmp = empty_like(ins[0]);
-        dist::reduce_into(tmp, ins, c[0]->reduce_op);
-        for (auto* ci : c) ci->outputs[0].copy_(tmp);
+        const Tensor& out0 = c[0]->outputs[0];
+        const char* b0 = static_cast<const char*>(out0.data_ptr());
+        const std::size_t len = out0.nbytes();
+        bool direct = true;
+        for (auto* ci : c) {
+          const char* bi = static_cast<const char*>(ci->outputs[0].data_ptr());
+          if (bi != b0 && bi < b0 + len && b0 < bi + len) direct = false;
+        }
+        const Tensor target = direct ? out0 : empty_like(out0);
+        dist::reduce_into(target, ins, c[0]->reduce_op);
+        for (auto* ci : c)
+          if (ci->outputs[0].data_ptr() != target.data_ptr()) ci->outputs[0].copy_(target);
         break;
       }
       case OpType::Broadcast: {
@@ -323,11 +337,12 @@ struct World::Impl {
         break;
       }
       case OpType::Reduce: {
+        // Straight into the root's buffer (reduce_into handles aliasing).
         std::vector<Tensor> ins;
+        ins.reserve(n);
         for (auto* ci : c) ins.push_back(ci->inputs[0]);
-        Tensor tmp = empty_like(ins[0]);
-        dist::reduce_into(tmp, ins, c[0]->reduce_op);
-        c[static_cast<std::size_t>(c[0]->root)]->outputs[0].copy_(tmp);
+        dist::reduce_into(c[static_cast<std::size_t>(c[0]->root)]->outputs[0], ins,
+                          c[0]->reduce_op);
         break;
       }
       case OpType::AllGather:
