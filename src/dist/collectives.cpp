@@ -132,15 +132,31 @@ class Checker {
           fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
     call_.root = r;
   }
-  void splits(const Splits& s, const std::string& role) {
+  // Entries per member, none negative, and the rows they add up to (rows of
+  // `row_bytes` bytes) a size a buffer can have: checked without overflow,
+  // before any sum is taken or anything is allocated for them.
+  void splits(const Splits& s, const std::string& role, uint64_t row_bytes) {
     if (static_cast<int>(s.size()) != size())
       fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
-    for (std::size_t i = 0; i < s.size(); ++i)
+    uint64_t rows = 0;
+    for (std::size_t i = 0; i < s.size(); ++i) {
       if (s[i] < 0) fail(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
+      const auto r = static_cast<uint64_t>(s[i]);
+      if (r > kMaxTensorBytes || rows + r > kMaxTensorBytes ||
+          (row_bytes > 0 && rows + r > kMaxTensorBytes / row_bytes))
+        fail(fmt::format(
+            "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)",
+            role, fmt::join(s, "+"), row_bytes, kMaxTensorBytes));
+      rows += r;
+    }
+  }
+  static uint64_t row_bytes(const Tensor& t) {
+    return static_cast<uint64_t>(t.row_numel()) * element_size(t.dtype());
   }
   void reduce_op(ReduceOp op) {
-    if (op == ReduceOp::Avg && !is_floating(call_.dtype))
-      fail(fmt::format("avg is undefined for integer dtype {}", dtype_name(call_.dtype)));
+    if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(call_.dtype))
+      fail(fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
+                       dtype_name(call_.dtype)));
     call_.reduce_op = op;
   }
   static Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
@@ -154,6 +170,7 @@ class Checker {
   // Numbers the call, accounts its bytes, applies the aliasing rule, records
   // it in the rank's flight recorder and hands it to the backend.
   void dispatch(uint64_t sent, uint64_t received) {
+    g_.backend().check_caller(call_);
     const bool p2p = call_.op == OpType::Send || call_.op == OpType::Recv;
     call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
     call_.bytes_sent = sent;
@@ -222,11 +239,13 @@ Splits even_splits(int64_t rows, int parts, const char* op) {
 
 namespace detail {
 std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
-                                       const std::vector<int64_t>& fingerprint) {
+                                       const std::vector<int64_t>& fingerprint,
+                                       bool members_are_ranks) {
   Checker c(group, OpType::NewGroup);
   c.call().color = color;
   c.call().key = key;
   c.call().members = fingerprint;
+  c.call().members_are_ranks = members_are_ranks;
   c.dispatch(0, 0);
   return c.split_result;
 }
@@ -305,7 +324,7 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
   c.tensor(output, "output");
   c.has_rows(input, "input");
   c.has_rows(output, "output");
-  c.splits(output_splits, "output_splits");
+  c.splits(output_splits, "output_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(output_splits) != output.size(0))
     c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(output_splits),
@@ -399,7 +418,7 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
   c.reduce_op(op);
   c.has_rows(output, "output");
   c.has_rows(input, "input");
-  c.splits(input_splits, "input_splits");
+  c.splits(input_splits, "input_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(input_splits) != input.size(0))
     c.fail(fmt::format("input_splits sum to {} but input has {} rows", split_sum(input_splits),
@@ -446,8 +465,8 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   };
   Splits in = input_splits.empty() ? even(input, "input") : input_splits;
   Splits out = output_splits.empty() ? even(output, "output") : output_splits;
-  c.splits(in, "input_splits");
-  c.splits(out, "output_splits");
+  c.splits(in, "input_splits", Checker::row_bytes(input));
+  c.splits(out, "output_splits", Checker::row_bytes(input));
   if (split_sum(in) != input.size(0))
     c.fail(
         fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));

@@ -38,16 +38,26 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
       throw InvalidArgument(
           fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
-  if (op == ReduceOp::Avg && !is_floating(out.dtype()))
-    throw InvalidArgument(
-        fmt::format("reduce_into: avg is undefined for {}", dtype_name(out.dtype())));
+  if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
+    throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
+                                      dtype_name(out.dtype())));
   dispatch_dtype(out.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;
     const auto n = static_cast<std::size_t>(out.numel());
     std::vector<C> acc(n);
     const T* p0 = static_cast<const T*>(inputs[0].data_ptr());
-    for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(p0[i]);
+    if constexpr (std::is_floating_point_v<C>) {
+      if (op == ReduceOp::PremulSum) {
+        // Σ (factor · x_s), as NCCL's PreMulSum: each product rounded in C.
+        const auto f = static_cast<C>(op.factor());
+        for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(f * static_cast<C>(p0[i]));
+      } else {
+        for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(p0[i]);
+      }
+    } else {
+      for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(p0[i]);
+    }
     // One tight loop per op (the switch stays outside the element loop).
     // Blocked so a block of the accumulator stays in L1 while every input
     // streams through it once; order of combination per element unchanged.
@@ -71,6 +81,12 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
       case ReduceOp::Sum:
       case ReduceOp::Avg:
         fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) + static_cast<U>(v)); });
+        break;
+      case ReduceOp::PremulSum:
+        if constexpr (std::is_floating_point_v<C>) {
+          const auto f = static_cast<C>(op.factor());
+          fold([f](C a, C v) { return static_cast<C>(a + static_cast<C>(f * v)); });
+        }
         break;
       case ReduceOp::Product:
         fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) * static_cast<U>(v)); });
