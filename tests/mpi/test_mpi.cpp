@@ -238,6 +238,12 @@ TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
     const auto wrapped =
         static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(n) * 2147483647u));
     for (double v : i32.to_vector()) EXPECT_EQ(v, wrapped) << "native " << native;
+    // The case on two ranks: 2147483647 + 2147483647 = -2.
+    if (auto two = world.new_group({0, 1})) {
+      Tensor t = full({2}, 2147483647.0, DType::Int32);
+      dist::all_reduce(*two, t, dist::ReduceOp::Sum);
+      for (double v : t.to_vector()) EXPECT_EQ(v, -2.0) << "native " << native;
+    }
     // PremulSum, world {0, 1}: factor 0.5, x = 2 and 4 gives 3; over the whole
     // world with x = r + 1: 0.5 * n(n+1)/2.
     auto pair = world.new_group({0, 1});
