@@ -1,14 +1,22 @@
 // Each MPI-backend primitive against the raw MPI call it wraps, same sizes,
-// same run, same buffers. Run under mpirun, e.g.
-//   mpirun -np 2 --oversubscribe --allow-run-as-root --mca btl self,vader bench/bench_mpi
-// Every iteration times `reps` raw calls and `reps` diffcomm calls back to
-// back (alternating which goes first), each bracketed by barriers, taking the
-// slowest process's time. Counters: raw_us and diffcomm_us per call,
-// overhead_pct = (diffcomm / raw - 1) * 100, MBps = per-rank bytes / time.
-// Only process 0 prints.
+// same run, same buffers, in the configurations users choose between
+// (dist::Options):
+//   raw         the MPI call itself
+//   native      diffcomm, checks off, MPI's own reductions (not bit-identical)
+//   det         diffcomm, checks off, deterministic reductions (the default)
+//   checked     diffcomm, checked mode (fingerprints), deterministic reductions
+// Run under mpirun, e.g.
+//   mpirun -np 4 --oversubscribe --allow-run-as-root --mca btl self,vader bench/bench_mpi
+// Every iteration times `reps` calls of each variant back to back (rotating
+// which goes first), each bracketed by barriers, taking the slowest process's
+// time. Counters: <variant>_us per call (median over iterations),
+// det_vs_native and checked_vs_det (ratios of those medians), MBps =
+// per-rank bytes / det time. Only process 0 prints.
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
+#include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
@@ -35,9 +43,17 @@ double timed(int reps, F&& f) {
   return slowest(MPI_Wtime() - t0) / reps;
 }
 
+dist::ProcessGroup configured(bool check, bool native) {
+  dist::Options o;
+  o.check = check;
+  o.native_reduction = native;
+  return mpi::world(o);
+}
+
 void run(benchmark::State& state, Op op) {
-  const auto group = mpi::world();
-  const int n = group.size();
+  const dist::ProcessGroup native = configured(false, true), det = configured(false, false),
+                           checked = configured(true, false);
+  const int n = det.size();
   const int64_t bytes = state.range(0);  // per rank
   const int64_t elems = std::max<int64_t>(bytes / 4, n) / n * n;
   const int reps = bytes >= (1 << 20) ? 5 : 50;
@@ -71,43 +87,52 @@ void run(benchmark::State& state, Op op) {
         break;
     }
   };
-  auto ours = [&] {
-    switch (op) {
-      case Op::AllReduce: dist::all_reduce(group, in); break;
-      case Op::Broadcast: dist::broadcast(group, in, 0); break;
-      case Op::AllGatherSingle: dist::all_gather_single(group, out_big, in); break;
-      case Op::ReduceScatterSingle: dist::reduce_scatter_single(group, out_small, in); break;
-      case Op::AllToAllSingle: dist::all_to_all_single(group, out_same, in); break;
-    }
+  auto ours = [&](const dist::ProcessGroup& group) {
+    return [&, group] {
+      switch (op) {
+        case Op::AllReduce: dist::all_reduce(group, in); break;
+        case Op::Broadcast: dist::broadcast(group, in, 0); break;
+        case Op::AllGatherSingle: dist::all_gather_single(group, out_big, in); break;
+        case Op::ReduceScatterSingle: dist::reduce_scatter_single(group, out_small, in); break;
+        case Op::AllToAllSingle: dist::all_to_all_single(group, out_same, in); break;
+      }
+    };
   };
-  double raw_total = 0, ours_total = 0;
+  const std::vector<std::function<void()>> variants = {raw, ours(native), ours(det),
+                                                       ours(checked)};
+  // Medians over iterations: this machine is shared, and a median ignores
+  // the iterations another process disturbed.
+  std::vector<std::vector<double>> samples(variants.size());
   int64_t k = 0;
   for (auto _ : state) {
-    double r, o;
-    if (k++ % 2 == 0) {
-      r = timed(reps, raw);
-      o = timed(reps, ours);
-    } else {
-      o = timed(reps, ours);
-      r = timed(reps, raw);
+    std::vector<double> t(variants.size());
+    for (std::size_t v = 0; v < variants.size(); ++v) {
+      const std::size_t i = (v + static_cast<std::size_t>(k)) % variants.size();  // rotate order
+      t[i] = timed(reps, variants[i]);
     }
-    raw_total += r;
-    ours_total += o;
-    state.SetIterationTime(o);
+    ++k;
+    for (std::size_t v = 0; v < t.size(); ++v) samples[v].push_back(t[v]);
+    state.SetIterationTime(t[2]);
   }
-  const double raw_us = raw_total / static_cast<double>(k) * 1e6;
-  const double ours_us = ours_total / static_cast<double>(k) * 1e6;
-  state.counters["raw_us"] = raw_us;
-  state.counters["diffcomm_us"] = ours_us;
-  state.counters["overhead_pct"] = (ours_us / raw_us - 1.0) * 100.0;
-  state.counters["MBps"] = static_cast<double>(bytes) / ours_us;
+  auto us = [&](std::size_t v) {
+    std::vector<double> x = samples[v];
+    std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(x.size() / 2), x.end());
+    return x[x.size() / 2] * 1e6;
+  };
+  state.counters["raw_us"] = us(0);
+  state.counters["native_us"] = us(1);
+  state.counters["det_us"] = us(2);
+  state.counters["checked_us"] = us(3);
+  state.counters["det_vs_native"] = us(2) / us(1);
+  state.counters["checked_vs_det"] = us(3) / us(2);
+  state.counters["MBps"] = static_cast<double>(bytes) / us(2);
   state.counters["ranks"] = n;
 }
 
 void Sizes(benchmark::internal::Benchmark* b) {
   for (int64_t s : {int64_t{1} << 10, int64_t{64} << 10, int64_t{1} << 20, int64_t{16} << 20})
     b->Arg(s);
-  b->UseManualTime()->Iterations(20);
+  b->UseManualTime()->Iterations(31);
 }
 
 void BM_AllReduce(benchmark::State& s) { run(s, Op::AllReduce); }

@@ -17,6 +17,9 @@
 //    (autograd) in a world of 8 created once; rank 0 times `iters` iterations.
 //  - BM_AllToAllHuge: 16384 ranks, all_to_all_single of 2 rows x 4 B per peer:
 //    time per call and peak resident memory, vs the N^2 block-copy floor.
+//  - BM_ListForm: list-form all_to_all / all_gather (one 4-byte tensor per
+//    peer) at 1024 ranks vs the single-tensor form of the same bytes (the
+//    "floor" columns).
 //  - BM_DeadlockReport: one rank skips a barrier at N ranks; time and peak
 //    memory until run() has raised.
 // The last argument of the sim benchmarks selects the world configuration:
@@ -311,6 +314,46 @@ void BM_AllToAllHuge(benchmark::State& state) {
   state.counters["payload_MiB"] = payload_mib;
 }
 
+// ---------------------------------------------------------------- list forms
+// dist::all_to_all / dist::all_gather with one small tensor per peer vs the
+// single-tensor form moving the same bytes (all_to_all_single /
+// all_gather_single); bench config. One call per side per repetition.
+// args: op (0 = all_to_all, 1 = all_gather), ranks
+double list_op(int op, int ranks, bool list) {
+  sim::World world(options(ranks, 0));
+  Clock::time_point t0, t1;
+  world.run([&](sim::Rank& rank) {
+    const auto& g = rank.world();
+    const auto n = static_cast<std::size_t>(ranks);
+    Tensor x = full({ranks}, 1.0, DType::Float32), y = empty_like(x);
+    Tensor one = full({1}, 1.0, DType::Float32);
+    std::vector<Tensor> ins, outs;
+    if (list) {
+      for (std::size_t i = 0; i < n; ++i) {
+        ins.push_back(x.row_view(static_cast<int64_t>(i), 1));
+        outs.push_back(y.row_view(static_cast<int64_t>(i), 1));
+      }
+    }
+    dist::barrier(g);
+    if (rank.rank() == 0) t0 = Clock::now();
+    if (op == 0 && list) dist::all_to_all(g, outs, ins);
+    if (op == 0 && !list) dist::all_to_all_single(g, y, x);
+    if (op == 1 && list) dist::all_gather(g, outs, one);
+    if (op == 1 && !list) dist::all_gather_single(g, y, one);
+    dist::barrier(g);
+    if (rank.rank() == 0) t1 = Clock::now();
+  });
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+void BM_ListForm(benchmark::State& state) {
+  const int op = static_cast<int>(state.range(0));
+  const int ranks = static_cast<int>(state.range(1));
+  pair(
+      state, [&] { return list_op(op, ranks, false); }, [&] { return list_op(op, ranks, true); },
+      ranks, 0);
+}
+
 // ---------------------------------------------------------------- deadlock report
 void BM_DeadlockReport(benchmark::State& state) {
   const int ranks = static_cast<int>(state.range(0));
@@ -354,6 +397,7 @@ void BandwidthArgs(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Barrier)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_AllReduce8B)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
+BENCHMARK(BM_ListForm)->Args({0, 1024})->Args({1, 1024})->UseManualTime()->Iterations(5);
 BENCHMARK(BM_NnFwdBwd)
     ->Args({0, 0})
     ->Args({1, 0})

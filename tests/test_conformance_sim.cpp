@@ -9,6 +9,7 @@
 
 #include "conformance/backend_fixture.hpp"
 #include "conformance/conformance_suite.hpp"
+#include "conformance/promises_suite.hpp"
 #include "diffcomm/sim/world.hpp"
 
 namespace diffcomm::conformance {

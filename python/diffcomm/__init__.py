@@ -7,7 +7,7 @@ Submodules:
   diffcomm.nn                the differentiable collectives on diffcomm tensors
 
 Errors: every exception diffcomm raises derives from diffcomm.Error
-(InvalidArgument, CollectiveMismatch, Deadlock, RankFailure, BackendError).
+(InvalidArgument, CollectiveMismatch, Deadlock, RankFailure, Timeout, BackendError).
 """
 from . import _core
 from ._core import (
@@ -23,6 +23,7 @@ from ._core import (
     ProcessGroup,
     RankFailure,
     Tensor,
+    Timeout,
     __version__,
     backward,
     from_dlpack,
@@ -43,6 +44,7 @@ __all__ = [
     "Error",
     "InvalidArgument",
     "ProcessGroup",
+    "Timeout",
     "RankFailure",
     "Tensor",
     "__version__",

@@ -72,7 +72,9 @@ Record = collections.namedtuple("Record", ["item", "rows"])
 
 # ----------------------------------------------------------------- groups
 def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = None,
-                       device: Optional[int] = None) -> _core.ProcessGroup:
+                       device: Optional[int] = None, check: Optional[bool] = None,
+                       native_reduction: bool = False,
+                       timeout_s: Optional[float] = None) -> _core.ProcessGroup:
     """Creates this process's diffcomm world group and makes it the default
     (``group=None``).
 
@@ -82,6 +84,12 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
       world); rank 0 of it creates an NCCL unique id, broadcast over that group
       (the vLLM PyNcclCommunicator pattern); the communicator runs on torch's
       current CUDA stream of ``device`` (default: torch.cuda.current_device()).
+
+    MPI options (``dist::Options``): ``check`` cross-rank fingerprint checks
+    (None: ``DIFFCOMM_CHECK``, else on in Debug builds), ``native_reduction``
+    MPI's own reductions (faster, not bit-identical to the simulated world),
+    ``timeout_s`` the deadline of every wait (None: ``DIFFCOMM_TIMEOUT``, else
+    600 s; expiry raises ``diffcomm.Timeout``).
     """
     if backend == "mpi":
         if not _core.HAVE_MPI:
@@ -89,10 +97,13 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
         if comm is not None:
             from mpi4py import MPI  # noqa: PLC0415
 
-            pg = _core.mpi.from_comm_address(MPI._addressof(comm), "mpi")
+            pg = _core.mpi.from_comm_address(MPI._addressof(comm), "mpi", check=check,
+                                             native_reduction=native_reduction,
+                                             timeout_s=timeout_s)
         else:
             _core.mpi.init()
-            pg = _core.mpi.world()
+            pg = _core.mpi.world(check=check, native_reduction=native_reduction,
+                                 timeout_s=timeout_s)
     elif backend == "nccl":
         if not _core.HAVE_NCCL:
             raise _core.BackendError("diffcomm was built without NCCL")

@@ -200,6 +200,7 @@ void bind_errors(nb::module_& m) {
   static nb::exception<dc::CollectiveMismatch> mismatch(m, "CollectiveMismatch", error);
   static nb::exception<dc::Deadlock> deadlock(m, "Deadlock", error);
   static nb::exception<dc::RankFailure> failure(m, "RankFailure", error);
+  static nb::exception<dc::Timeout> timeout(m, "Timeout", error);
   static nb::exception<dc::BackendError> backend(m, "BackendError", error);
 }
 
@@ -732,13 +733,36 @@ void bind_backends(nb::module_& m) {
   mpi.def(
       "finalize", [] { g_mpi_env.reset(); },
       "MPI_Finalize if diffcomm initialised MPI (not when mpi4py did).");
-  mpi.def("world", &dc::mpi::world, "The group of MPI_COMM_WORLD (borrowed).");
+  // dist::Options as keyword arguments: check (None: DIFFCOMM_CHECK, else on
+  // in Debug builds), native_reduction, timeout_s (None: DIFFCOMM_TIMEOUT,
+  // else 600 s).
+  auto options = [](std::optional<bool> check, bool native_reduction,
+                    std::optional<double> timeout_s) {
+    dc::dist::Options o;
+    o.check = check;
+    o.native_reduction = native_reduction;
+    o.timeout_s = timeout_s;
+    return o;
+  };
+  mpi.def(
+      "world",
+      [options](std::optional<bool> check, bool native_reduction, std::optional<double> timeout_s) {
+        return dc::mpi::world(options(check, native_reduction, timeout_s));
+      },
+      "check"_a = nb::none(), "native_reduction"_a = false, "timeout_s"_a = nb::none(),
+      "The group of MPI_COMM_WORLD (borrowed). check: cross-rank fingerprint checks (None: "
+      "DIFFCOMM_CHECK, else on in Debug builds); native_reduction: MPI's own reductions (faster, "
+      "not bit-identical to the simulated world); timeout_s: deadline of every wait (None: "
+      "DIFFCOMM_TIMEOUT, else 600).");
   mpi.def(
       "from_comm_address",
-      [](uintptr_t address, const std::string& name) {
-        return dc::mpi::from_comm(*reinterpret_cast<MPI_Comm*>(address), name);
+      [options](uintptr_t address, const std::string& name, std::optional<bool> check,
+                bool native_reduction, std::optional<double> timeout_s) {
+        return dc::mpi::from_comm(*reinterpret_cast<MPI_Comm*>(address), name,
+                                  options(check, native_reduction, timeout_s));
       },
-      "address"_a, "name"_a = "mpi",
+      "address"_a, "name"_a = "mpi", "check"_a = nb::none(), "native_reduction"_a = false,
+      "timeout_s"_a = nb::none(),
       "A group over a caller's communicator given the address of its MPI_Comm handle "
       "(mpi4py: MPI._addressof(comm)); borrowed, never freed by diffcomm.");
 #endif

@@ -59,10 +59,7 @@ def test_token_rule():
     assert sim.smart_resize(30, 30) == (56, 56)  # below min_pixels: scaled up to 56 x 56
 
 
-# In this branch the C++ smart_resize floors the short side to 0 px on this
-# input (CASES.md 10); the fix belongs to the token-rule owner. Not strict, so
-# it turns green by itself when the fix merges.
-@pytest.mark.xfail(reason="C++ smart_resize gives (560, 0) for CASES.md 10 in this branch")
+# CASES.md 10: a side the down-scaling floors to 0 px is clamped to one factor.
 def test_token_rule_clamp_case10():
     assert sim.smart_resize(639, 31, 3136, 15680) == (560, 28)
     assert sim.smart_resize(31, 639, 3136, 15680) == (28, 560)

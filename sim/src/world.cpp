@@ -314,13 +314,10 @@ struct World::Impl {
   // Returns "" when the members agree, else the mismatch report (the shared
   // dist::compare, so production's checked mode reports in the same words).
   static std::string compare(const Rendezvous& rv) {
-    std::vector<dist::CallDesc> descs;
-    descs.reserve(rv.calls.size());
-    std::vector<const dist::CallDesc*> ptrs;
-    ptrs.reserve(rv.calls.size());
-    for (const Call* c : rv.calls) descs.push_back(dist::describe(*c));
-    for (const auto& d : descs) ptrs.push_back(&d);
-    return dist::compare(ptrs, rv.group->members);
+    // In place: descriptions are built only on a mismatch (N^2 split
+    // entries and shapes otherwise, for all_to_all_single / all_to_all).
+    const std::vector<const Call*> calls(rv.calls.begin(), rv.calls.end());
+    return dist::compare(calls, rv.group->members);
   }
 
   // ---------------------------------------------------------- data movement
@@ -328,9 +325,11 @@ struct World::Impl {
   // output of the same call (dist/collectives.cpp), the one rule of every
   // backend, so the data move below never reads what it has written.
 
-  static int64_t offset_of(const std::vector<int64_t>& splits, std::size_t upto) {
-    return std::accumulate(splits.begin(), splits.begin() + static_cast<std::ptrdiff_t>(upto),
-                           int64_t{0});
+  static int64_t offset_of(const dist::SplitList& splits, std::size_t upto) {
+    if (splits.is_uniform()) return static_cast<int64_t>(upto) * splits.uniform_value();
+    int64_t sum = 0;
+    for (std::size_t i = 0; i < upto; ++i) sum += splits[i];
+    return sum;
   }
 
   static void move_data(std::vector<Call*>& c) {
@@ -340,11 +339,25 @@ struct World::Impl {
       case OpType::Barrier:
       case OpType::NewGroup: break;
       case OpType::AllReduce: {
+        // Reduced straight into rank 0's output (its own input: reduce_into
+        // reads each block before writing it), then copied from there: no
+        // temporary tensor and one write of B fewer. A temporary only when
+        // some other member's buffer partly overlaps rank 0's.
         std::vector<Tensor> ins;
+        ins.reserve(n);
         for (auto* ci : c) ins.push_back(ci->inputs[0]);
-        Tensor tmp = empty_like(ins[0]);
-        dist::reduce_into(tmp, ins, c[0]->reduce_op);
-        for (auto* ci : c) ci->outputs[0].copy_(tmp);
+        const Tensor& out0 = c[0]->outputs[0];
+        const char* b0 = static_cast<const char*>(out0.data_ptr());
+        const std::size_t len = out0.nbytes();
+        bool direct = true;
+        for (auto* ci : c) {
+          const char* bi = static_cast<const char*>(ci->outputs[0].data_ptr());
+          if (bi != b0 && bi < b0 + len && b0 < bi + len) direct = false;
+        }
+        const Tensor target = direct ? out0 : empty_like(out0);
+        dist::reduce_into(target, ins, c[0]->reduce_op);
+        for (auto* ci : c)
+          if (ci->outputs[0].data_ptr() != target.data_ptr()) ci->outputs[0].copy_(target);
         break;
       }
       case OpType::Broadcast: {
@@ -354,11 +367,12 @@ struct World::Impl {
         break;
       }
       case OpType::Reduce: {
+        // Straight into the root's buffer (reduce_into handles aliasing).
         std::vector<Tensor> ins;
+        ins.reserve(n);
         for (auto* ci : c) ins.push_back(ci->inputs[0]);
-        Tensor tmp = empty_like(ins[0]);
-        dist::reduce_into(tmp, ins, c[0]->reduce_op);
-        c[static_cast<std::size_t>(c[0]->root)]->outputs[0].copy_(tmp);
+        dist::reduce_into(c[static_cast<std::size_t>(c[0]->root)]->outputs[0], ins,
+                          c[0]->reduce_op);
         break;
       }
       case OpType::AllGather:
@@ -414,10 +428,34 @@ struct World::Impl {
           dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
         }
         break;
-      case OpType::AllToAll:
+      case OpType::AllToAll: {
+        // Pointers and sizes read rank by rank (each rank's own lists, in
+        // order), then the N^2 blocks moved from these tables in the same
+        // order as before: copy_ per pair read two tensors in transposed
+        // order, a cache miss per block at 1024 ranks. Shapes and dtypes
+        // were compared before any data moves, so a block's size is its
+        // input's.
+        std::vector<const char*> src(n * n);
+        std::vector<char*> dst(n * n);
+        std::vector<std::size_t> len(n * n);
+        for (std::size_t s = 0; s < n; ++s)
+          for (std::size_t i = 0; i < n; ++i) {
+            const Tensor& in = c[s]->inputs[i];
+            len[s * n + i] = in.nbytes();
+            src[s * n + i] = len[s * n + i] ? static_cast<const char*>(in.data_ptr()) : nullptr;
+            dst[s * n + i] = c[s]->outputs[i].nbytes()
+                                 ? static_cast<char*>(c[s]->outputs[i].data_ptr())
+                                 : nullptr;
+          }
         for (std::size_t i = 0; i < n; ++i)
-          for (std::size_t s = 0; s < n; ++s) c[i]->outputs[s].copy_(c[s]->inputs[i]);
+          for (std::size_t s = 0; s < n; ++s) {
+            const std::size_t b = len[s * n + i];
+            char* to = dst[i * n + s];
+            const char* from = src[s * n + i];
+            if (b != 0 && to != from) std::memmove(to, from, b);
+          }
         break;
+      }
       case OpType::AllToAllSingle: {
         // Offsets are prefix sums kept as running cursors, once per
         // collective: the sender's in its own loop, each receiver's in
@@ -433,7 +471,7 @@ struct World::Impl {
           dst[j] = static_cast<char*>(c[j]->outputs[0].data_ptr());
         for (std::size_t s = 0; s < n; ++s) {
           const char* src = static_cast<const char*>(c[s]->inputs[0].data_ptr());
-          const int64_t* in_splits = c[s]->input_splits.data();
+          const dist::SplitList& in_splits = c[s]->input_splits;
           int64_t in_at = 0;  // bytes
           for (std::size_t j = 0; j < n; ++j) {
             const int64_t bytes = in_splits[j] * row_bytes;

@@ -1,7 +1,9 @@
 // Names, signatures and counters of the dist layer.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "diffcomm/dist/call.hpp"
 #include "diffcomm/dist/fingerprint.hpp"
@@ -55,6 +57,42 @@ const char* op_cstr(OpType op) {
 }
 
 std::string op_name(OpType op) { return op_cstr(op); }
+
+SplitList::SplitList(std::vector<int64_t> values) : n_(values.size()) {
+  // All-equal lists (explicitly passed even splits too) need no storage.
+  if (values.empty() ||
+      std::all_of(values.begin(), values.end(), [&](int64_t x) { return x == values[0]; })) {
+    value_ = values.empty() ? 0 : values[0];
+    return;
+  }
+  owned_ = std::make_shared<const std::vector<int64_t>>(std::move(values));
+  data_ = owned_->data();
+}
+
+SplitList SplitList::uniform(std::size_t n, int64_t value) {
+  SplitList s;
+  s.n_ = n;
+  s.value_ = n == 0 ? 0 : value;
+  return s;
+}
+
+int64_t SplitList::sum() const {
+  if (is_uniform()) return static_cast<int64_t>(n_) * value_;
+  return std::accumulate(owned_->begin(), owned_->end(), int64_t{0});
+}
+
+std::vector<int64_t> SplitList::to_vector() const {
+  if (!is_uniform()) return *owned_;
+  return std::vector<int64_t>(n_, value_);
+}
+
+bool SplitList::operator==(const SplitList& o) const {
+  if (n_ != o.n_) return false;
+  if (is_uniform() && o.is_uniform()) return n_ == 0 || value_ == o.value_;
+  for (std::size_t i = 0; i < n_; ++i)
+    if ((*this)[i] != o[i]) return false;
+  return true;
+}
 
 std::string Call::signature() const { return dist::signature(describe(*this)); }
 

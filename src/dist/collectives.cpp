@@ -20,6 +20,7 @@ uint64_t nbytes(const std::vector<Tensor>& ts) {
   return s;
 }
 int64_t split_sum(const Splits& s) { return std::accumulate(s.begin(), s.end(), int64_t{0}); }
+int64_t split_sum(const SplitList& s) { return s.sum(); }
 
 // The aliasing rule, one for every backend: an input whose bytes overlap an
 // output of the same call is staged (copied) before the backend sees the
@@ -113,6 +114,20 @@ class Checker {
       fail(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role_,
                        device_.str()));
   }
+  // A list element's role, "outputs[3]", formatted only for a message: a
+  // string per element per call was most of a 1024-rank list-form call.
+  struct Item {
+    const char* list;
+    std::size_t i;
+    std::string str() const { return fmt::format("{}[{}]", list, i); }
+  };
+  void tensor(const Tensor& t, Item role) {
+    if (have_first_ && t.defined() && t.dtype() == call_.dtype && t.device() == device_) return;
+    tensor(t, role.str());
+  }
+  void same_shape(const Tensor& t, const Shape& expected, Item role) {
+    if (t.shape() != expected) same_shape(t, expected, role.str());
+  }
   void has_rows(const Tensor& t, const std::string& role) {
     if (t.dim() == 0) fail(role + " is 0-d; this op moves rows (dim 0), give it at least one dim");
   }
@@ -134,19 +149,28 @@ class Checker {
   }
   // Entries per member, none negative, and the rows they add up to (rows of
   // `row_bytes` bytes) a size a buffer can have: checked without overflow,
-  // before any sum is taken or anything is allocated for them.
-  void splits(const Splits& s, const std::string& role, uint64_t row_bytes) {
+  // before any sum is taken or anything is allocated for them. A uniform
+  // list (even splits) is checked in O(1).
+  void splits(const SplitList& s, const std::string& role, uint64_t row_bytes) {
     if (static_cast<int>(s.size()) != size())
       fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
+    const uint64_t per_row = std::max<uint64_t>(row_bytes, 1);
+    auto too_big = [&]() {
+      fail(fmt::format(
+          "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)", role,
+          fmt::join(s.to_vector(), "+"), row_bytes, kMaxTensorBytes));
+    };
+    if (s.is_uniform()) {
+      if (s.empty()) return;
+      if (s[0] < 0) fail(fmt::format("{}[0] = {} is negative", role, s[0]));
+      if (static_cast<uint64_t>(s[0]) > kMaxTensorBytes / per_row / s.size()) too_big();
+      return;
+    }
     uint64_t rows = 0;
     for (std::size_t i = 0; i < s.size(); ++i) {
       if (s[i] < 0) fail(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
       const auto r = static_cast<uint64_t>(s[i]);
-      if (r > kMaxTensorBytes || rows + r > kMaxTensorBytes ||
-          (row_bytes > 0 && rows + r > kMaxTensorBytes / row_bytes))
-        fail(fmt::format(
-            "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)",
-            role, fmt::join(s, "+"), row_bytes, kMaxTensorBytes));
+      if (r > kMaxTensorBytes || rows + r > kMaxTensorBytes / per_row) too_big();
       rows += r;
     }
   }
@@ -226,8 +250,6 @@ class Checker {
   std::string first_role_;
 };
 
-std::string idx(const char* name, std::size_t i) { return fmt::format("{}[{}]", name, i); }
-
 }  // namespace
 
 Splits even_splits(int64_t rows, int parts, const char* op) {
@@ -296,8 +318,8 @@ void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs,
   c.tensor(input, "input");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
   for (std::size_t i = 0; i < outputs.size(); ++i) {
-    c.tensor(outputs[i], idx("outputs", i));
-    c.same_shape(outputs[i], input.shape(), idx("outputs", i));
+    c.tensor(outputs[i], Checker::Item{"outputs", i});
+    c.same_shape(outputs[i], input.shape(), Checker::Item{"outputs", i});
   }
   c.call().inputs = {input};
   c.call().outputs = outputs;
@@ -347,8 +369,8 @@ void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const
   if (me) {
     c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
     for (std::size_t i = 0; i < outputs.size(); ++i) {
-      c.tensor(outputs[i], idx("outputs", i));
-      c.same_shape(outputs[i], input.shape(), idx("outputs", i));
+      c.tensor(outputs[i], Checker::Item{"outputs", i});
+      c.same_shape(outputs[i], input.shape(), Checker::Item{"outputs", i});
     }
   } else if (!outputs.empty()) {
     c.fail(fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
@@ -368,8 +390,8 @@ void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<
   if (me) {
     c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
     for (std::size_t i = 0; i < inputs.size(); ++i) {
-      c.tensor(inputs[i], idx("inputs", i));
-      c.same_shape(inputs[i], output.shape(), idx("inputs", i));
+      c.tensor(inputs[i], Checker::Item{"inputs", i});
+      c.same_shape(inputs[i], output.shape(), Checker::Item{"inputs", i});
     }
   } else if (!inputs.empty()) {
     c.fail(fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
@@ -387,8 +409,8 @@ void reduce_scatter(const ProcessGroup& group, const Tensor& output,
   c.reduce_op(op);
   c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    c.tensor(inputs[i], idx("inputs", i));
-    c.same_shape(inputs[i], output.shape(), idx("inputs", i));
+    c.tensor(inputs[i], Checker::Item{"inputs", i});
+    c.same_shape(inputs[i], output.shape(), Checker::Item{"inputs", i});
   }
   c.call().inputs = inputs;
   c.call().outputs = {output};
@@ -437,10 +459,11 @@ void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
   Checker c(group, OpType::AllToAll);
   c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
-  for (std::size_t i = 0; i < inputs.size(); ++i) c.tensor(inputs[i], idx("inputs", i));
-  for (std::size_t i = 0; i < outputs.size(); ++i) c.tensor(outputs[i], idx("outputs", i));
+  for (std::size_t i = 0; i < inputs.size(); ++i) c.tensor(inputs[i], Checker::Item{"inputs", i});
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    c.tensor(outputs[i], Checker::Item{"outputs", i});
   const auto me = static_cast<std::size_t>(c.rank());
-  c.same_shape(outputs[me], inputs[me].shape(), idx("outputs", me));
+  c.same_shape(outputs[me], inputs[me].shape(), Checker::Item{"outputs", me});
   c.call().inputs = inputs;
   c.call().outputs = outputs;
   c.dispatch(nbytes(inputs) - nbytes(inputs[me]), nbytes(outputs) - nbytes(outputs[me]));
@@ -461,10 +484,11 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
       c.fail(
           fmt::format("{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits",
                       role, t.size(0), c.size(), role));
-    return even_splits(t.size(0), c.size(), "all_to_all_single");
+    // Uniform: no N-entry vector per rank (see SplitList).
+    return SplitList::uniform(static_cast<std::size_t>(c.size()), t.size(0) / c.size());
   };
-  Splits in = input_splits.empty() ? even(input, "input") : input_splits;
-  Splits out = output_splits.empty() ? even(output, "output") : output_splits;
+  SplitList in = input_splits.empty() ? even(input, "input") : SplitList(input_splits);
+  SplitList out = output_splits.empty() ? even(output, "output") : SplitList(output_splits);
   c.splits(in, "input_splits", Checker::row_bytes(input));
   c.splits(out, "output_splits", Checker::row_bytes(input));
   if (split_sum(in) != input.size(0))

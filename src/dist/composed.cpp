@@ -76,8 +76,9 @@ void composed_reduce(Backend& b, Call& c) {
   Call to_dst = step(c, OpType::AllToAllSingle);
   to_dst.inputs = {mine};
   to_dst.outputs = {is_dst ? t : empty({0}, c.dtype, t.device())};
-  to_dst.input_splits = Splits(static_cast<std::size_t>(n), 0);
-  to_dst.input_splits[static_cast<std::size_t>(c.root)] = counts[me];
+  Splits to_root(static_cast<std::size_t>(n), 0);
+  to_root[static_cast<std::size_t>(c.root)] = counts[me];
+  to_dst.input_splits = std::move(to_root);
   to_dst.output_splits = is_dst ? counts : Splits(static_cast<std::size_t>(n), 0);
   b.all_to_all_single(to_dst);
 }

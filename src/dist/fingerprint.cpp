@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 
 #include "diffcomm/error.hpp"
@@ -63,7 +64,8 @@ uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
-uint64_t hash_words(const std::vector<int64_t>& v, uint64_t seed) {
+template <class List>
+uint64_t hash_words(const List& v, uint64_t seed) {
   uint64_t h = mix(seed ^ v.size());
   for (int64_t x : v) h = mix(h ^ static_cast<uint64_t>(x));
   return h;
@@ -101,8 +103,8 @@ CallDesc describe(const Call& call) {
   for (const auto& t : call.inputs) d.inputs.push_back(t.defined() ? t.shape() : Shape{});
   d.outputs.reserve(call.outputs.size());
   for (const auto& t : call.outputs) d.outputs.push_back(t.defined() ? t.shape() : Shape{});
-  d.input_splits = call.input_splits;
-  d.output_splits = call.output_splits;
+  d.input_splits = call.input_splits.to_vector();
+  d.output_splits = call.output_splits.to_vector();
   d.members = call.members;
   d.color = call.color;
   d.key = call.key;
@@ -281,6 +283,131 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
     default: break;
   }
   return "";
+}
+
+namespace {
+
+const Shape& first_shape(const std::vector<Tensor>& ts) {
+  static const Shape none;
+  return ts.empty() ? none : ts[0].shape();
+}
+// row_shape() of the shapes of `ts`, compared in place.
+bool same_row_shape(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  const Shape& x = first_shape(a);
+  const Shape& y = first_shape(b);
+  if (x.empty() || y.empty()) return x.size() <= 1 && y.size() <= 1;
+  return std::equal(x.begin() + 1, x.end(), y.begin() + 1, y.end());
+}
+// An exact (injective) 64-bit code of shapes up to 2-D with modest extents
+// (tag in the top two bits); 0 when the shape does not fit one.
+uint64_t shape_code(const Shape& s) {
+  constexpr uint64_t k31 = uint64_t{1} << 31, k62 = uint64_t{1} << 62;
+  auto fits = [](int64_t d, uint64_t limit) { return d >= 0 && static_cast<uint64_t>(d) < limit; };
+  if (s.empty()) return uint64_t{1} << 62;
+  if (s.size() == 1 && fits(s[0], k62)) return (uint64_t{2} << 62) | static_cast<uint64_t>(s[0]);
+  if (s.size() == 2 && fits(s[0], k31) && fits(s[1], k31))
+    return (uint64_t{3} << 62) | (static_cast<uint64_t>(s[0]) << 31) | static_cast<uint64_t>(s[1]);
+  return 0;
+}
+bool all_defined(const std::vector<Tensor>& ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const Tensor& t) { return t.defined(); });
+}
+
+// True when compare() of the members' descriptions would return "": the same
+// rules, read straight from the Calls. Building N descriptions copies every
+// shape and split list (N^2 entries for all_to_all and all_to_all_single: 4
+// GiB at 16384 ranks, and most of a 1024-rank list-form call's time), only to
+// find that they agree, which is the common case.
+bool calls_agree(const std::vector<const Call*>& c) {
+  const std::size_t n = c.size();
+  const Call& c0 = *c[0];
+  for (std::size_t i = 0; i < n; ++i)
+    if (!all_defined(c[i]->inputs) || !all_defined(c[i]->outputs)) return false;
+  for (std::size_t i = 1; i < n; ++i) {
+    const Call& ci = *c[i];
+    if (ci.op != c0.op) return false;
+    if (c0.op == OpType::NewGroup) {
+      if (ci.members != c0.members) return false;
+      continue;
+    }
+    if (c0.op == OpType::Barrier) continue;
+    if (ci.dtype != c0.dtype || ci.root != c0.root || ci.reduce_op != c0.reduce_op) return false;
+  }
+  const OpType op = c0.op;
+  if (same_shape_op(op)) {
+    const bool outs = op == OpType::ReduceScatter || op == OpType::Scatter;
+    const Shape& s0 = first_shape(outs ? c0.outputs : c0.inputs);
+    for (std::size_t i = 1; i < n; ++i)
+      if (first_shape(outs ? c[i]->outputs : c[i]->inputs) != s0) return false;
+    return true;
+  }
+  switch (op) {
+    case OpType::AllGatherV:
+    case OpType::ReduceScatterV: {
+      const bool gather = op == OpType::AllGatherV;
+      for (std::size_t i = 1; i < n; ++i) {
+        if (!(gather ? c[i]->output_splits == c0.output_splits
+                     : c[i]->input_splits == c0.input_splits))
+          return false;
+        if (!same_row_shape(c[i]->inputs, c0.inputs)) return false;
+      }
+      return true;
+    }
+    case OpType::AllToAllSingle: {
+      bool uniform = true;  // every list uniform with one value: agree in O(N)
+      const int64_t v = c0.input_splits.uniform_value();
+      for (std::size_t i = 0; i < n; ++i) {
+        if (!same_row_shape(c[i]->inputs, c0.inputs)) return false;
+        const Call& ci = *c[i];
+        if (ci.input_splits.size() != n || ci.output_splits.size() != n) return false;
+        uniform = uniform && ci.input_splits.is_uniform() && ci.output_splits.is_uniform() &&
+                  ci.input_splits.uniform_value() == v && ci.output_splits.uniform_value() == v;
+      }
+      if (uniform) return true;
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t j = 0; j < n; ++j)
+          if (c[i]->input_splits[j] != c[j]->output_splits[i]) return false;
+      return true;
+    }
+    case OpType::AllToAll: {
+      for (std::size_t i = 0; i < n; ++i)
+        if (c[i]->inputs.size() != n || c[i]->outputs.size() != n) return false;
+      // Shapes read rank by rank into exact codes, then compared in the
+      // transposed order from that table: comparing tensor to tensor reads
+      // N^2 shapes in transposed order, a cache miss each at 1024 ranks.
+      std::vector<uint64_t> in(n * n), out(n * n);
+      for (std::size_t s = 0; s < n; ++s)
+        for (std::size_t i = 0; i < n; ++i) {
+          in[s * n + i] = shape_code(c[s]->inputs[i].shape());
+          out[s * n + i] = shape_code(c[s]->outputs[i].shape());
+        }
+      for (std::size_t i = 0; i < n; ++i)
+        for (std::size_t s = 0; s < n; ++s) {
+          const uint64_t a = out[i * n + s], b = in[s * n + i];
+          if (a != 0 && b != 0) {
+            if (a != b) return false;
+          } else if (c[i]->outputs[s].shape() != c[s]->inputs[i].shape()) {
+            return false;
+          }
+        }
+      return true;
+    }
+    default: return true;
+  }
+}
+
+}  // namespace
+
+std::string compare(const std::vector<const Call*>& calls, const std::vector<int>& globals) {
+  if (calls.empty() || calls_agree(calls)) return "";
+  // Disagreement (rare): the descriptions give the one wording of the report.
+  std::vector<CallDesc> descs;
+  descs.reserve(calls.size());
+  for (const Call* c : calls) descs.push_back(describe(*c));
+  std::vector<const CallDesc*> ptrs;
+  ptrs.reserve(descs.size());
+  for (const auto& d : descs) ptrs.push_back(&d);
+  return compare(ptrs, globals);
 }
 
 Fingerprint fingerprint(const Call& call) {

@@ -45,33 +45,52 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;
     const auto n = static_cast<std::size_t>(out.numel());
-    std::vector<C> acc(n);
-    const T* p0 = static_cast<const T*>(inputs[0].data_ptr());
-    if constexpr (std::is_floating_point_v<C>) {
-      if (op == ReduceOp::PremulSum) {
-        // Σ (factor · x_s), as NCCL's PreMulSum: each product rounded in C.
-        const auto f = static_cast<C>(op.factor());
-        for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(f * static_cast<C>(p0[i]));
-      } else {
-        for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(p0[i]);
-      }
-    } else {
-      for (std::size_t i = 0; i < n; ++i) acc[i] = static_cast<C>(p0[i]);
+    T* po = static_cast<T*>(out.data_ptr());
+    // Block by block: a block of the accumulator stays in L1 while every
+    // input streams through it once, and the result is written straight to
+    // `out` (no N-sized scratch, no second pass). Safe whenever `out` either
+    // is an input (same start: that block of it is read before it is
+    // written, and never read again) or overlaps none; any other overlap
+    // accumulates everything first, as the rule "out may alias an input"
+    // requires. Order of combination per element is unchanged.
+    constexpr std::size_t kBlock = 512;  // 4 KiB of C at most: fits a fiber stack
+    const char* ob = reinterpret_cast<const char*>(po);
+    const char* oe = ob + n * sizeof(T);
+    bool blockwise = true;
+    for (const auto& t : inputs) {
+      const char* ib = static_cast<const char*>(t.data_ptr());
+      if (ib != ob && ib < oe && ob < ib + n * sizeof(T)) blockwise = false;
     }
-    // One tight loop per op (the switch stays outside the element loop).
-    // Blocked so a block of the accumulator stays in L1 while every input
-    // streams through it once; order of combination per element unchanged.
-    auto fold = [&](auto combine) {
-      constexpr std::size_t kBlock = 2048;
-      for (std::size_t b = 0; b < n; b += kBlock) {
-        const std::size_t e = std::min(n, b + kBlock);
-        C* a = acc.data();
-        for (std::size_t k = 1; k < inputs.size(); ++k) {
-          const T* p = static_cast<const T*>(inputs[k].data_ptr());
-          for (std::size_t i = b; i < e; ++i) a[i] = combine(a[i], static_cast<C>(p[i]));
-        }
+    alignas(64) C block[kBlock];
+    std::vector<C> acc(blockwise ? 0 : n);
+    auto finish = [&](const C* a, std::size_t b, std::size_t e) {
+      if (op == ReduceOp::Avg) {
+        const C count = static_cast<C>(inputs.size());
+        for (std::size_t i = b; i < e; ++i)
+          po[i] = static_cast<T>(static_cast<C>(a[i - b] / count));
+      } else {
+        for (std::size_t i = b; i < e; ++i) po[i] = static_cast<T>(a[i - b]);
       }
     };
+    // One tight loop per op (the switch stays outside the element loop);
+    // `first` maps the first input's element (PremulSum's factor).
+    auto fold_with = [&](auto combine, auto first) {
+      for (std::size_t b = 0; b < n; b += kBlock) {
+        const std::size_t e = std::min(n, b + kBlock);
+        C* a = blockwise ? block : acc.data() + b;
+        const T* p0 = static_cast<const T*>(inputs[0].data_ptr());
+        for (std::size_t i = b; i < e; ++i) a[i - b] = first(static_cast<C>(p0[i]));
+        for (std::size_t k = 1; k < inputs.size(); ++k) {
+          const T* p = static_cast<const T*>(inputs[k].data_ptr());
+          for (std::size_t i = b; i < e; ++i) a[i - b] = combine(a[i - b], static_cast<C>(p[i]));
+        }
+        if (blockwise) finish(a, b, e);
+      }
+      if (!blockwise)
+        for (std::size_t b = 0; b < n; b += kBlock)
+          finish(acc.data() + b, b, std::min(n, b + kBlock));
+    };
+    auto fold = [&](auto combine) { fold_with(combine, [](C v) { return v; }); };
     // Integers wrap around (two's complement, as NCCL and MPI do), computed
     // in the unsigned type so no signed overflow (undefined) happens.
     // Max/Min propagate NaN whatever the order contributions arrive in
@@ -83,9 +102,11 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
         fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) + static_cast<U>(v)); });
         break;
       case ReduceOp::PremulSum:
+        // Σ (factor · x_s), as NCCL's PreMulSum: each product rounded in C.
         if constexpr (std::is_floating_point_v<C>) {
           const auto f = static_cast<C>(op.factor());
-          fold([f](C a, C v) { return static_cast<C>(a + static_cast<C>(f * v)); });
+          fold_with([f](C a, C v) { return static_cast<C>(a + static_cast<C>(f * v)); },
+                    [f](C v) { return static_cast<C>(f * v); });
         }
         break;
       case ReduceOp::Product:
@@ -99,13 +120,6 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
       case ReduceOp::Max:
         fold([](C a, C v) { return (a != a) ? a : (a < v || v != v) ? v : a; });
         break;
-    }
-    T* po = static_cast<T*>(out.data_ptr());
-    if (op == ReduceOp::Avg) {
-      const C count = static_cast<C>(inputs.size());
-      for (std::size_t i = 0; i < n; ++i) po[i] = static_cast<T>(static_cast<C>(acc[i] / count));
-    } else {
-      for (std::size_t i = 0; i < n; ++i) po[i] = static_cast<T>(acc[i]);
     }
   });
 }

@@ -3,8 +3,12 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 
 #include "diffcomm/autograd.hpp"
 #include "diffcomm/dist/collectives.hpp"
@@ -27,7 +31,7 @@ uint64_t mix(uint64_t a, uint64_t b) {
   return z ^ (z >> 31);
 }
 
-std::vector<double> draw(uint64_t seed, std::size_t count, double scale, DType dtype) {
+std::vector<double> draw_fresh(uint64_t seed, std::size_t count, double scale, DType dtype) {
   Generator gen(seed);
   std::vector<double> v(count);
   for (double& x : v) x = scale * gen.normal();
@@ -35,27 +39,70 @@ std::vector<double> draw(uint64_t seed, std::size_t count, double scale, DType d
   return from_vector(v, {static_cast<int64_t>(count)}, dtype).to_vector();
 }
 
+// Every rank of a simulated world (and the reference) asks for the same
+// draws: W and A on every rank, text/u/patches on every rank of a dp slice.
+// Drawing them per rank made `sweep` spend half its time in the generator and
+// gave each rank its own copies. A draw is a pure function of its arguments,
+// so a small process-wide memo returns the identical values, drawn once and
+// shared. Bounded (oldest out first) so memory stays flat in the number of
+// ranks and seeds; the mutex covers thread ranks (python's sim.run).
+using Drawn = std::shared_ptr<const std::vector<double>>;
+Drawn draw(uint64_t seed, std::size_t count, double scale, DType dtype) {
+  struct Entry {
+    std::size_t count;
+    double scale;
+    DType dtype;
+    Drawn values;
+  };
+  constexpr std::size_t kBudget = std::size_t{2} << 20;  // doubles kept (16 MiB)
+  static std::mutex mu;
+  static std::unordered_map<uint64_t, Entry> memo;  // by seed
+  static std::deque<uint64_t> order;                // oldest first
+  static std::size_t held = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = memo.find(seed);
+    if (it != memo.end() && it->second.count == count && it->second.scale == scale &&
+        it->second.dtype == dtype)
+      return it->second.values;
+  }
+  auto values = std::make_shared<const std::vector<double>>(draw_fresh(seed, count, scale, dtype));
+  std::lock_guard<std::mutex> lock(mu);
+  // Too big, or a seed already held with other parameters: not kept.
+  if (count > kBudget || memo.count(seed) != 0) return values;
+  while (!order.empty() && held + count > kBudget) {
+    auto old = memo.find(order.front());
+    held -= old->second.count;
+    memo.erase(old);
+    order.pop_front();
+  }
+  memo.emplace(seed, Entry{count, scale, dtype, values});
+  order.push_back(seed);
+  held += count;
+  return values;
+}
+
 struct Synthetic {
   const StepConfig& cfg;
-  std::vector<double> W() const {
+  Drawn W() const {
     return draw(mix(cfg.seed, 1), static_cast<std::size_t>(cfg.in_features * cfg.hidden),
                 1.0 / std::sqrt(static_cast<double>(cfg.in_features)), cfg.dtype);
   }
-  std::vector<double> A() const {
+  Drawn A() const {
     return draw(mix(cfg.seed, 2), static_cast<std::size_t>(cfg.hidden * cfg.ffn),
                 1.0 / std::sqrt(static_cast<double>(cfg.hidden)), cfg.dtype);
   }
-  std::vector<double> patches(int d, int64_t item_id, int64_t tokens) const {
+  Drawn patches(int d, int64_t item_id, int64_t tokens) const {
     return draw(mix(mix(cfg.seed, 3),
                     static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(item_id)),
                 static_cast<std::size_t>(tokens * cfg.in_features), 1.0, cfg.dtype);
   }
-  std::vector<double> text(int d, int64_t b, int64_t seq_len) const {
+  Drawn text(int d, int64_t b, int64_t seq_len) const {
     return draw(
         mix(mix(cfg.seed, 4), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
         static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
   }
-  std::vector<double> u(int d, int64_t b, int64_t seq_len) const {
+  Drawn u(int d, int64_t b, int64_t seq_len) const {
     return draw(
         mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
         static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
@@ -128,7 +175,7 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   const Synthetic syn{cfg};
 
   // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
-  Tensor W = from_vector(syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
+  Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
   W.set_requires_grad(true);
   const int ecp = cfg.encoder.encoder_cp;
   const int bucket = e / ecp, j = e % ecp;
@@ -137,8 +184,8 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   std::vector<double> p_all;
   for (int64_t id : items) {
     const auto& it = plan.items[static_cast<std::size_t>(id)];
-    const auto p = syn.patches(res.dp_rank, id, it.output_rows);
-    p_all.insert(p_all.end(), p.begin(), p.end());
+    const Drawn p = syn.patches(res.dp_rank, id, it.output_rows);
+    p_all.insert(p_all.end(), p->begin(), p->end());
     R += it.output_rows;
   }
   auto slice_lo = [&](int k) { return R * k / ecp; };
@@ -178,21 +225,21 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   const std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
   const ShardLayout layout(plan, e);
   res.shard_tokens = layout.tokens();
-  std::map<int64_t, std::vector<double>> text_cache, u_cache;
+  std::map<int64_t, Drawn> text_cache, u_cache;
   auto text_of = [&](int64_t b) -> const std::vector<double>& {
     auto it = text_cache.find(b);
     if (it == text_cache.end())
       it = text_cache
                .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
                .first;
-    return it->second;
+    return *it->second;
   };
   auto u_of = [&](int64_t b) -> const std::vector<double>& {
     auto it = u_cache.find(b);
     if (it == u_cache.end())
       it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
                .first;
-    return it->second;
+    return *it->second;
   };
   // The text embeddings are a parameter's output in a real decoder: they
   // require grad, so every rank's decoder graph is differentiable.
@@ -203,7 +250,8 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
 
   // ---- decoder (Megatron-style TP / SP) and loss
   const Tensor U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
-  const auto a = syn.A();
+  const Drawn a_drawn = syn.A();
+  const std::vector<double>& a = *a_drawn;
   const int64_t cols = cfg.ffn / tp;
   std::vector<double> a_cols;
   for (int64_t r = 0; r < cfg.hidden; ++r)
@@ -246,8 +294,9 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
 StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
   validate(cfg, per_dp);
   const Synthetic syn{cfg};
-  const auto W = syn.W();
-  const auto A = syn.A();
+  const Drawn W_drawn = syn.W(), A_drawn = syn.A();
+  const std::vector<double>& W = *W_drawn;
+  const std::vector<double>& A = *A_drawn;
   const int64_t H = cfg.hidden, I = cfg.in_features, Fn = cfg.ffn;
   auto round = [&](std::vector<double> v) {
     return from_vector(v, {static_cast<int64_t>(v.size())}, cfg.dtype).to_vector();
@@ -260,15 +309,16 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
     int64_t item_id = 0;
     for (std::size_t b = 0; b < batch.samples.size(); ++b) {
       const Sample& s = batch.samples[b];
-      std::vector<double> E = syn.text(d, static_cast<int64_t>(b), s.seq_len);
-      const std::vector<double> U = syn.u(d, static_cast<int64_t>(b), s.seq_len);
+      std::vector<double> E = *syn.text(d, static_cast<int64_t>(b), s.seq_len);
+      const Drawn U_drawn = syn.u(d, static_cast<int64_t>(b), s.seq_len);
+      const std::vector<double>& U = *U_drawn;
       struct Img {
         int64_t start, tokens;
         std::vector<double> P;
       };
       std::vector<Img> imgs;
       for (const ImageSpan& im : s.images) {
-        Img img{im.token_start, im.tokens, syn.patches(d, item_id++, im.tokens)};
+        Img img{im.token_start, im.tokens, *syn.patches(d, item_id++, im.tokens)};
         // F = P W, accumulated in float64 in the order of the inner index.
         std::vector<double> F(static_cast<std::size_t>(im.tokens * H), 0.0);
         for (int64_t r = 0; r < im.tokens; ++r)

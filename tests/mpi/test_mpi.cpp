@@ -16,6 +16,7 @@
 
 #include "conformance/backend_fixture.hpp"
 #include "conformance/conformance_suite.hpp"
+#include "conformance/promises_suite.hpp"
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
@@ -58,7 +59,11 @@ class MpiRunner final : public BackendRunner {
                     << mpi_size();
       return;
     }
-    fn(mpi::world(), mpi_rank());
+    // Checked mode on whatever the build type: the promises suite's
+    // mismatch cases need it (without it MPI's behaviour is undefined).
+    dist::Options options;
+    options.check = true;
+    fn(mpi::world(options), mpi_rank());
   }
 };
 

@@ -4,7 +4,10 @@
 // accounts its bytes, then hands it to the group's Backend. The same record is
 // the call's fingerprint: the simulated world compares the members' Calls
 // before moving any data.
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +41,67 @@ std::string op_name(OpType op);
 /// The same name as a static C string (no allocation; for hot paths).
 const char* op_cstr(OpType op);
 
+/// Rows per peer as a Call carries them: a read-only list whose copies never
+/// copy its entries. A list whose entries are all equal (even splits, the
+/// common all_to_all_single) is stored as (size, value) with no allocation;
+/// any other list is one immutable vector shared by every copy of the Call.
+/// Why: a Call per rank holding N explicit entries per direction is 2 x N
+/// int64 per rank (4 GiB at 16384 ranks), more than the payload itself.
+class SplitList {
+ public:
+  class iterator {
+   public:
+    using iterator_category = std::forward_iterator_tag;
+    using value_type = int64_t;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const int64_t*;
+    using reference = int64_t;
+    iterator() = default;
+    iterator(const SplitList* list, std::size_t i) : list_(list), i_(i) {}
+    int64_t operator*() const { return (*list_)[i_]; }
+    iterator& operator++() {
+      ++i_;
+      return *this;
+    }
+    iterator operator++(int) {
+      iterator old = *this;
+      ++i_;
+      return old;
+    }
+    bool operator==(const iterator& o) const { return i_ == o.i_; }
+
+   private:
+    const SplitList* list_ = nullptr;
+    std::size_t i_ = 0;
+  };
+
+  SplitList() = default;
+  // Implicit on purpose: Call fields were std::vector<int64_t> and are
+  // assigned from Splits throughout the backends.
+  SplitList(std::vector<int64_t> values);  // NOLINT(google-explicit-constructor)
+  /// n entries, each `value`.
+  static SplitList uniform(std::size_t n, int64_t value);
+
+  std::size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  int64_t operator[](std::size_t i) const { return data_ != nullptr ? data_[i] : value_; }
+  /// True when every entry is equal (then each is uniform_value()).
+  bool is_uniform() const { return data_ == nullptr; }
+  int64_t uniform_value() const { return value_; }
+  /// The sum of all entries.
+  int64_t sum() const;
+  std::vector<int64_t> to_vector() const;
+  iterator begin() const { return {this, 0}; }
+  iterator end() const { return {this, n_}; }
+  bool operator==(const SplitList& o) const;
+
+ private:
+  std::size_t n_ = 0;
+  int64_t value_ = 0;
+  const int64_t* data_ = nullptr;  ///< into owned_; null when uniform
+  std::shared_ptr<const std::vector<int64_t>> owned_;
+};
+
 struct Call {
   OpType op = OpType::Barrier;
   uint64_t seq = 0;   ///< per-group call number (collectives and send/recv counted apart)
@@ -50,10 +114,11 @@ struct Call {
   ReduceOp reduce_op = ReduceOp::Sum;
   std::vector<Tensor> inputs;   ///< read-only buffers
   std::vector<Tensor> outputs;  ///< written buffers (in-place ops: inputs == outputs)
-  /// Rows per peer. all_to_all_single: both (even splits made explicit);
-  /// all_gather_v: output_splits; reduce_scatter_v: input_splits.
-  std::vector<int64_t> input_splits;
-  std::vector<int64_t> output_splits;
+  /// Rows per peer. all_to_all_single: both (even splits as a uniform
+  /// list, never empty); all_gather_v: output_splits; reduce_scatter_v:
+  /// input_splits.
+  SplitList input_splits;
+  SplitList output_splits;
   /// new_group/split: this member's color (< 0: not in any new group) and
   /// key, and the fingerprint every member must pass (new_group: the member
   /// list).

@@ -11,11 +11,27 @@
 //  - tensors are written in place; outputs must be preallocated with the
 //    documented shape, the inputs' dtype and device;
 //  - "rows" means dim 0; splits count rows, may be zero, and must agree
-//    across ranks (the simulated world checks; other backends trust);
-//  - bfloat16/float16 reductions accumulate in float32; reductions combine
-//    contributions in group-rank order, so results are bit-reproducible.
-// Errors: InvalidArgument (local checks), CollectiveMismatch / Deadlock /
-// RankFailure (simulated world), BackendError (transport).
+//    across ranks (input_splits[j] on rank i == output_splits[i] on rank j);
+//
+// One semantics on every backend (README "Semantics"):
+//  - reductions: dist::reduce_into over the contributions in group-rank
+//    order; bfloat16/float16 accumulate in float32 and round once; Avg is
+//    that sum divided once by N; Max/Min propagate NaN; integers wrap.
+//    Production backends compose it from data movement (dist/composed.hpp)
+//    unless Options::native_reduction, so results are bit-identical to the
+//    simulated world;
+//  - aliasing: an input overlapping an output of the same call is staged
+//    (copied) first, so every call reads its inputs as they were when called
+//    (all_reduce, broadcast and reduce are in place by definition);
+//  - agreement: members must pass the same op, dtype, shapes, root, reduce
+//    op and agreeing splits. The simulated world always checks; MPI and
+//    NCCL check in checked mode (Options::check, DIFFCOMM_CHECK; on in Debug
+//    builds); otherwise a disagreement is undefined there, as with raw
+//    MPI/NCCL.
+// Errors: InvalidArgument (local checks, before any communication),
+// CollectiveMismatch (on every member), Deadlock / RankFailure (simulated
+// world), Timeout (production: a peer never arrived within
+// Options::timeout_s), BackendError (transport).
 #include <cstdint>
 #include <memory>
 #include <vector>

@@ -59,6 +59,10 @@ CallDesc deserialize(const int64_t* words, std::size_t count);
 /// new_group: equal member lists; split: equal fingerprints; equal reduce op
 /// includes PremulSum's factor.
 std::string compare(const std::vector<const CallDesc*>& calls, const std::vector<int>& globals);
+/// The same comparison straight from the members' Calls (the simulated
+/// world's case): agreement is checked in place, without building
+/// descriptions; only a mismatch builds them, for the same report.
+std::string compare(const std::vector<const Call*>& calls, const std::vector<int>& globals);
 
 /// A fixed-size summary of one member's call (kFingerprintWords int64 words),
 /// exchanged by every member before the data moves in checked mode. Equal

@@ -2,11 +2,13 @@
 // The one wait loop of the production backends: a backend issues its call
 // (non-blocking MPI request, NCCL kernel on a stream), then waits here with a
 // deadline, polling `done()`. On expiry it raises Timeout naming the call;
-// the funnel appends the rank's flight recorder. Spins briefly, then yields,
-// then sleeps in short steps, so a waiting rank does not hold a core.
+// the funnel appends the rank's flight recorder. Polls (yielding the core
+// between polls) for the first 50 ms, then sleeps in short steps, so a rank
+// waiting long for a late peer does not hold a core.
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdint>
 #include <thread>
 
 #include "diffcomm/dist/call.hpp"
@@ -20,19 +22,29 @@ namespace diffcomm::dist {
 /// returned early, failed or skipped this call".
 template <class Done>
 void wait_until_done(const Call& call, double timeout_s, Done&& done) {
+  // Polling is what drives an MPI transport's progress, so the first phase
+  // polls without sleeping (as MPI_Wait would), yielding the core between
+  // polls so oversubscribed ranks (more ranks than cores) still run; only a
+  // call that takes longer than kSpin backs off to short sleeps.
   for (int i = 0; i < 1000; ++i)
     if (done()) return;
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
-  auto pause = std::chrono::microseconds(1);
-  while (!done()) {
-    if (timeout_s > 0 && std::chrono::duration<double>(clock::now() - start).count() > timeout_s)
+  constexpr auto kSpin = std::chrono::milliseconds(50);
+  auto pause = std::chrono::microseconds(10);
+  for (uint64_t polls = 1; !done(); ++polls) {
+    const auto waited = clock::now() - start;
+    if (timeout_s > 0 && std::chrono::duration<double>(waited).count() > timeout_s)
       throw Timeout(fmt::format(
           "timed out after {} s waiting in {}: {}; a member returned early, failed or skipped "
           "this call (the group is unusable now)",
           timeout_s, call.where(), call.signature()));
-    std::this_thread::sleep_for(pause);
-    if (pause < std::chrono::microseconds(200)) pause *= 2;
+    if (waited < kSpin) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      if (pause < std::chrono::microseconds(500)) pause *= 2;
+    }
   }
 }
 

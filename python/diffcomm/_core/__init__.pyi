@@ -31,6 +31,9 @@ class Deadlock(Error):
 class RankFailure(Error):
     pass
 
+class Timeout(Error):
+    pass
+
 class BackendError(Error):
     pass
 

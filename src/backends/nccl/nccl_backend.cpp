@@ -610,7 +610,7 @@ class NcclBackend final : public dist::Backend {
     if (opts_.even_all_to_all) {
       // The promise of Options::even_all_to_all, checked before any traffic.
       const int64_t k = c.input_splits.empty() ? 0 : c.input_splits[0];
-      auto even = [&](const std::vector<int64_t>& s) {
+      auto even = [&](const dist::SplitList& s) {
         return std::all_of(s.begin(), s.end(), [&](int64_t x) { return x == k; });
       };
       if (!even(c.input_splits) || !even(c.output_splits))

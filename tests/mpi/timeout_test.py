@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Runs tests/mpi/timeout_main.cpp under mpirun for one scenario and checks
+that every rank other than the misbehaving rank 3 raised the expected error
+within the time limit, with a report naming the call and the flight
+recorder. Exit 0 on success.
+
+usage: timeout_test.py SCENARIO EXPECTED_KIND MPIRUN_ARGS... PROGRAM
+"""
+import re
+import subprocess
+import sys
+import time
+
+scenario, expected = sys.argv[1], sys.argv[2]
+cmd = sys.argv[3:] + [scenario]
+start = time.monotonic()
+try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+except subprocess.TimeoutExpired as e:
+    print(f"FAIL {scenario}: mpirun still running after 120 s (a hang)")
+    print((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
+    sys.exit(1)
+elapsed = time.monotonic() - start
+out = proc.stdout + proc.stderr
+results = {}
+for m in re.finditer(r"^RESULT rank (\d+): (\w[\w-]*): (.*?)(?=^RESULT rank |\Z)", out, re.S | re.M):
+    results[int(m.group(1))] = (m.group(2), m.group(3))
+failures = []
+for r in range(3):
+    if r not in results:
+        failures.append(f"rank {r} printed no RESULT line")
+        continue
+    kind, what = results[r]
+    if kind != expected:
+        failures.append(f"rank {r}: expected {expected}, got {kind}: {what[:300]}")
+        continue
+    need = ["on group 'world'", "#"]
+    if expected == "Timeout":
+        need += ["timed out after", "flight recorder", ": failed ("]
+    else:
+        need += ["collective mismatch", "op differs"]
+    for n in need:
+        if n not in what:
+            failures.append(f"rank {r}: report lacks {n!r}: {what[:400]}")
+if elapsed > 60:
+    failures.append(f"took {elapsed:.0f} s (the deadline is seconds)")
+print(out)
+if failures:
+    print(f"FAIL {scenario} ({elapsed:.1f} s):\n  " + "\n  ".join(failures))
+    sys.exit(1)
+print(f"PASS {scenario}: ranks 0-2 raised {expected} in {elapsed:.1f} s")
