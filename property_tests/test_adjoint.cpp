@@ -52,6 +52,11 @@ enum class Op {
   ReduceScatterVAvg,
   AllToAll,
   AllToAllSingle,
+  AllReducePremulSum,
+  ReducePremulSum,
+  ReduceScatterPremulSum,
+  ReduceScatterSinglePremulSum,
+  ReduceScatterVPremulSum,
 };
 
 const char* op_text(Op op) {
@@ -74,6 +79,11 @@ const char* op_text(Op op) {
     case Op::ReduceScatterVAvg: return "reduce_scatter_v(avg)";
     case Op::AllToAll: return "all_to_all";
     case Op::AllToAllSingle: return "all_to_all_single";
+    case Op::AllReducePremulSum: return "all_reduce(premul_sum(-0.375))";
+    case Op::ReducePremulSum: return "reduce(premul_sum(-0.375))";
+    case Op::ReduceScatterPremulSum: return "reduce_scatter(premul_sum(-0.375))";
+    case Op::ReduceScatterSinglePremulSum: return "reduce_scatter_single(premul_sum(-0.375))";
+    case Op::ReduceScatterVPremulSum: return "reduce_scatter_v(premul_sum(-0.375))";
   }
   return "?";
 }
@@ -83,7 +93,20 @@ bool averages(Op op) {
          op == Op::ReduceScatterSingleAvg || op == Op::ReduceScatterVAvg;
 }
 
-ReduceOp reduce_op(Op op) { return averages(op) ? ReduceOp::Avg : ReduceOp::Sum; }
+bool premul(Op op) {
+  return op == Op::AllReducePremulSum || op == Op::ReducePremulSum ||
+         op == Op::ReduceScatterPremulSum || op == Op::ReduceScatterSinglePremulSum ||
+         op == Op::ReduceScatterVPremulSum;
+}
+
+// PremulSum's factor: negative and not a power of two, so a missing or
+// inverted scale in the adjoint shows.
+constexpr double kFactor = -0.375;
+
+ReduceOp reduce_op(Op op) {
+  if (premul(op)) return ReduceOp::premul_sum(kFactor);
+  return averages(op) ? ReduceOp::Avg : ReduceOp::Sum;
+}
 
 // The global facts of one case; only the fields the op uses are drawn.
 struct Case {
@@ -121,12 +144,15 @@ Case gen_case(Op op) {
   switch (op) {
     case Op::AllReduceSum:
     case Op::AllReduceAvg:
+    case Op::AllReducePremulSum:
     case Op::AllGather:
     case Op::ReduceScatterSum:
-    case Op::ReduceScatterAvg: c.shape = gen_any_shape(); break;
+    case Op::ReduceScatterAvg:
+    case Op::ReduceScatterPremulSum: c.shape = gen_any_shape(); break;
     case Op::Broadcast:
     case Op::ReduceSum:
     case Op::ReduceAvg:
+    case Op::ReducePremulSum:
     case Op::Gather:
     case Op::Scatter:
       c.shape = gen_any_shape();
@@ -135,12 +161,14 @@ Case gen_case(Op op) {
     case Op::AllGatherSingle:
     case Op::ReduceScatterSingleSum:
     case Op::ReduceScatterSingleAvg:
+    case Op::ReduceScatterSinglePremulSum:
       c.row_shape = gen_row_shape();
       c.rows = *rc::gen::inRange<int64_t>(0, 4);
       break;
     case Op::AllGatherV:
     case Op::ReduceScatterVSum:
     case Op::ReduceScatterVAvg:
+    case Op::ReduceScatterVPremulSum:
       c.row_shape = gen_row_shape();
       c.splits = gen_splits(n);
       break;
@@ -168,6 +196,7 @@ Applied apply(Op op, const Case& c, const dist::ProcessGroup& g, DType dt, Gener
   switch (op) {
     case Op::AllReduceSum:
     case Op::AllReduceAvg:
+    case Op::AllReducePremulSum:
       leaves(c.shape, 1);
       a.outputs = {nn::all_reduce(a.inputs[0], g, reduce_op(op))};
       break;
@@ -177,6 +206,7 @@ Applied apply(Op op, const Case& c, const dist::ProcessGroup& g, DType dt, Gener
       break;
     case Op::ReduceSum:
     case Op::ReduceAvg:
+    case Op::ReducePremulSum:
       leaves(c.shape, 1);
       a.outputs = {nn::reduce(a.inputs[0], c.root, g, reduce_op(op))};
       break;
@@ -202,16 +232,19 @@ Applied apply(Op op, const Case& c, const dist::ProcessGroup& g, DType dt, Gener
       break;
     case Op::ReduceScatterSum:
     case Op::ReduceScatterAvg:
+    case Op::ReduceScatterPremulSum:
       leaves(c.shape, n);
       a.outputs = {nn::reduce_scatter(a.inputs, g, reduce_op(op))};
       break;
     case Op::ReduceScatterSingleSum:
     case Op::ReduceScatterSingleAvg:
+    case Op::ReduceScatterSinglePremulSum:
       leaves(with_rows(n * c.rows, c.row_shape), 1);
       a.outputs = {nn::reduce_scatter_single(a.inputs[0], g, reduce_op(op))};
       break;
     case Op::ReduceScatterVSum:
     case Op::ReduceScatterVAvg:
+    case Op::ReduceScatterVPremulSum:
       leaves(with_rows(total(c.splits), c.row_shape), 1);
       a.outputs = {nn::reduce_scatter_v(a.inputs[0], c.splits, g, reduce_op(op))};
       break;
@@ -285,7 +318,7 @@ void check_adjoint(Op op, DType dt) {
   double tol = 0;
   if (dt == DType::Float64)
     tol = 1e-12 * std::max(SL, SR);
-  else if (averages(op))
+  else if (averages(op) || premul(op))
     tol = 4 * unit_roundoff(dt) * (SL + SR);
   if (!(std::fabs(L - R) <= tol)) {
     std::string per_rank;
@@ -321,6 +354,11 @@ DIFFCOMM_ADJOINT_PROPS(ReduceScatterVSum, ReduceScatterVSum)
 DIFFCOMM_ADJOINT_PROPS(ReduceScatterVAvg, ReduceScatterVAvg)
 DIFFCOMM_ADJOINT_PROPS(AllToAll, AllToAll)
 DIFFCOMM_ADJOINT_PROPS(AllToAllSingle, AllToAllSingle)
+DIFFCOMM_ADJOINT_PROPS(AllReducePremulSum, AllReducePremulSum)
+DIFFCOMM_ADJOINT_PROPS(ReducePremulSum, ReducePremulSum)
+DIFFCOMM_ADJOINT_PROPS(ReduceScatterPremulSum, ReduceScatterPremulSum)
+DIFFCOMM_ADJOINT_PROPS(ReduceScatterSinglePremulSum, ReduceScatterSinglePremulSum)
+DIFFCOMM_ADJOINT_PROPS(ReduceScatterVPremulSum, ReduceScatterVPremulSum)
 
 }  // namespace
 }  // namespace diffcomm::prop

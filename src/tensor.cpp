@@ -139,6 +139,27 @@ int64_t shape_numel(const Shape& shape) {
 
 std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what) {
+  uint64_t bytes = element_size(dtype);
+  bool zero = false;
+  for (int64_t d : shape) {
+    if (d < 0)
+      throw InvalidArgument(fmt::format("{}: negative dim in shape {}", what, shape_str(shape)));
+    zero = zero || d == 0;
+  }
+  if (zero) return 0;
+  for (int64_t d : shape) {
+    const auto u = static_cast<uint64_t>(d);
+    if (bytes > kMaxTensorBytes / u)
+      throw InvalidArgument(
+          fmt::format("{}: shape {} of {} needs more than {} bytes (2^48), the most one tensor "
+                      "may hold",
+                      what, shape_str(shape), dtype_name(dtype), kMaxTensorBytes));
+    bytes *= u;
+  }
+  return bytes;
+}
+
 // ---------------------------------------------------------------- tensor
 namespace {
 const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
@@ -303,12 +324,9 @@ std::string Tensor::str() const {
 
 // ---------------------------------------------------------------- factories
 Tensor empty(const Shape& shape, DType dtype, Device device) {
-  for (int64_t d : shape)
-    if (d < 0)
-      throw InvalidArgument(fmt::format("empty: negative dim in shape {}", shape_str(shape)));
+  const uint64_t nbytes = checked_nbytes(shape, dtype, "empty");
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage =
-      Storage::allocate(static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype), device);
+  impl->storage = Storage::allocate(static_cast<std::size_t>(nbytes), device);
   impl->shape = shape;
   impl->dtype = dtype;
   return Tensor(impl);
@@ -354,13 +372,10 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType 
 
 Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
                  Storage::Deleter deleter) {
-  for (int64_t d : shape)
-    if (d < 0)
-      throw InvalidArgument(fmt::format("from_blob: negative dim in {}", shape_str(shape)));
+  const uint64_t nbytes = checked_nbytes(shape, dtype, "from_blob");
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(
-      data, static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype), device,
-      std::move(deleter));
+  impl->storage =
+      std::make_shared<Storage>(data, static_cast<std::size_t>(nbytes), device, std::move(deleter));
   impl->shape = shape;
   impl->dtype = dtype;
   return Tensor(impl);

@@ -392,9 +392,13 @@ void expect_like_reduce_into(DType dtype, dist::ReduceOp op, int k, int64_t n, u
                                std::conditional_t<std::is_same_v<T, float16>, rs::F16Bits, T>>;
   const T* w = static_cast<const T*>(want.data_ptr());
   for (int64_t i = 0; i < n; ++i) {
-    const S got = rs::reduce_element<S>(static_cast<rs::Op>(static_cast<int>(op)), k, [&](int j) {
-      return std::bit_cast<S>(static_cast<const T*>(in[static_cast<std::size_t>(j)].data_ptr())[i]);
-    });
+    const S got = rs::reduce_element<S>(
+        static_cast<rs::Op>(static_cast<int>(op.kind())), k,
+        [&](int j) {
+          return std::bit_cast<S>(
+              static_cast<const T*>(in[static_cast<std::size_t>(j)].data_ptr())[i]);
+        },
+        op.factor());
     ASSERT_EQ(std::memcmp(&w[i], &got, sizeof(S)), 0)
         << dtype_name(dtype) << " " << dist::reduce_op_name(op) << " k=" << k << " i=" << i;
   }
@@ -404,13 +408,14 @@ TEST(ReduceSemantics, EqualsReduceIntoBitForBit) {
   using dist::ReduceOp;
   for (int k : {1, 2, 3, 5, 8, 40}) {
     for (ReduceOp op :
-         {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max}) {
-      const auto seed = static_cast<uint32_t>(k * 10 + static_cast<int>(op));
+         {ReduceOp(ReduceOp::Sum), ReduceOp(ReduceOp::Avg), ReduceOp(ReduceOp::Product),
+          ReduceOp(ReduceOp::Min), ReduceOp(ReduceOp::Max), ReduceOp::premul_sum(-0.3)}) {
+      const auto seed = static_cast<uint32_t>(k * 10 + static_cast<int>(op.kind()));
       expect_like_reduce_into<float>(DType::Float32, op, k, 257, seed);
       expect_like_reduce_into<double>(DType::Float64, op, k, 257, seed);
       expect_like_reduce_into<bfloat16>(DType::BFloat16, op, k, 257, seed);
       expect_like_reduce_into<float16>(DType::Float16, op, k, 257, seed);
-      if (op != ReduceOp::Avg && op != ReduceOp::Product) {
+      if (op != ReduceOp::Avg && op != ReduceOp::Product && op != ReduceOp::PremulSum) {
         expect_like_reduce_into<int32_t>(DType::Int32, op, k, 257, seed);
         expect_like_reduce_into<int64_t>(DType::Int64, op, k, 257, seed);
       }

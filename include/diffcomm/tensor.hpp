@@ -153,8 +153,21 @@ T* Tensor::data() const {
 int64_t shape_numel(const Shape& shape);
 std::string shape_str(const Shape& shape);
 
+/// The most bytes one tensor may hold: 2^48 (256 TiB), more than any
+/// machine's memory and than the 48-bit virtual address space of today's
+/// x86-64 and ARM64 processes. A larger request is a bad size, not an
+/// allocation to attempt.
+inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 48;
+
+/// Bytes of a tensor of `shape` and `dtype` (numel x element size), computed
+/// without overflow. Throws InvalidArgument naming `what` (e.g. "empty",
+/// "nn::all_to_all_single output") on a negative dim or when the count
+/// overflows or exceeds kMaxTensorBytes.
+uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what);
+
 // ---- factories ----
-/// Uninitialised tensor. Throws InvalidArgument on a negative dim.
+/// Uninitialised tensor. Throws InvalidArgument on a negative dim or a size
+/// over kMaxTensorBytes (see checked_nbytes), before allocating.
 Tensor empty(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
 Tensor zeros(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());
 Tensor ones(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu());

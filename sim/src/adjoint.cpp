@@ -66,7 +66,9 @@ const std::vector<std::string>& differentiable_ops() {
                                             "reduce_scatter_single",
                                             "reduce_scatter_v",
                                             "all_to_all",
-                                            "all_to_all_single"};
+                                            "all_to_all_single",
+                                            "all_reduce_premul_sum",
+                                            "reduce_scatter_premul_sum"};
   return ops;
 }
 
@@ -87,10 +89,12 @@ std::pair<double, double> adjoint_terms(const std::string& op, const dist::Proce
   };
   const auto me = static_cast<std::size_t>(r);
   std::vector<Tensor> xs, outs;
-  if (op == "all_reduce" || op == "all_reduce_avg") {
+  if (op == "all_reduce" || op == "all_reduce_avg" || op == "all_reduce_premul_sum") {
     xs = {data(c.rows[0])};
-    outs = {nn::all_reduce(xs[0].set_requires_grad(), *group,
-                           op == "all_reduce" ? dist::ReduceOp::Sum : dist::ReduceOp::Avg)};
+    dist::ReduceOp rop = dist::ReduceOp::premul_sum(-0.375);
+    if (op == "all_reduce") rop = dist::ReduceOp::Sum;
+    if (op == "all_reduce_avg") rop = dist::ReduceOp::Avg;
+    outs = {nn::all_reduce(xs[0].set_requires_grad(), *group, rop)};
   } else if (op == "broadcast") {
     xs = {data(c.rows[0])};
     outs = {nn::broadcast(xs[0].set_requires_grad(), c.root, *group)};
@@ -115,9 +119,11 @@ std::pair<double, double> adjoint_terms(const std::string& op, const dist::Proce
   } else if (op == "scatter") {
     for (std::size_t i = 0; i < n; ++i) xs.push_back(data(c.rows[0]).set_requires_grad());
     outs = {nn::scatter(xs, c.root, *group)};
-  } else if (op == "reduce_scatter") {
+  } else if (op == "reduce_scatter" || op == "reduce_scatter_premul_sum") {
     for (std::size_t i = 0; i < n; ++i) xs.push_back(data(c.rows[0]).set_requires_grad());
-    outs = {nn::reduce_scatter(xs, *group)};
+    outs = {nn::reduce_scatter(xs, *group,
+                               op == "reduce_scatter" ? dist::ReduceOp(dist::ReduceOp::Sum)
+                                                      : dist::ReduceOp::premul_sum(-0.375))};
   } else if (op == "reduce_scatter_single") {
     xs = {data(c.rows[0] * static_cast<int64_t>(n))};
     outs = {nn::reduce_scatter_single(xs[0].set_requires_grad(), *group)};

@@ -23,7 +23,14 @@
 #include <random>
 #include <thread>
 
-#if defined(__SANITIZE_ADDRESS__)
+// GCC defines __SANITIZE_ADDRESS__ under -fsanitize=address; clang only
+// answers __has_feature(address_sanitizer).
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DIFFCOMM_SIM_HAS_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(DIFFCOMM_SIM_HAS_ASAN)
 #define DIFFCOMM_SIM_ASAN 1
 #include <pthread.h>
 #include <sanitizer/common_interface_defs.h>
@@ -33,8 +40,8 @@
 
 namespace diffcomm::sim::detail {
 
-/// Per-fiber state the algorithm keeps: the fiber's stack (for ASan) and
-/// whether it is ending.
+/// Per-fiber state the algorithm keeps: the fiber's stack (for ASan),
+/// whether it is ending, and the global rank it runs (-1: not a rank).
 class FiberProps : public boost::fibers::fiber_properties {
  public:
   using fiber_properties::fiber_properties;
@@ -43,6 +50,7 @@ class FiberProps : public boost::fibers::fiber_properties {
   bool terminating = false;
   bool pending_finish = false;
   void* fake_stack = nullptr;
+  int rank = -1;
 };
 
 class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_properties<FiberProps> {

@@ -51,6 +51,7 @@ struct Rendezvous {
   bool done = false;
   ErrorKind error = ErrorKind::None;
   std::string message;
+  int cause = -1;                             // RankFailure: global rank of the root-cause failure
   std::shared_ptr<const std::string> report;  // Deadlock: the one report every rank shares
   double start_us = 0, end_us = 0;
   std::vector<std::shared_ptr<dist::Backend>> split_results;
@@ -79,6 +80,7 @@ struct RankState {
   // N-line report (a copy per rank was O(N^2) memory: bad_alloc at 8192).
   std::shared_ptr<const std::string> error_message;
   uint64_t failure_order = 0;
+  int cause = -1;  // set when the world raised RankFailure here: the root-cause rank
 };
 
 const std::string& message_of(const RankState& rs) {
@@ -128,6 +130,9 @@ struct World::Impl {
   uint64_t trace_hash = 1469598103934665603ull;
   std::vector<std::exception_ptr> errors;
   detail::SeededAlgorithm* algo = nullptr;  // installed on this thread by run()
+  // True while run() runs; each run makes a new flag, every handle of that
+  // run shares it, and it outlives the World (handles check it first).
+  std::shared_ptr<bool> running = std::make_shared<bool>(false);
 
   std::shared_ptr<SimGroup> make_group(std::vector<int> members) {
     auto g = std::make_shared<SimGroup>();
@@ -237,7 +242,11 @@ struct World::Impl {
       rs.error = error;
       rs.error_message = std::move(message);
       rs.failure_order = ++failures;
-      // Release every member waiting for this rank in a group it belongs to.
+      // Release every member waiting for this rank in a group it belongs to,
+      // naming the root cause: a rank that failed because another failed
+      // (a victim) passes on that rank, not itself.
+      const int root = rs.cause >= 0 ? rs.cause : global;
+      const std::string what = failure_text(global);
       std::vector<Rendezvous*> affected;
       for (Rendezvous* rv : pending) {
         const auto& m = rv->globals;  // collective: the group; p2p: the pair
@@ -245,11 +254,30 @@ struct World::Impl {
       }
       for (Rendezvous* rv : affected) {
         rv->error = ErrorKind::RankFailure;
-        rv->message = fmt::format("member global rank {} failed: {}", global, message_of(rs));
+        rv->cause = root;
+        rv->message = what;
+        for (int slot : rv->arrival_order) {
+          RankState& victim =
+              ranks[static_cast<std::size_t>(rv->globals[static_cast<std::size_t>(slot)])];
+          if (victim.cause < 0) victim.cause = root;
+        }
         wake(*rv);
       }
     }
     check_deadlock();
+  }
+
+  // "member global rank R failed: <R's error>" for the root cause R of
+  // failed rank `global`, plus which member brought it here when that is
+  // another rank.
+  std::string failure_text(int global) const {
+    const RankState& rs = ranks[static_cast<std::size_t>(global)];
+    const int root = rs.cause >= 0 ? rs.cause : global;
+    const std::string head = fmt::format("member global rank {} failed: {}", root,
+                                         message_of(ranks[static_cast<std::size_t>(root)]));
+    if (root == global) return head;
+    return fmt::format("{} (root cause; global rank {} of this group failed as a result)", head,
+                       global);
   }
 
   [[noreturn]] void raise(const Rendezvous& rv, const Call& call) {
@@ -274,10 +302,12 @@ struct World::Impl {
       throw RankFailure(fmt::format("rank {}: injected fault at its call #{}: {}: {}", global,
                                     rs.calls, call.where(), call.signature()));
     if (failures == 0) return;  // the common case: no scan of the members
-    for (int m : g.members)
-      if (ranks[static_cast<std::size_t>(m)].status == Status::Failed)
-        throw RankFailure(fmt::format("{}: member global rank {} failed earlier: {}", call.where(),
-                                      m, message_of(ranks[static_cast<std::size_t>(m)])));
+    for (int m : g.members) {
+      const RankState& ms = ranks[static_cast<std::size_t>(m)];
+      if (ms.status != Status::Failed) continue;
+      rs.cause = ms.cause >= 0 ? ms.cause : m;
+      throw RankFailure(fmt::format("{}: (earlier) {}", call.where(), failure_text(m)));
+    }
   }
 
   // ---------------------------------------------------------- fingerprints
@@ -489,14 +519,39 @@ namespace {
 
 class SimBackend final : public dist::Backend {
  public:
-  SimBackend(World::Impl* world, std::shared_ptr<SimGroup> group, int slot)
-      : world_(world), group_(std::move(group)), slot_(slot) {}
+  SimBackend(World::Impl* world, std::shared_ptr<SimGroup> group, int slot,
+             std::shared_ptr<const bool> running)
+      : world_(world), group_(std::move(group)), slot_(slot), running_(std::move(running)) {}
 
   std::string backend_name() const override { return "sim"; }
   int rank() const override { return slot_; }
   int size() const override { return static_cast<int>(group_->members.size()); }
   int global_rank(int r) const override { return group_->members[static_cast<std::size_t>(r)]; }
   bool supports(const Device& d) const override { return d.is_cpu(); }
+
+  // O(1): the run flag, and the rank of the running fiber (its properties)
+  // against this handle's owner. Touches nothing of the World unless its run
+  // is still going (the World may be gone).
+  void check_caller(const Call& call) const override {
+    const int owner = group_->members[static_cast<std::size_t>(slot_)];
+    if (!*running_)
+      throw InvalidArgument(fmt::format(
+          "{} on group '{}' (sim backend, global rank {}): this group handle belongs to a "
+          "sim::World run that has finished, or to a World that was destroyed; a handle lives "
+          "only for the run() whose rank function obtained it",
+          dist::op_name(call.op), call.group, owner));
+    const auto* props =
+        static_cast<const detail::FiberProps*>(boost::fibers::context::active()->get_properties());
+    const int caller = props != nullptr ? props->rank : -1;
+    if (caller != owner)
+      throw InvalidArgument(fmt::format(
+          "{} on group '{}' (sim backend): called from {}, but this handle is global rank {}'s "
+          "(group rank {} of {}); a group handle is per rank: every member calls through the "
+          "handle its own rank function obtained, and non-members cannot call",
+          dist::op_name(call.op), call.group,
+          caller >= 0 ? fmt::format("global rank {}", caller) : std::string("outside the ranks"),
+          owner, slot_, group_->members.size()));
+  }
 
   std::shared_ptr<dist::Backend> split(Call& call, int, int) override {
     return world_->split(group_, slot_, call);
@@ -522,6 +577,7 @@ class SimBackend final : public dist::Backend {
   World::Impl* world_;
   std::shared_ptr<SimGroup> group_;
   int slot_;
+  std::shared_ptr<const bool> running_;  // false once the run that made this handle ended
   std::map<std::tuple<int, int, int>, uint64_t> p2p_counters_;  // (src, dst, tag) -> n
 };
 
@@ -660,7 +716,7 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
         auto sub = make_group(globals);
         for (std::size_t k = 0; k < members.size(); ++k)
           rv->split_results[static_cast<std::size_t>(members[k].second)] =
-              std::make_shared<SimBackend>(this, sub, static_cast<int>(k));
+              std::make_shared<SimBackend>(this, sub, static_cast<int>(k), running);
       }
       wake(*rv);
     } else {
@@ -708,7 +764,9 @@ World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = options;
 }
 
-World::~World() = default;
+World::~World() {
+  if (impl_) *impl_->running = false;  // handles still around refuse calls
+}
 
 const WorldOptions& World::options() const { return impl_->options; }
 const std::vector<std::exception_ptr>& World::errors() const { return impl_->errors; }
@@ -780,30 +838,58 @@ struct RecordingStack {
   void deallocate(boost::context::stack_context& s) noexcept { inner.deallocate(s); }
 };
 
-// Re-raises a rank's exception with the rank named, keeping its type.
-[[noreturn]] void rethrow_named(const std::exception_ptr& e, int rank, const std::string& what) {
-  const std::string msg =
-      what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", rank, what);
+// Raises the run's failures as a RunError of the first failure's kind, its
+// message naming that rank and then one line per other failed rank (a rank
+// whose message is the first's shared report, e.g. a deadlock, is listed
+// without repeating it).
+[[noreturn]] void rethrow_named(std::shared_ptr<const std::vector<RankError>> failures,
+                                const std::vector<const std::string*>& texts) {
+  const RankError& first = failures->front();
+  const std::string& what = first.message;
+  std::string msg =
+      what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", first.rank, what);
+  if (failures->size() > 1) {
+    msg += fmt::format("\n{} ranks failed in this run (RunFailures::failures() has each):",
+                       failures->size());
+    for (std::size_t i = 0; i < failures->size(); ++i) {
+      const RankError& f = (*failures)[i];
+      if (i > 0 && texts[i] == texts[0]) {
+        msg += fmt::format("\n  rank {}: the same report", f.rank);
+        continue;
+      }
+      const std::string& m = f.message;
+      msg += fmt::format("\n  rank {}: {}", f.rank, m.substr(0, m.find('\n')));
+    }
+  }
   try {
-    std::rethrow_exception(e);
+    std::rethrow_exception(first.error);
   } catch (const Deadlock&) {
-    throw Deadlock(msg);
+    throw RunError<Deadlock>(msg, std::move(failures));
   } catch (const CollectiveMismatch&) {
-    throw CollectiveMismatch(msg);
+    throw RunError<CollectiveMismatch>(msg, std::move(failures));
   } catch (const RankFailure&) {
-    throw RankFailure(msg);
+    throw RunError<RankFailure>(msg, std::move(failures));
   } catch (const InvalidArgument&) {
-    throw InvalidArgument(msg);
+    throw RunError<InvalidArgument>(msg, std::move(failures));
   } catch (const BackendError&) {
-    throw BackendError(msg);
+    throw RunError<BackendError>(msg, std::move(failures));
+  } catch (const Timeout&) {
+    throw RunError<Timeout>(msg, std::move(failures));
   } catch (...) {
-    throw Error(msg);
+    throw RunError<Error>(msg, std::move(failures));
   }
 }
 }  // namespace
 
 void World::run(const std::function<void(Rank&)>& fn) {
   Impl& w = *impl_;
+  // Inside a fiber (a rank function of this or another World) Boost.Fiber
+  // would abort on the nested scheduler switch: refuse before touching it.
+  if (!boost::fibers::context::active()->is_context(boost::fibers::type::main_context) ||
+      *w.running)
+    throw InvalidArgument(
+        "sim::World::run: called from inside a fiber (a rank function of a running World); "
+        "run() must be called from a plain thread, and one World runs one run() at a time");
   const int n = w.options.ranks;
   w.ranks.assign(static_cast<std::size_t>(n), RankState{});
   for (auto& rs : w.ranks) rs.stats = std::make_shared<dist::Stats>();  // one per rank, not shared
@@ -819,6 +905,13 @@ void World::run(const std::function<void(Rank&)>& fn) {
   w.blocked = 0;
   w.failures = 0;
   w.errors.assign(static_cast<std::size_t>(n), nullptr);
+  // A new flag per run: handles of an earlier run keep the old, false one.
+  *w.running = false;
+  w.running = std::make_shared<bool>(true);
+  struct EndRun {  // the run is over however run() leaves
+    bool& flag;
+    ~EndRun() { flag = false; }
+  } end_run{*w.running};
 
   w.algo = new detail::SeededAlgorithm(w.options.seed, w.options.schedule == Schedule::Random);
   boost::fibers::context::active()->get_scheduler()->set_algo(w.algo);  // takes ownership
@@ -836,7 +929,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
         RecordingStack{boost::fibers::protected_fixedsize_stack(w.options.stack_size), &last_stack},
         [this, &w, &fn, world_group, r] {
           w.algo->on_resumed();
-          auto backend = std::make_shared<SimBackend>(&w, world_group, r);
+          auto backend = std::make_shared<SimBackend>(&w, world_group, r, w.running);
           // Per-rank generator seed: a SplitMix64 step over (seed, rank).
           uint64_t z = w.options.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
           z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -869,24 +962,40 @@ void World::run(const std::function<void(Rank&)>& fn) {
     auto& props = fibers.back().properties<detail::FiberProps>();
     props.stack_bottom = static_cast<char*>(last_stack.sp) - last_stack.size;
     props.stack_size = last_stack.size;
+    props.rank = r;
   }
   for (auto& f : fibers) {
     f.join();
     w.algo->on_resumed();
   }
+  // An ended fiber waits in Boost's terminated queue, with its stack and
+  // properties, until Boost's dispatcher runs; the seeded algorithm always
+  // has a ready fiber to hand over, so the dispatcher never ran and every run
+  // kept all of its fibers (N stacks per run; the leak fuzz_plan_exchange
+  // found). A zero sleep hands the main context to the dispatcher once,
+  // which releases them before run() returns.
+  fibers.clear();
+  boost::this_fiber::sleep_for(std::chrono::seconds(0));
+  w.algo->on_resumed();
 
-  // Report the first failure (in failure order) on the caller.
-  int first = -1;
-  for (int r = 0; r < n; ++r) {
+  // Report every failure on the caller, the first (in failure order) leading.
+  std::vector<int> failed;
+  for (int r = 0; r < n; ++r)
+    if (w.ranks[static_cast<std::size_t>(r)].error) failed.push_back(r);
+  if (failed.empty()) return;
+  std::sort(failed.begin(), failed.end(), [&](int a, int b) {
+    return w.ranks[static_cast<std::size_t>(a)].failure_order <
+           w.ranks[static_cast<std::size_t>(b)].failure_order;
+  });
+  auto failures = std::make_shared<std::vector<RankError>>();
+  std::vector<const std::string*> texts;
+  failures->reserve(failed.size());
+  for (int r : failed) {
     const RankState& rs = w.ranks[static_cast<std::size_t>(r)];
-    if (rs.error &&
-        (first < 0 || rs.failure_order < w.ranks[static_cast<std::size_t>(first)].failure_order))
-      first = r;
+    failures->push_back({r, rs.error, message_of(rs), rs.cause});
+    texts.push_back(rs.error_message.get());
   }
-  if (first >= 0) {
-    const RankState& rs = w.ranks[static_cast<std::size_t>(first)];
-    rethrow_named(rs.error, first, message_of(rs));
-  }
+  rethrow_named(std::move(failures), texts);
 }
 
 }  // namespace diffcomm::sim

@@ -186,6 +186,7 @@ struct ReduceArgs {
   const T* const* table;
   int k;
   rs::Op op;
+  double factor;  // PremulSum's
   T* out;
   int64_t n;
 };
@@ -194,10 +195,13 @@ template <class T>
 __global__ void reduce_kernel(ReduceArgs<T> a) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < a.n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const T v = rs::reduce_element<T>(a.op, a.k, [&](int j) {
-      const T* p = a.k <= kInline ? a.inline_inputs[j] : a.table[j];
-      return p[i];
-    });
+    const T v = rs::reduce_element<T>(
+        a.op, a.k,
+        [&](int j) {
+          const T* p = a.k <= kInline ? a.inline_inputs[j] : a.table[j];
+          return p[i];
+        },
+        a.factor);
     a.out[i] = v;
   }
 }
@@ -361,8 +365,8 @@ void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, di
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
       throw InvalidArgument("reduce_into_device: input " + t.str() + " does not match output " +
                             out.str());
-  if (op == dist::ReduceOp::Avg && !is_floating(out.dtype()))
-    throw InvalidArgument(std::string("reduce_into_device: avg is undefined for ") +
+  if ((op == dist::ReduceOp::Avg || op == dist::ReduceOp::PremulSum) && !is_floating(out.dtype()))
+    throw InvalidArgument("reduce_into_device: " + dist::reduce_op_name(op) + " is undefined for " +
                           dtype_name(out.dtype()));
   if (inputs.size() > static_cast<std::size_t>(std::numeric_limits<int>::max()))
     throw InvalidArgument("reduce_into_device: too many inputs");
@@ -375,7 +379,8 @@ void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, di
     using T = decltype(tag);
     ReduceArgs<T> args{};
     args.k = k;
-    args.op = static_cast<rs::Op>(static_cast<int>(op));
+    args.op = static_cast<rs::Op>(static_cast<int>(op.kind()));
+    args.factor = op.factor();
     args.out = static_cast<T*>(out.data_ptr());
     args.n = n;
     void* table = nullptr;
@@ -421,3 +426,5 @@ static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Min) ==
               static_cast<int>(diffcomm::detail::rs::Op::Min));
 static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Max) ==
               static_cast<int>(diffcomm::detail::rs::Op::Max));
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::PremulSum) ==
+              static_cast<int>(diffcomm::detail::rs::Op::PremulSum));

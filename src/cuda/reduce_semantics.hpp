@@ -10,6 +10,8 @@
 //    (round to nearest even; NaN becomes the CPU types' quiet NaN: bfloat16
 //    0x7FC0, float16 sign|0x7E00), other dtypes accumulate in their own type;
 //  - Avg = the sum, then one division by the count, then the one rounding;
+//  - PremulSum = Σ (factor · x_j) in list order, each product and each sum
+//    one rounding in the accumulator type (floats only);
 //  - every float operation is a single correctly rounded IEEE operation (the
 //    _rn intrinsics on the device: no FMA contraction, no fast math);
 //  - Max/Min propagate NaN (either operand NaN gives the first NaN met, in
@@ -196,13 +198,14 @@ DIFFCOMM_HD bool is_nan(A a) {
 }
 
 /// The reduce operations, numbered as dist::ReduceOp.
-enum class Op : int { Sum = 0, Avg = 1, Product = 2, Min = 3, Max = 4 };
+enum class Op : int { Sum = 0, Avg = 1, Product = 2, Min = 3, Max = 4, PremulSum = 5 };
 
 template <class A>
 DIFFCOMM_HD A combine(Op op, A a, A v) {
   switch (op) {
     case Op::Sum:
-    case Op::Avg: return add_rn(a, v);
+    case Op::Avg:
+    case Op::PremulSum: return add_rn(a, v);  // PremulSum: v already premultiplied
     case Op::Product: return mul_rn(a, v);
     case Op::Min:
       if (is_nan(a)) return a;
@@ -217,11 +220,19 @@ DIFFCOMM_HD A combine(Op op, A a, A v) {
 }
 
 /// Element i of the reduction of k inputs (input(j) returns the j-th
-/// element value in storage type T).
+/// element value in storage type T); `factor` is PremulSum's.
 template <class T, class Input>
-DIFFCOMM_HD T reduce_element(Op op, int k, Input input) {
+DIFFCOMM_HD T reduce_element(Op op, int k, Input input, double factor = 1.0) {
   using Tr = Traits<T>;
   using A = typename Tr::Acc;
+  if constexpr (std::is_floating_point_v<A>) {
+    if (op == Op::PremulSum) {
+      const auto f = static_cast<A>(factor);
+      A acc = mul_rn(f, Tr::load(input(0)));
+      for (int j = 1; j < k; ++j) acc = add_rn(acc, mul_rn(f, Tr::load(input(j))));
+      return Tr::store(acc);
+    }
+  }
   A acc = Tr::load(input(0));
   for (int j = 1; j < k; ++j) acc = combine(op, acc, Tr::load(input(j)));
   if (op == Op::Avg) {

@@ -2,17 +2,28 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "diffcomm/dist/call.hpp"
 #include "diffcomm/dist/fingerprint.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/dist/stats.hpp"
+#include "diffcomm/error.hpp"
 
 namespace diffcomm::dist {
 
+ReduceOp ReduceOp::premul_sum(double factor) {
+  if (!std::isfinite(factor))
+    throw InvalidArgument(fmt::format("ReduceOp::premul_sum: factor {} is not finite", factor));
+  ReduceOp op(PremulSum);
+  op.factor_ = factor;
+  return op;
+}
+
 std::string reduce_op_name(ReduceOp op) {
   switch (op) {
+    case ReduceOp::PremulSum: return fmt::format("premul_sum({})", op.factor());
     case ReduceOp::Sum: return "sum";
     case ReduceOp::Avg: return "avg";
     case ReduceOp::Product: return "product";

@@ -147,17 +147,40 @@ class Checker {
           fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
     call_.root = r;
   }
-  void splits(const SplitList& s, const std::string& role) {
+  // Entries per member, none negative, and the rows they add up to (rows of
+  // `row_bytes` bytes) a size a buffer can have: checked without overflow,
+  // before any sum is taken or anything is allocated for them. A uniform
+  // list (even splits) is checked in O(1).
+  void splits(const SplitList& s, const std::string& role, uint64_t row_bytes) {
     if (static_cast<int>(s.size()) != size())
       fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
-    // A uniform list has one value to check (its first entry reports).
-    const std::size_t check = s.is_uniform() ? std::min<std::size_t>(s.size(), 1) : s.size();
-    for (std::size_t i = 0; i < check; ++i)
+    const uint64_t per_row = std::max<uint64_t>(row_bytes, 1);
+    auto too_big = [&]() {
+      fail(fmt::format(
+          "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)", role,
+          fmt::join(s.to_vector(), "+"), row_bytes, kMaxTensorBytes));
+    };
+    if (s.is_uniform()) {
+      if (s.empty()) return;
+      if (s[0] < 0) fail(fmt::format("{}[0] = {} is negative", role, s[0]));
+      if (static_cast<uint64_t>(s[0]) > kMaxTensorBytes / per_row / s.size()) too_big();
+      return;
+    }
+    uint64_t rows = 0;
+    for (std::size_t i = 0; i < s.size(); ++i) {
       if (s[i] < 0) fail(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
+      const auto r = static_cast<uint64_t>(s[i]);
+      if (r > kMaxTensorBytes || rows + r > kMaxTensorBytes / per_row) too_big();
+      rows += r;
+    }
+  }
+  static uint64_t row_bytes(const Tensor& t) {
+    return static_cast<uint64_t>(t.row_numel()) * element_size(t.dtype());
   }
   void reduce_op(ReduceOp op) {
-    if (op == ReduceOp::Avg && !is_floating(call_.dtype))
-      fail(fmt::format("avg is undefined for integer dtype {}", dtype_name(call_.dtype)));
+    if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(call_.dtype))
+      fail(fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
+                       dtype_name(call_.dtype)));
     call_.reduce_op = op;
   }
   static Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
@@ -171,6 +194,7 @@ class Checker {
   // Numbers the call, accounts its bytes, applies the aliasing rule, records
   // it in the rank's flight recorder and hands it to the backend.
   void dispatch(uint64_t sent, uint64_t received) {
+    g_.backend().check_caller(call_);
     const bool p2p = call_.op == OpType::Send || call_.op == OpType::Recv;
     call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
     call_.bytes_sent = sent;
@@ -237,11 +261,13 @@ Splits even_splits(int64_t rows, int parts, const char* op) {
 
 namespace detail {
 std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
-                                       const std::vector<int64_t>& fingerprint) {
+                                       const std::vector<int64_t>& fingerprint,
+                                       bool members_are_ranks) {
   Checker c(group, OpType::NewGroup);
   c.call().color = color;
   c.call().key = key;
   c.call().members = fingerprint;
+  c.call().members_are_ranks = members_are_ranks;
   c.dispatch(0, 0);
   return c.split_result;
 }
@@ -320,7 +346,7 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
   c.tensor(output, "output");
   c.has_rows(input, "input");
   c.has_rows(output, "output");
-  c.splits(output_splits, "output_splits");
+  c.splits(output_splits, "output_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(output_splits) != output.size(0))
     c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(output_splits),
@@ -414,7 +440,7 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
   c.reduce_op(op);
   c.has_rows(output, "output");
   c.has_rows(input, "input");
-  c.splits(input_splits, "input_splits");
+  c.splits(input_splits, "input_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(input_splits) != input.size(0))
     c.fail(fmt::format("input_splits sum to {} but input has {} rows", split_sum(input_splits),
@@ -463,8 +489,8 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   };
   SplitList in = input_splits.empty() ? even(input, "input") : SplitList(input_splits);
   SplitList out = output_splits.empty() ? even(output, "output") : SplitList(output_splits);
-  c.splits(in, "input_splits");
-  c.splits(out, "output_splits");
+  c.splits(in, "input_splits", Checker::row_bytes(input));
+  c.splits(out, "output_splits", Checker::row_bytes(input));
   if (split_sum(in) != input.size(0))
     c.fail(
         fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));

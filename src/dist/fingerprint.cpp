@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 
 #include "diffcomm/error.hpp"
 
@@ -72,6 +73,13 @@ uint64_t hash_words(const List& v, uint64_t seed) {
 uint64_t hash_shape(const Shape& s) { return hash_words(s, 0x5ba9e); }
 // A (sender, receiver, value) triple: summed over all members, the senders'
 // and receivers' views agree exactly when every pair agrees.
+// A reduce op as one word: its kind, and for PremulSum the factor's bits, so
+// members passing different factors disagree.
+int64_t reduce_word(ReduceOp op) {
+  if (op != ReduceOp::PremulSum) return static_cast<int64_t>(op.kind());
+  const uint64_t h = mix(std::bit_cast<uint64_t>(op.factor()) ^ op.kind());
+  return static_cast<int64_t>((h << 8) | op.kind());
+}
 uint64_t edge(int from, int to, uint64_t value) {
   return mix(mix(static_cast<uint64_t>(from) * 0x100000001b3ull + static_cast<uint64_t>(to)) ^
              value);
@@ -98,12 +106,23 @@ CallDesc describe(const Call& call) {
   d.input_splits = call.input_splits.to_vector();
   d.output_splits = call.output_splits.to_vector();
   d.members = call.members;
+  d.color = call.color;
+  d.key = call.key;
+  d.members_are_ranks = call.members_are_ranks;
   return d;
 }
 
 std::string signature(const CallDesc& c) {
-  if (c.op == OpType::NewGroup)
-    return fmt::format("new_group(members=[{}])", fmt::join(c.members, ","));
+  if (c.op == OpType::NewGroup) {
+    // new_group passes its member list (group ranks); ProcessGroup::split
+    // (device meshes, encoder CP groups) its caller's fingerprint, which is
+    // no member list: print each as what it is.
+    if (c.members_are_ranks)
+      return fmt::format("new_group(ranks=[{}]{})", fmt::join(c.members, ","),
+                         c.color < 0 ? ", not a member" : "");
+    return fmt::format("split(color={}, key={}, fingerprint=[{}])", c.color, c.key,
+                       fmt::join(c.members, ","));
+  }
   std::string s = op_name(c.op) + "(";
   if (c.op != OpType::Barrier) {
     s += dtype_name(c.dtype);
@@ -129,7 +148,11 @@ std::vector<int64_t> serialize(const CallDesc& c) {
                             static_cast<int64_t>(c.dtype),
                             c.root,
                             c.tag,
-                            static_cast<int64_t>(c.reduce_op)};
+                            static_cast<int64_t>(c.reduce_op.kind()),
+                            std::bit_cast<int64_t>(c.reduce_op.factor()),
+                            c.color,
+                            c.key,
+                            c.members_are_ranks ? 1 : 0};
   auto put_list = [&](const std::vector<int64_t>& v) {
     w.push_back(static_cast<int64_t>(v.size()));
     w.insert(w.end(), v.begin(), v.end());
@@ -177,7 +200,15 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   c.dtype = static_cast<DType>(take());
   c.root = static_cast<int>(take());
   c.tag = static_cast<int>(take());
-  c.reduce_op = static_cast<ReduceOp>(take());
+  const int64_t kind = take();
+  const auto factor = std::bit_cast<double>(take());
+  if (kind < 0 || kind > static_cast<int64_t>(ReduceOp::PremulSum))
+    throw InvalidArgument(fmt::format("deserialize: bad reduce op {}", kind));
+  c.reduce_op = kind == ReduceOp::PremulSum ? ReduceOp::premul_sum(factor)
+                                            : ReduceOp(static_cast<ReduceOp::Kind>(kind));
+  c.color = static_cast<int>(take());
+  c.key = static_cast<int>(take());
+  c.members_are_ranks = take() != 0;
   c.inputs = take_shapes();
   c.outputs = take_shapes();
   c.input_splits = take_list();
@@ -196,7 +227,10 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
   for (std::size_t i = 1; i < n; ++i) {
     if (c[i]->op != c[0]->op) return differ(0, i, "op");
     if (c[0]->op == OpType::NewGroup) {
-      if (c[i]->members != c[0]->members) return differ(0, i, "member list");
+      if (c[i]->members_are_ranks != c[0]->members_are_ranks)
+        return differ(0, i, "kind of split (new_group vs split)");
+      if (c[i]->members != c[0]->members)
+        return differ(0, i, c[0]->members_are_ranks ? "member list" : "fingerprint");
       continue;
     }
     if (c[0]->op == OpType::Barrier) continue;
@@ -384,7 +418,7 @@ Fingerprint fingerprint(const Call& call) {
   f[1] = static_cast<int64_t>(call.seq);
   f[2] = data ? static_cast<int64_t>(call.dtype) : -1;
   f[3] = data ? call.root : -1;
-  f[4] = has_reduce(op) ? static_cast<int64_t>(call.reduce_op) : -1;
+  f[4] = has_reduce(op) ? reduce_word(call.reduce_op) : -1;
   uint64_t shape = 0, row = 0, splits = 0, out_edges = 0, in_edges = 0, members = 0;
   auto shapes = [](const std::vector<Tensor>& ts) {
     std::vector<Shape> s;
@@ -422,7 +456,9 @@ Fingerprint fingerprint(const Call& call) {
         in_edges += edge(j, me, hash_shape(call.outputs[static_cast<size_t>(j)].shape()));
       }
       break;
-    case OpType::NewGroup: members = hash_words(call.members, 3); break;
+    case OpType::NewGroup:
+      members = hash_words(call.members, call.members_are_ranks ? 3 : 4);
+      break;
     default: break;
   }
   f[5] = static_cast<int64_t>(shape);

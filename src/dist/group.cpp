@@ -90,7 +90,11 @@ std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& rank
     for (int r : ranks) globals.push_back(global_rank(r));
     new_name = fmt::format("{}{{{}}}", name() == "world" ? "" : name(), fmt::join(globals, ","));
   }
-  return split(color, key, std::vector<int64_t>(ranks.begin(), ranks.end()), std::move(new_name));
+  std::shared_ptr<Backend> b =
+      detail::split_backend(*this, color, key, std::vector<int64_t>(ranks.begin(), ranks.end()),
+                            /*members_are_ranks=*/true);
+  if (!b) return std::nullopt;
+  return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder);
 }
 
 }  // namespace diffcomm::dist

@@ -38,9 +38,9 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
       throw InvalidArgument(
           fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
-  if (op == ReduceOp::Avg && !is_floating(out.dtype()))
-    throw InvalidArgument(
-        fmt::format("reduce_into: avg is undefined for {}", dtype_name(out.dtype())));
+  if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
+    throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
+                                      dtype_name(out.dtype())));
   dispatch_dtype(out.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;
@@ -72,13 +72,14 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
         for (std::size_t i = b; i < e; ++i) po[i] = static_cast<T>(a[i - b]);
       }
     };
-    // One tight loop per op (the switch stays outside the element loop).
-    auto fold = [&](auto combine) {
+    // One tight loop per op (the switch stays outside the element loop);
+    // `first` maps the first input's element (PremulSum's factor).
+    auto fold_with = [&](auto combine, auto first) {
       for (std::size_t b = 0; b < n; b += kBlock) {
         const std::size_t e = std::min(n, b + kBlock);
         C* a = blockwise ? block : acc.data() + b;
         const T* p0 = static_cast<const T*>(inputs[0].data_ptr());
-        for (std::size_t i = b; i < e; ++i) a[i - b] = static_cast<C>(p0[i]);
+        for (std::size_t i = b; i < e; ++i) a[i - b] = first(static_cast<C>(p0[i]));
         for (std::size_t k = 1; k < inputs.size(); ++k) {
           const T* p = static_cast<const T*>(inputs[k].data_ptr());
           for (std::size_t i = b; i < e; ++i) a[i - b] = combine(a[i - b], static_cast<C>(p[i]));
@@ -89,6 +90,7 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
         for (std::size_t b = 0; b < n; b += kBlock)
           finish(acc.data() + b, b, std::min(n, b + kBlock));
     };
+    auto fold = [&](auto combine) { fold_with(combine, [](C v) { return v; }); };
     // Integers wrap around (two's complement, as NCCL and MPI do), computed
     // in the unsigned type so no signed overflow (undefined) happens.
     // Max/Min propagate NaN whatever the order contributions arrive in
@@ -98,6 +100,14 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
       case ReduceOp::Sum:
       case ReduceOp::Avg:
         fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) + static_cast<U>(v)); });
+        break;
+      case ReduceOp::PremulSum:
+        // Σ (factor · x_s), as NCCL's PreMulSum: each product rounded in C.
+        if constexpr (std::is_floating_point_v<C>) {
+          const auto f = static_cast<C>(op.factor());
+          fold_with([f](C a, C v) { return static_cast<C>(a + static_cast<C>(f * v)); },
+                    [f](C v) { return static_cast<C>(f * v); });
+        }
         break;
       case ReduceOp::Product:
         fold([](C a, C v) { return static_cast<C>(static_cast<U>(a) * static_cast<U>(v)); });

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "diffcomm/autograd.hpp"
@@ -13,7 +15,21 @@
 namespace diffcomm::nn {
 namespace {
 
-bool linear(ReduceOp op) { return op == ReduceOp::Sum || op == ReduceOp::Avg; }
+bool linear(ReduceOp op) {
+  return op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::PremulSum;
+}
+
+// The adjoint of a linear reduction is the summed cotangent times this: 1 for
+// Sum, 1/N for Avg, the factor for PremulSum.
+double adjoint_scale(ReduceOp op, int n) {
+  if (op == ReduceOp::Avg) return 1.0 / n;
+  if (op == ReduceOp::PremulSum) return op.factor();
+  return 1.0;
+}
+Tensor scaled(const Tensor& t, ReduceOp op, int n) {
+  const double a = adjoint_scale(op, n);
+  return a == 1.0 ? t : scale(t, a);
+}
 
 [[noreturn]] void fail(const char* op, const ProcessGroup& g, const std::string& what) {
   throw InvalidArgument(fmt::format("nn::{} on group '{}' (rank {} of {}): {}", op, g.name(),
@@ -35,7 +51,7 @@ void refuse_nonlinear(const char* op, const ProcessGroup& g, ReduceOp r) {
   if (!linear(r))
     fail(op, g,
          fmt::format("reduce op {} has no gradient here (only all_reduce and reduce "
-                     "differentiate max/min/product); use sum or avg",
+                     "differentiate max/min/product); use sum, avg or premul_sum",
                      dist::reduce_op_name(r)));
 }
 
@@ -51,6 +67,16 @@ Tensor exclusive_product(const std::vector<Tensor>& xs, int r) {
   return from_vector(out, ref.shape(), ref.dtype());
 }
 
+// 1 where x holds the extremum y (x == y, or both NaN: a NaN result is held
+// by every rank whose element is NaN), else 0.
+Tensor extremum_mask(const Tensor& x, const Tensor& y) {
+  const std::vector<double> xv = x.to_vector(), yv = y.to_vector();
+  std::vector<double> m(xv.size());
+  for (std::size_t i = 0; i < m.size(); ++i)
+    m[i] = (xv[i] == yv[i] || (std::isnan(xv[i]) && std::isnan(yv[i]))) ? 1.0 : 0.0;
+  return from_vector(m, x.shape(), x.dtype()).to(x.device());
+}
+
 // Gradient of a Max/Min/Product reduction over the group. x: this rank's
 // input; y: the reduced value (same on every rank); total: the summed
 // output gradient G (same on every rank).
@@ -62,11 +88,33 @@ Tensor nonlinear_grad(ReduceOp op, const ProcessGroup& g, const Tensor& x, const
     dist::all_gather(g, all, x);
     return mul(total, exclusive_product(all, g.rank()));
   }
-  // Max/Min: G to the holders of the extremum, split evenly among ties.
-  Tensor mask = eq_mask(x, y);
+  // Max/Min: G to the holders of the extremum, split evenly among ties; a
+  // NaN result (NaN propagates) goes to the ranks holding a NaN there.
+  Tensor mask = extremum_mask(x, y);
   Tensor count = mask.copy_data();
   dist::all_reduce(g, count, ReduceOp::Sum);
   return div(mul(total, mask), count);
+}
+
+// Shape of an output of `x`'s rows allocated from splits, checked before
+// anything is allocated: no negative entry, a row count that does not
+// overflow, and a byte count one tensor can hold (InvalidArgument naming the
+// op and the size otherwise).
+Shape shape_from_splits(const char* op, const ProcessGroup& g, const Splits& splits,
+                        const char* role, const Tensor& x) {
+  int64_t rows = 0;
+  for (std::size_t i = 0; i < splits.size(); ++i) {
+    if (splits[i] < 0) fail(op, g, fmt::format("{}[{}] = {} is negative", role, i, splits[i]));
+    if (splits[i] > std::numeric_limits<int64_t>::max() - rows)
+      fail(op, g, fmt::format("{} [{}] sum past int64", role, fmt::join(splits, ",")));
+    rows += splits[i];
+  }
+  Shape shape = x.shape();
+  shape[0] = rows;
+  checked_nbytes(shape, x.dtype(),
+                 fmt::format("nn::{} on group '{}' (rank {} of {}): output from {}", op, g.name(),
+                             g.rank(), g.size(), role));
+  return shape;
 }
 
 // ------------------------------------------------------------------ all_reduce
@@ -86,7 +134,7 @@ struct AllReduceFn : Function<AllReduceFn> {
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     Tensor total = grads[0].copy_data();
-    dist::all_reduce(group, total, linear(op) ? op : ReduceOp::Sum);
+    dist::all_reduce(group, total, linear(op) ? op : ReduceOp(ReduceOp::Sum));
     if (linear(op)) return {total};
     return {nonlinear_grad(op, group, x, y, total)};
   }
@@ -131,8 +179,7 @@ struct ReduceFn : Function<ReduceFn> {
     // Only dst's output depends on x; other ranks' outputs are constants.
     Tensor total = grads[0].copy_data();
     dist::broadcast(group, total, dst);
-    if (op == ReduceOp::Sum) return {total};
-    if (op == ReduceOp::Avg) return {scale(total, 1.0 / group.size())};
+    if (linear(op)) return {scaled(total, op, group.size())};
     Tensor value = y.copy_data();
     dist::broadcast(group, value, dst);
     return {nonlinear_grad(op, group, x, value, total)};
@@ -189,8 +236,7 @@ struct AllGatherVFn : Function<AllGatherVFn> {
   GatherGrad mode;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     if (in[0].dim() == 0) fail("all_gather_v", group, "x is 0-d; it needs rows (dim 0)");
-    Shape shape = in[0].shape();
-    shape[0] = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+    const Shape shape = shape_from_splits("all_gather_v", group, splits, "output_splits", in[0]);
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
     dist::all_gather_v(group, out, in[0], splits);
     return {out};
@@ -262,8 +308,7 @@ struct ReduceScatterFn : Function<ReduceScatterFn> {
     std::vector<Tensor> outs;
     for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(grads[0]));
     dist::all_gather(group, outs, grads[0]);
-    if (op == ReduceOp::Avg)
-      for (auto& t : outs) t = scale(t, 1.0 / group.size());
+    for (auto& t : outs) t = scaled(t, op, group.size());
     return outs;
   }
 };
@@ -289,7 +334,7 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
     shape[0] *= group.size();
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
     dist::all_gather_single(group, dx, grads[0]);
-    return {op == ReduceOp::Avg ? scale(dx, 1.0 / group.size()) : dx};
+    return {scaled(dx, op, group.size())};
   }
 };
 
@@ -316,7 +361,7 @@ struct ReduceScatterVFn : Function<ReduceScatterVFn> {
     shape[0] = std::accumulate(splits.begin(), splits.end(), int64_t{0});
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
     dist::all_gather_v(group, dx, grads[0], splits);
-    return {op == ReduceOp::Avg ? scale(dx, 1.0 / group.size()) : dx};
+    return {scaled(dx, op, group.size())};
   }
 };
 
@@ -360,10 +405,9 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
     const Tensor& x = in[0];
     if (x.dim() == 0) fail("all_to_all_single", group, "x is 0-d; it needs rows (dim 0)");
     in_shape = x.shape();
-    Shape shape = x.shape();
-    shape[0] = out_splits.empty()
-                   ? x.size(0)
-                   : std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+    const Shape shape =
+        shape_from_splits("all_to_all_single", group,
+                          out_splits.empty() ? Splits{x.size(0)} : out_splits, "output_splits", x);
     Tensor out = empty(shape, x.dtype(), x.device());
     dist::all_to_all_single(group, out, x, out_splits, in_splits);
     return {out};

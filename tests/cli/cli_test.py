@@ -26,7 +26,7 @@ PASSED, FAILED, BAD_ARGS, FAULT = 0, 1, 2, 3
 OPS = [
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
-    "all_to_all", "all_to_all_single",
+    "all_to_all", "all_to_all_single", "all_reduce_premul_sum", "reduce_scatter_premul_sum",
 ]
 
 # Exchange mode per decoder topology (select_feature_exchange).

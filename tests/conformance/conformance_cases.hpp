@@ -52,14 +52,18 @@ inline double mval(int global, int64_t block, int64_t i) {
 
 inline std::vector<ReduceOp> reduce_ops(DType dt) {
   std::vector<ReduceOp> ops = {ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max};
-  if (is_floating(dt)) ops.push_back(ReduceOp::Avg);  // Avg on integers is refused
+  if (is_floating(dt)) {  // Avg and PremulSum on integers are refused
+    ops.push_back(ReduceOp::Avg);
+    ops.push_back(ReduceOp::premul_sum(0.25));  // factor x sum, exact in every float dtype
+  }
   return ops;
 }
 
 /// What member s contributes at element i.
 inline double rval(ReduceOp op, const ProcessGroup& g, int s, int64_t i) {
   switch (op) {
-    case ReduceOp::Sum: return gid(g, s) + static_cast<double>(i % 3);
+    case ReduceOp::Sum:
+    case ReduceOp::PremulSum: return gid(g, s) + static_cast<double>(i % 3);
     case ReduceOp::Avg: return 2.0 * s + static_cast<double>(i % 3) + gid(g, 0);
     case ReduceOp::Product: return (gid(g, s) + i) % 4 == 1 ? 2.0 : 1.0;
     case ReduceOp::Min:
@@ -78,6 +82,7 @@ inline double rexpect(ReduceOp op, const ProcessGroup& g, int64_t i) {
       for (int x : m) sum_globals += x;
       return sum_globals + n * static_cast<double>(i % 3);
     }
+    case ReduceOp::PremulSum: return op.factor() * rexpect(ReduceOp::Sum, g, i);
     case ReduceOp::Avg:  // (sum_s 2s)/n = n-1
       return (n - 1) + static_cast<double>(i % 3) + gid(g, 0);
     case ReduceOp::Product: {

@@ -339,6 +339,7 @@ TEST(NcclDevice, FloatReductionsOnGroupsOfEverySize) {
               switch (op) {
                 case dist::ReduceOp::Sum: return sum;
                 case dist::ReduceOp::Avg: return sum / k;
+                case dist::ReduceOp::PremulSum: return op.factor() * sum;
                 case dist::ReduceOp::Product: return prod;
                 case dist::ReduceOp::Min: return contribution(op, 0, i);
                 case dist::ReduceOp::Max: return contribution(op, k - 1, i);
@@ -346,8 +347,9 @@ TEST(NcclDevice, FloatReductionsOnGroupsOfEverySize) {
               return 0.0;
             };
             for (dist::ReduceOp op :
-                 {dist::ReduceOp::Sum, dist::ReduceOp::Avg, dist::ReduceOp::Product,
-                  dist::ReduceOp::Min, dist::ReduceOp::Max}) {
+                 {dist::ReduceOp(dist::ReduceOp::Sum), dist::ReduceOp(dist::ReduceOp::Avg),
+                  dist::ReduceOp(dist::ReduceOp::Product), dist::ReduceOp(dist::ReduceOp::Min),
+                  dist::ReduceOp(dist::ReduceOp::Max), dist::ReduceOp::premul_sum(0.5)}) {
               std::vector<double> v(static_cast<std::size_t>(len));
               for (int64_t i = 0; i < len; ++i)
                 v[static_cast<std::size_t>(i)] = contribution(op, me, i);

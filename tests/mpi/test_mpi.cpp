@@ -11,6 +11,7 @@
 #include <mpi.h>
 
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "conformance/backend_fixture.hpp"
@@ -202,6 +203,71 @@ TEST(MpiErrors, BadArgumentsAreRefusedLocally) {
   Tensor t = zeros({4}, DType::Float32);
   EXPECT_THROW(dist::broadcast(g, t, g.size()), InvalidArgument);
   EXPECT_THROW(dist::all_to_all_single(g, zeros({3, 1}), zeros({5, 1}), {3}, {5}), InvalidArgument);
+}
+
+// ---------------------------------------------------------------- defined semantics (issue 13)
+// The values of tests/test_semantics.cpp on a real transport, on the default
+// (composed) path and on MPI's native reductions.
+TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (bool native : {false, true}) {
+    dist::Options opts;
+    opts.native_reduction = native;
+    const auto world = mpi::world(opts);
+    const int r = world.rank();
+    // CASES 11: world 2 ({0, 1}), Max of [NaN, 1] and [1, 3], the NaN on either
+    // rank: [NaN, 3]; Min: [NaN, 1]. Composed path only: MPI's own MPI_MAX
+    // is the implementation's (std::max-like) and may drop the NaN.
+    if (!native)
+      for (int nan_rank : {0, 1}) {
+        auto pair = world.new_group({0, 1});
+        if (!pair) continue;
+        for (DType dt : {DType::Float64, DType::Float32, DType::BFloat16}) {
+          const std::vector<double> mine =
+              r == nan_rank ? std::vector<double>{nan, 1} : std::vector<double>{1, 3};
+          Tensor mx = from_vector(mine, {2}, dt), mn = from_vector(mine, {2}, dt);
+          dist::all_reduce(*pair, mx, dist::ReduceOp::Max);
+          dist::all_reduce(*pair, mn, dist::ReduceOp::Min);
+          const auto a = mx.to_vector(), b = mn.to_vector();
+          EXPECT_TRUE(std::isnan(a[0]) && a[1] == 3.0)
+              << dtype_name(dt) << " NaN on " << nan_rank << ": " << a[0] << "," << a[1];
+          EXPECT_TRUE(std::isnan(b[0]) && b[1] == 1.0)
+              << dtype_name(dt) << " NaN on " << nan_rank << ": " << b[0] << "," << b[1];
+        }
+      }
+    // int32 2147483647 summed over the world: (n * (2^31 - 1)) mod 2^32 as
+    // int32; n = 4: 2^33 - 4 = -4 (mod 2^32); n = 2: -2.
+    Tensor i32 = full({3}, 2147483647.0, DType::Int32);
+    dist::all_reduce(world, i32, dist::ReduceOp::Sum);
+    const int64_t n = world.size();
+    const auto wrapped =
+        static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(n) * 2147483647u));
+    for (double v : i32.to_vector()) EXPECT_EQ(v, wrapped) << "native " << native;
+    // The issue's case on two ranks: 2147483647 + 2147483647 = -2.
+    if (auto two = world.new_group({0, 1})) {
+      Tensor t = full({2}, 2147483647.0, DType::Int32);
+      dist::all_reduce(*two, t, dist::ReduceOp::Sum);
+      for (double v : t.to_vector()) EXPECT_EQ(v, -2.0) << "native " << native;
+    }
+    // PremulSum, world {0, 1}: factor 0.5, x = 2 and 4 gives 3; over the whole
+    // world with x = r + 1: 0.5 * n(n+1)/2.
+    auto pair = world.new_group({0, 1});
+    if (pair) {
+      Tensor t = full({2}, r == 0 ? 2.0 : 4.0, DType::Float32);
+      dist::all_reduce(*pair, t, dist::ReduceOp::premul_sum(0.5));
+      for (double v : t.to_vector()) EXPECT_EQ(v, 3.0) << "native " << native;
+      Tensor u = full({1}, r == 0 ? 2.0 : 4.0, DType::Float64);
+      dist::reduce(*pair, u, 1, dist::ReduceOp::premul_sum(0.5));
+      EXPECT_EQ(u.to_vector()[0], r == 1 ? 3.0 : 2.0) << "native " << native;
+    }
+    Tensor w = full({5}, r + 1.0, DType::BFloat16);
+    dist::all_reduce(world, w, dist::ReduceOp::premul_sum(0.5));
+    for (double v : w.to_vector()) EXPECT_EQ(v, 0.5 * static_cast<double>(n * (n + 1) / 2));
+    Tensor out = empty({1}, DType::Float64);
+    dist::reduce_scatter_single(world, out, full({n}, r + 1.0, DType::Float64),
+                                dist::ReduceOp::premul_sum(-2.0));
+    EXPECT_EQ(out.to_vector()[0], -2.0 * static_cast<double>(n * (n + 1) / 2));
+  }
 }
 
 // ---------------------------------------------------------------- encoder-parallel step

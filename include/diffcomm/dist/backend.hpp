@@ -24,6 +24,12 @@ class Backend {
   virtual int global_rank(int group_rank) const = 0;
   /// Whether tensors on this device can be communicated.
   virtual bool supports(const Device& device) const = 0;
+  /// Whether the calling context may use this handle now; throws a
+  /// diffcomm::Error saying why not. The funnel calls it first, before a
+  /// call is numbered, so a refused call leaves no trace on the group. The
+  /// simulated world refuses a handle used by another rank's fiber (it is
+  /// per rank) and one whose world run has ended. Default: always usable.
+  virtual void check_caller(const Call& call) const { (void)call; }
 
   /// Collective over this group, like MPI_Comm_split: members passing the
   /// same color >= 0 form a new group ordered by key; color < 0 gets null.

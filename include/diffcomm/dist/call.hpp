@@ -125,6 +125,9 @@ struct Call {
   int color = -1;
   int key = 0;
   std::vector<int64_t> members;
+  /// new_group/split: true when `members` is new_group's rank list, false
+  /// when it is the fingerprint a ProcessGroup::split caller passed.
+  bool members_are_ranks = false;
   /// Payload bytes this rank sends to / receives from other ranks (see
   /// Stats); set by the funnel, used by cost models and traces.
   uint64_t bytes_sent = 0;

@@ -31,6 +31,7 @@ class CheckedBackend final : public Backend {
   int size() const override { return inner_->size(); }
   int global_rank(int group_rank) const override { return inner_->global_rank(group_rank); }
   bool supports(const Device& device) const override { return inner_->supports(device); }
+  void check_caller(const Call& call) const override { inner_->check_caller(call); }
   /// The wrapped backend (what moves the data).
   Backend& inner() const { return *inner_; }
 

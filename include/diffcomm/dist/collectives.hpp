@@ -117,8 +117,10 @@ void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag = 0)
 
 namespace detail {
 /// The funnel's entry for ProcessGroup::split/new_group (users call those).
+/// members_are_ranks: `fingerprint` is new_group's rank list (for reports).
 std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
-                                       const std::vector<int64_t>& fingerprint);
+                                       const std::vector<int64_t>& fingerprint,
+                                       bool members_are_ranks = false);
 }  // namespace detail
 
 /// Even split of `rows` into `parts` blocks; throws InvalidArgument (naming

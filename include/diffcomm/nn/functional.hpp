@@ -2,7 +2,7 @@
 // Differentiable collectives, written once above the dist::Backend interface,
 // so the same forward and adjoint run on sim, mpi and nccl.
 //
-// Every op is a linear map for Sum/Avg and its backward is the exact adjoint
+// Every op is a linear map for Sum/Avg/PremulSum and its backward is the exact adjoint
 // (DESIGN.md table): summed over ranks, <A x, y> = <x, A^T y>.
 //
 // Rules every caller must follow (as with torch.distributed.nn):
@@ -40,9 +40,12 @@ enum class GatherGrad { Partial, Replicated };
 
 /// y = reduce over members of x (any shape), on every rank.
 /// Sum: dx = all_reduce(g, Sum). Avg: dx = all_reduce(g, Avg).
+/// premul_sum(f): dx = all_reduce(g, premul_sum(f)) = f * sum_s g_s.
 /// Max/Min: the summed output gradient goes to the rank(s) holding the
 /// extremum, split evenly among ties (k ranks tied -> each gets G/k), per
-/// element. Product: dx_r = (sum_s g_s) * prod_{s != r} x_s, exact when some
+/// element. A NaN result (Max/Min propagate NaN) is held by every rank whose
+/// element is NaN: G is split evenly among those ranks, the others get 0.
+/// Product: dx_r = (sum_s g_s) * prod_{s != r} x_s, exact when some
 /// x_s are zero. Max/Min/Product backward runs on CPU tensors.
 Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op = ReduceOp::Sum);
 
@@ -51,8 +54,9 @@ Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op = Redu
 Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group);
 
 /// y = reduce of x on dst; zeros (x's shape) on other ranks.
-/// Sum: dx = g of dst on every rank (a broadcast); Avg: that over size().
-/// Max/Min/Product: as all_reduce, with G = g of dst.
+/// Sum: dx = g of dst on every rank (a broadcast); Avg: that over size();
+/// premul_sum(f): f times that. Max/Min/Product (NaN rule included): as
+/// all_reduce, with G = g of dst.
 Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op = ReduceOp::Sum);
 
 /// y[s] = x of member s (size() tensors of x's shape).
@@ -68,6 +72,8 @@ Tensor all_gather_single(const Tensor& x, const ProcessGroup& group,
 /// y [sum(output_splits), ...] = concatenation of the members' x; member s
 /// has output_splits[s] rows (equal on every rank).
 /// Partial: dx = reduce_scatter_v(g, output_splits). Replicated: own rows of g.
+/// Throws InvalidArgument (naming the op and the size) before allocating when
+/// output_splits are negative, overflow, or ask for more than kMaxTensorBytes.
 Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessGroup& group,
                     GatherGrad grad = GatherGrad::Partial);
 
@@ -81,17 +87,19 @@ std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group);
 Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group);
 
 /// y = reduce over members s of xs[rank] of s (xs: size() tensors of y's shape).
-/// Sum: dxs[j] = g of member j (an all_gather). Avg: that over size().
-/// Max/Min/Product: InvalidArgument.
+/// Sum: dxs[j] = g of member j (an all_gather). Avg: that over size();
+/// premul_sum(f): f times that. Max/Min/Product: InvalidArgument.
 Tensor reduce_scatter(const std::vector<Tensor>& xs, const ProcessGroup& group,
                       ReduceOp op = ReduceOp::Sum);
 
-/// x [size()*R, ...] -> y [R, ...]. Backward: all_gather_single (over size() for Avg).
+/// x [size()*R, ...] -> y [R, ...]. Backward: all_gather_single (over size() for Avg,
+/// times f for premul_sum(f)).
 Tensor reduce_scatter_single(const Tensor& x, const ProcessGroup& group,
                              ReduceOp op = ReduceOp::Sum);
 
 /// x [sum(input_splits), ...] -> y [input_splits[rank], ...].
-/// Backward: all_gather_v(g, input_splits) (over size() for Avg).
+/// Backward: all_gather_v(g, input_splits) (over size() for Avg, times f for
+/// premul_sum(f)).
 Tensor reduce_scatter_v(const Tensor& x, const Splits& input_splits, const ProcessGroup& group,
                         ReduceOp op = ReduceOp::Sum);
 
@@ -105,6 +113,7 @@ std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup
 /// of input_splits[j] rows go to member j; y has output_splits[s] rows from
 /// member s. Empty splits mean even. Backward: all_to_all_single of g with the
 /// splits swapped; dx has x's shape even when row totals differ.
+/// Output sizes from splits are checked as in all_gather_v before allocating.
 Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Splits& input_splits,
                          const ProcessGroup& group);
 

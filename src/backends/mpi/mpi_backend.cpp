@@ -67,7 +67,7 @@ MPI_Datatype mpi_type(DType d) {
 }
 
 // ---- user-defined ops for the 16-bit floats: each combine in float32
-template <class T, ReduceOp Op>
+template <class T, ReduceOp::Kind Op>
 void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
   const T* a = static_cast<const T*>(in);
   T* b = static_cast<T*>(inout);
@@ -87,7 +87,8 @@ MPI_Op make_half_op(ReduceOp op) {
   MPI_User_function* fn = nullptr;
   switch (op) {
     case ReduceOp::Sum:
-    case ReduceOp::Avg: fn = &half_op<T, ReduceOp::Sum>; break;
+    case ReduceOp::Avg:
+    case ReduceOp::PremulSum: fn = &half_op<T, ReduceOp::Sum>; break;
     case ReduceOp::Product: fn = &half_op<T, ReduceOp::Product>; break;
     case ReduceOp::Min: fn = &half_op<T, ReduceOp::Min>; break;
     case ReduceOp::Max: fn = &half_op<T, ReduceOp::Max>; break;
@@ -97,7 +98,10 @@ MPI_Op make_half_op(ReduceOp op) {
   return result;
 }
 
+// Native reductions: PremulSum is a Sum of inputs the caller pre-multiplied
+// (premultiplied() below), as NCCL's PreMulSum.
 MPI_Op mpi_op(DType d, ReduceOp op) {
+  if (op == ReduceOp::PremulSum) op = ReduceOp::Sum;
   if (d == DType::BFloat16 || d == DType::Float16) {
     // Created once per process (MPI state is per process, not per rank of a
     // simulated world) and kept until MPI_Finalize.
@@ -112,6 +116,7 @@ MPI_Op mpi_op(DType d, ReduceOp op) {
   }
   switch (op) {
     case ReduceOp::Sum:
+    case ReduceOp::PremulSum:
     case ReduceOp::Avg: return MPI_SUM;
     case ReduceOp::Product: return MPI_PROD;
     case ReduceOp::Min: return MPI_MIN;
@@ -124,6 +129,12 @@ char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 void finish_avg(const Call& c, Tensor t) {
   if (c.reduce_op == ReduceOp::Avg) t.copy_(scale(t.detach(), 1.0 / c.group_size));
+}
+
+// The native path's PremulSum input: factor x t (a new tensor), else t.
+Tensor premultiplied(const Call& c, const Tensor& t) {
+  if (c.reduce_op != ReduceOp::PremulSum) return t;
+  return scale(t.detach(), c.reduce_op.factor());
 }
 
 class MpiBackend final : public dist::Backend {
@@ -177,6 +188,7 @@ class MpiBackend final : public dist::Backend {
   void all_reduce(Call& c) override {
     if (!options_.native_reduction) return dist::composed_all_reduce(*this, c);
     const Tensor& t = c.outputs[0];
+    if (c.reduce_op == ReduceOp::PremulSum) Tensor(t).copy_(premultiplied(c, t));
     Requests reqs;
     each_chunk(t.numel(), [&](int64_t off, int count) {
       DIFFCOMM_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, elem(t, off), count, mpi_type(c.dtype),
@@ -201,10 +213,13 @@ class MpiBackend final : public dist::Backend {
     if (!options_.native_reduction) return dist::composed_reduce(*this, c);
     const Tensor& t = c.outputs[0];
     const bool me = rank_ == c.root;
+    // Off the root the tensor is only read: premultiply a copy.
+    const Tensor send = premultiplied(c, t);
+    if (me && c.reduce_op == ReduceOp::PremulSum) Tensor(t).copy_(send);
     Requests reqs;
     each_chunk(t.numel(), [&](int64_t off, int count) {
       DIFFCOMM_MPI_CHECK(
-          MPI_Ireduce(me ? MPI_IN_PLACE : elem(t, off), me ? elem(t, off) : nullptr, count,
+          MPI_Ireduce(me ? MPI_IN_PLACE : elem(send, off), me ? elem(t, off) : nullptr, count,
                       mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op), c.root, comm_, reqs.add()),
           c);
     });
@@ -498,8 +513,9 @@ class MpiBackend final : public dist::Backend {
   }
 
   // Reduce block p of `in` (counts[p] elements, in order) onto member p's out.
-  void reduce_blocks(Call& c, const Tensor& in, const Tensor& out,
+  void reduce_blocks(Call& c, const Tensor& in_given, const Tensor& out,
                      const std::vector<int64_t>& counts) {
+    const Tensor in = premultiplied(c, in_given);
     if (fits(counts) && std::accumulate(counts.begin(), counts.end(), int64_t{0}) <= g_max_count) {
       auto ic = to_int(counts);
       Requests reqs;

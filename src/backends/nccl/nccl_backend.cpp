@@ -335,7 +335,7 @@ class NcclBackend final : public dist::Backend {
       const Tensor& t = d.outputs[0];
       if (t.numel() == 0) return;
       DIFFCOMM_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(d.dtype),
-                                        red_op(d.reduce_op), comm_, stream()),
+                                        red_op(d), comm_, stream()),
                           &d);
       finish_avg(d, t);
     });
@@ -358,7 +358,7 @@ class NcclBackend final : public dist::Backend {
       if (t.numel() == 0) return;
       // recvbuff is only written on the root: the others keep their input.
       DIFFCOMM_NCCL_CHECK(ncclReduce(t.data_ptr(), t.data_ptr(), count(t), nccl_type(d.dtype),
-                                     red_op(d.reduce_op), d.root, comm_, stream()),
+                                     red_op(d), d.root, comm_, stream()),
                           &d);
       if (rank_ == d.root) finish_avg(d, t);
     });
@@ -529,19 +529,17 @@ class NcclBackend final : public dist::Backend {
       const Tensor& out = d.outputs[0];
       if (out.numel() == 0) return;
       if (consecutive(d.inputs)) {
-        DIFFCOMM_NCCL_CHECK(
-            ncclReduceScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out),
-                              nccl_type(d.dtype), red_op(d.reduce_op), comm_, stream()),
-            &d);
+        DIFFCOMM_NCCL_CHECK(ncclReduceScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out),
+                                              nccl_type(d.dtype), red_op(d), comm_, stream()),
+                            &d);
       } else {
         Tensor tmp = scratch(static_cast<int64_t>(size_) * out.numel(), d.dtype);
         for (int s = 0; s < size_; ++s)
           copy_async(at(tmp, s * out.numel()), d.inputs[static_cast<std::size_t>(s)].data_ptr(),
                      out.nbytes(), &d);
-        DIFFCOMM_NCCL_CHECK(
-            ncclReduceScatter(tmp.data_ptr(), out.data_ptr(), count(out), nccl_type(d.dtype),
-                              red_op(d.reduce_op), comm_, stream()),
-            &d);
+        DIFFCOMM_NCCL_CHECK(ncclReduceScatter(tmp.data_ptr(), out.data_ptr(), count(out),
+                                              nccl_type(d.dtype), red_op(d), comm_, stream()),
+                            &d);
       }
       finish_avg(d, out);
     });
@@ -552,10 +550,9 @@ class NcclBackend final : public dist::Backend {
     run(c, [&](Call& d) {
       const Tensor& out = d.outputs[0];
       if (out.numel() == 0) return;
-      DIFFCOMM_NCCL_CHECK(
-          ncclReduceScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out), nccl_type(d.dtype),
-                            red_op(d.reduce_op), comm_, stream()),
-          &d);
+      DIFFCOMM_NCCL_CHECK(ncclReduceScatter(d.inputs[0].data_ptr(), out.data_ptr(), count(out),
+                                            nccl_type(d.dtype), red_op(d), comm_, stream()),
+                          &d);
       finish_avg(d, out);
     });
   }
@@ -577,10 +574,9 @@ class NcclBackend final : public dist::Backend {
           void* send = at(in, off);
           // recvbuff is only used on the root; elsewhere pass the send block.
           void* recv = p == rank_ ? out.data_ptr() : send;
-          DIFFCOMM_NCCL_CHECK(
-              ncclReduce(send, recv, static_cast<std::size_t>(n), nccl_type(d.dtype),
-                         red_op(d.reduce_op), p, comm_, stream()),
-              &d);
+          DIFFCOMM_NCCL_CHECK(ncclReduce(send, recv, static_cast<std::size_t>(n),
+                                         nccl_type(d.dtype), red_op(d), p, comm_, stream()),
+                              &d);
           off += n;
         }
         group.end();
@@ -803,15 +799,45 @@ class NcclBackend final : public dist::Backend {
   }
 
   bool native_avg() const { return version_ >= kVersionAvg; }
-  ncclRedOp_t red_op(ReduceOp op) const {
-    switch (op) {
-      case ReduceOp::Sum: return ncclSum;
-      case ReduceOp::Avg: return native_avg() ? ncclAvg : ncclSum;
-      case ReduceOp::Product: return ncclProd;
-      case ReduceOp::Min: return ncclMin;
-      case ReduceOp::Max: return ncclMax;
+  // The NCCL op of a native reduction. PremulSum's is made for the call
+  // (ncclRedOpCreatePreMulSum, the factor in the call's dtype, read by the
+  // host at creation) and destroyed once the NCCL call given it has returned
+  // (the temporary's lifetime: the full expression of that call).
+  class RedOp {
+   public:
+    RedOp(ncclRedOp_t op, ncclComm_t premul_comm) : op_(op), comm_(premul_comm) {}
+    RedOp(const RedOp&) = delete;
+    RedOp& operator=(const RedOp&) = delete;
+    ~RedOp() {
+      if (comm_ != nullptr) (void)ncclRedOpDestroy(op_, comm_);
     }
-    return ncclSum;
+    operator ncclRedOp_t() const { return op_; }  // NOLINT: used as the op itself
+
+   private:
+    ncclRedOp_t op_;
+    ncclComm_t comm_;
+  };
+  RedOp red_op(const Call& d) const {
+    switch (d.reduce_op) {
+      case ReduceOp::Sum: return RedOp(ncclSum, nullptr);
+      case ReduceOp::Avg: return RedOp(native_avg() ? ncclAvg : ncclSum, nullptr);
+      case ReduceOp::Product: return RedOp(ncclProd, nullptr);
+      case ReduceOp::Min: return RedOp(ncclMin, nullptr);
+      case ReduceOp::Max: return RedOp(ncclMax, nullptr);
+      case ReduceOp::PremulSum: break;
+    }
+    const double f = d.reduce_op.factor();
+    double f64 = f;
+    float f32 = static_cast<float>(f);
+    uint16_t f16 = d.dtype == DType::BFloat16 ? bfloat16(f32).bits : float16(f32).bits;
+    void* scalar = d.dtype == DType::Float64   ? static_cast<void*>(&f64)
+                   : d.dtype == DType::Float32 ? static_cast<void*>(&f32)
+                                               : static_cast<void*>(&f16);
+    ncclRedOp_t op{};
+    DIFFCOMM_NCCL_CHECK(
+        ncclRedOpCreatePreMulSum(&op, scalar, nccl_type(d.dtype), ncclScalarHostImmediate, comm_),
+        &d);
+    return RedOp(op, comm_);
   }
   // NCCL < 2.10 has no ncclAvg: Sum, then a scale by 1/size; diffcomm's
   // scale and copy run on the current stream, which is the group's here.

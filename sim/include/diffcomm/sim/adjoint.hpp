@@ -28,7 +28,8 @@ struct AdjointReport {
 /// The op names check_adjoint accepts: all_reduce, broadcast, reduce,
 /// all_gather, all_gather_single, all_gather_v, gather, scatter,
 /// reduce_scatter, reduce_scatter_single, reduce_scatter_v, all_to_all,
-/// all_to_all_single.
+/// all_to_all_single, all_reduce_premul_sum and reduce_scatter_premul_sum
+/// (ReduceOp::premul_sum(-0.375)).
 const std::vector<std::string>& differentiable_ops();
 
 /// What every rank must agree on, drawn from a seed: the sub-group (global

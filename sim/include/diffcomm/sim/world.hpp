@@ -17,8 +17,12 @@
 //  - Per-rank Stats, and a trace of every call in virtual time from an
 //    alpha-beta cost model, written as Chrome trace-event JSON (Perfetto).
 //
-// Limits: run() must be called from a plain thread (not from inside a
-// fiber); rank functions must not block on anything but diffcomm calls.
+// Limits: run() must be called from a plain thread, not from inside a rank
+// function (InvalidArgument); rank functions must not block on anything but
+// diffcomm calls. Lifetimes: a ProcessGroup a rank obtains (Rank::world(),
+// new_group, split, meshes) is that rank's handle for that run() only; a call
+// through it from another rank's fiber, or after the run returned or the
+// World was destroyed, raises InvalidArgument and reaches no member.
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -81,6 +85,47 @@ struct TraceEvent {
 
 class World;
 
+/// One failed rank of a World::run.
+struct RankError {
+  int rank = 0;              ///< global rank
+  std::exception_ptr error;  ///< what the rank function raised
+  std::string message;       ///< its what()
+  int root_cause = -1;       ///< global rank whose failure made this one fail (-1: none)
+};
+
+/// Every failure of one World::run, reachable from the exception it throws.
+class RunFailures {
+ public:
+  /// Takes the failures of one run (shared, never copied per exception).
+  explicit RunFailures(std::shared_ptr<const std::vector<RankError>> failures)
+      : failures_(std::move(failures)) {}
+  virtual ~RunFailures() = default;
+  /// Each failed rank's error, in the order the ranks failed (the first is
+  /// the one the exception's type and message lead with).
+  const std::vector<RankError>& failures() const { return *failures_; }
+
+ private:
+  std::shared_ptr<const std::vector<RankError>> failures_;
+};
+
+/// What World::run throws when ranks failed: the first failure's kind (so
+/// `catch (const RankFailure&)` etc. keep working) and a RunFailures with
+/// every failed rank's error. what() is the first failure's message followed
+/// by one line per other failed rank.
+template <class Kind>
+class RunError final : public Kind, public RunFailures {
+ public:
+  /// `what`: the message; `failures`: every failed rank of the run.
+  RunError(const std::string& what, std::shared_ptr<const std::vector<RankError>> failures)
+      : Kind(what), RunFailures(std::move(failures)) {}
+};
+
+/// The failures carried by an exception World::run threw; null for any
+/// other exception.
+inline const RunFailures* run_failures(const std::exception& e) {
+  return dynamic_cast<const RunFailures*>(&e);
+}
+
 /// What a rank function receives. Everything per-rank lives here (no
 /// thread_local: all ranks share one OS thread).
 class Rank {
@@ -119,9 +164,13 @@ class World {
   World& operator=(const World&) = delete;
 
   /// Runs fn on every rank as a fiber and returns when all have finished.
-  /// If any rank raised, rethrows (same diffcomm::Error type) the first
-  /// failure in virtual-scheduler order with its rank named; errors() then
-  /// has every rank's exception. Stats and trace are reset per run.
+  /// If any rank raised, throws a RunError<Kind> where Kind is the type of
+  /// the first failure in virtual-scheduler order (Deadlock,
+  /// CollectiveMismatch, RankFailure, InvalidArgument, BackendError, else
+  /// Error), its message naming that rank, then every other failed rank;
+  /// RunFailures::failures() (and errors()) hold each rank's exception.
+  /// Stats and trace are reset per run. Throws InvalidArgument when called
+  /// from inside a fiber (e.g. a rank function of a running World).
   void run(const std::function<void(Rank&)>& fn);
 
   const WorldOptions& options() const;
