@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include <atomic>
-#include <map>
+#include <cstdint>
+#include <deque>
 #include <queue>
-#include <unordered_map>
 
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
@@ -51,6 +51,52 @@ struct Capture {
   int slot = 0;
 };
 
+// The engine's per-node state, in one flat table: an open-addressing index
+// from Node* to a slot in `states`. Four std::unordered_maps (buffers,
+// dependency counts, seen, queued) cost an allocation per node per map on
+// every backward, most of a small step's engine time.
+struct NodeState {
+  Node* node = nullptr;
+  int deps = 0;
+  bool seen = false;
+  bool queued = false;
+  std::vector<Tensor> buffer;
+};
+
+class NodeTable {
+ public:
+  NodeTable() : index_(16, -1) {}
+  NodeState& operator[](Node* n) {
+    std::size_t i = probe(n);
+    if (index_[i] < 0) {
+      if (2 * (states_.size() + 1) > index_.size()) {
+        grow();
+        i = probe(n);
+      }
+      index_[i] = static_cast<int>(states_.size());
+      states_.push_back({n, 0, false, false, {}});
+    }
+    return states_[static_cast<std::size_t>(index_[i])];
+  }
+
+ private:
+  std::size_t probe(Node* n) const {
+    const std::size_t mask = index_.size() - 1;
+    std::size_t i = (reinterpret_cast<std::uintptr_t>(n) >> 4) * 0x9E3779B97F4A7C15ull >> 7 & mask;
+    while (index_[i] >= 0 && states_[static_cast<std::size_t>(index_[i])].node != n)
+      i = (i + 1) & mask;
+    return i;
+  }
+  void grow() {
+    std::vector<int> old(index_.size() * 2, -1);
+    index_.swap(old);
+    for (std::size_t k = 0; k < states_.size(); ++k)
+      index_[probe(states_[k].node)] = static_cast<int>(k);
+  }
+  std::vector<int> index_;        // power-of-two size, -1 = empty
+  std::deque<NodeState> states_;  // stable references while the table grows
+};
+
 // One run of the engine over the graph reachable from the roots.
 std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
                                const std::vector<Tensor>& grad_roots, bool retain_graph,
@@ -59,12 +105,12 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
   if (!grad_roots.empty() && grad_roots.size() != roots.size())
     throw InvalidArgument(
         fmt::format("{}: {} roots but {} root gradients", who, roots.size(), grad_roots.size()));
-  std::unordered_map<Node*, std::vector<Tensor>> buffers;
-  std::unordered_map<Node*, int> deps;
+  NodeTable table;
   std::vector<std::shared_ptr<Node>> root_nodes;
+  root_nodes.reserve(roots.size());
 
   auto add_to_buffer = [&](Node* node, int slot, const Tensor& g) {
-    auto& buf = buffers[node];
+    auto& buf = table[node].buffer;
     if (buf.empty()) buf.resize(node->outputs().size());
     Tensor& b = buf[static_cast<std::size_t>(slot)];
     b = b.defined() ? add(b, g) : g;
@@ -94,20 +140,22 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
   // Count, for every reachable node, the edges that point at it.
   {
     std::vector<Node*> stack;
-    std::unordered_map<Node*, bool> seen;
-    for (auto& n : root_nodes)
-      if (!seen[n.get()]) {
-        seen[n.get()] = true;
+    for (auto& n : root_nodes) {
+      NodeState& st = table[n.get()];
+      if (!st.seen) {
+        st.seen = true;
         stack.push_back(n.get());
       }
+    }
     while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
       for (auto& e : n->next_edges()) {
         if (!e.valid()) continue;
-        ++deps[e.fn.get()];
-        if (!seen[e.fn.get()]) {
-          seen[e.fn.get()] = true;
+        NodeState& st = table[e.fn.get()];
+        ++st.deps;
+        if (!st.seen) {
+          st.seen = true;
           stack.push_back(e.fn.get());
         }
       }
@@ -121,19 +169,18 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
       captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
 
   std::priority_queue<Node*, std::vector<Node*>, ReadyOrder> ready;
-  {
-    std::unordered_map<Node*, bool> queued;
-    for (auto& n : root_nodes)
-      if (deps[n.get()] == 0 && !queued[n.get()]) {
-        queued[n.get()] = true;
-        ready.push(n.get());
-      }
+  for (auto& n : root_nodes) {
+    NodeState& st = table[n.get()];
+    if (st.deps == 0 && !st.queued) {
+      st.queued = true;
+      ready.push(n.get());
+    }
   }
 
   while (!ready.empty()) {
     Node* node = ready.top();
     ready.pop();
-    auto& buf = buffers[node];
+    auto& buf = table[node].buffer;
     const auto& metas = node->outputs();
     if (buf.empty()) buf.resize(metas.size());
     for (std::size_t s = 0; s < metas.size(); ++s) {
@@ -152,7 +199,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
 
     if (dynamic_cast<AccumulateGrad*>(node) != nullptr) {
       if (accumulate) node->apply(std::move(buf));
-      buffers.erase(node);
+      buf = {};
       continue;
     }
     if (node->released())
@@ -161,7 +208,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
           "freed by an earlier backward; pass retain_graph=true to the first one",
           who, node->name(), node->sequence_nr()));
     std::vector<Tensor> grads_in = node->apply(std::move(buf));
-    buffers.erase(node);
+    buf = {};
     if (!retain_graph) node->release();
     auto& edges = node->next_edges();
     if (grads_in.size() != edges.size())
@@ -171,7 +218,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
       const Edge& e = edges[i];
       if (!e.valid()) continue;
       if (grads_in[i].defined()) add_to_buffer(e.fn.get(), e.input_nr, grads_in[i]);
-      if (--deps[e.fn.get()] == 0) ready.push(e.fn.get());
+      if (--table[e.fn.get()].deps == 0) ready.push(e.fn.get());
     }
   }
   return captured;
@@ -209,16 +256,22 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
              std::vector<Tensor>& outputs) {
   auto& edges = node->next_edges();
   edges.clear();
+  edges.reserve(inputs.size());
   for (const auto& t : inputs) edges.push_back(gradient_edge(t));
   auto& metas = node->outputs();
   metas.clear();
+  metas.reserve(outputs.size());
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined())
       throw InvalidArgument(
           fmt::format("{}: forward returned an undefined output {}", node->name(), i));
     // A fresh handle per output, so two outputs sharing data (or an output
-    // that is an input's data) still get their own grad_fn slot.
-    outputs[i] = outputs[i].detach();
+    // that is an input's data) still get their own grad_fn slot. A handle
+    // only this list holds (the usual new tensor from forward) is already
+    // such a handle: detaching it again cost two allocations per op.
+    const auto& impl = outputs[i].impl();
+    if (impl.use_count() != 1 || impl->grad_fn || impl->requires_grad || impl->grad.defined())
+      outputs[i] = outputs[i].detach();
     metas.push_back({outputs[i].shape(), outputs[i].dtype(), outputs[i].device()});
     outputs[i].impl()->grad_fn = node;
     outputs[i].impl()->output_nr = static_cast<int>(i);

@@ -106,6 +106,38 @@ Storage::~Storage() {
   if (deleter_) deleter_(data_);
 }
 
+namespace {
+// Storages up to this size carry their bytes in the shared_ptr block.
+constexpr std::size_t kInlineMax = 64 * 1024;
+
+// Allocator for std::allocate_shared that over-allocates the control block
+// by `extra` bytes and reports the 64-byte-aligned address inside that tail
+// through `*data` before the Storage is constructed (allocate_shared
+// allocates, then constructs from the forwarded arguments, which are read
+// then: `data` is passed by reference).
+template <class T>
+struct InlineAlloc {
+  using value_type = T;
+  std::size_t extra;
+  void** data;
+  InlineAlloc(std::size_t e, void** d) : extra(e), data(d) {}
+  template <class U>
+  InlineAlloc(const InlineAlloc<U>& o) : extra(o.extra), data(o.data) {}  // NOLINT
+  T* allocate(std::size_t n) {
+    const std::size_t head = n * sizeof(T);
+    char* raw = static_cast<char*>(::operator new(head + extra));
+    const auto tail = reinterpret_cast<std::uintptr_t>(raw + head);
+    *data = reinterpret_cast<void*>((tail + 63) & ~std::uintptr_t{63});
+    return reinterpret_cast<T*>(raw);
+  }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(static_cast<void*>(p)); }
+  template <class U>
+  bool operator==(const InlineAlloc<U>& o) const {
+    return extra == o.extra;
+  }
+};
+}  // namespace
+
 std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
   if (device.is_cuda()) {
     void* p = detail::cuda_malloc(nbytes, device.index);
@@ -116,13 +148,24 @@ std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
   // 64-byte alignment keeps SIMD loads aligned. Aligned operator new goes
   // through glibc's memalign path (a search and a split per call, ~15 % of a
   // small fwd+bwd step); plain malloc keeps its per-thread cache fast path, so
-  // over-allocate by the alignment and keep malloc's pointer just below the
-  // aligned block. A zero-byte request still gets a distinct, valid address.
+  // over-allocate by the alignment. A zero-byte request still gets a
+  // distinct, valid address.
   constexpr std::size_t kAlign = 64;
-  if (nbytes > std::numeric_limits<std::size_t>::max() - kAlign) throw std::bad_alloc();
+  // (256: room for the shared_ptr block that precedes inline bytes.)
+  if (nbytes > std::numeric_limits<std::size_t>::max() - kAlign - 256) throw std::bad_alloc();
+  if (nbytes <= kInlineMax) {
+    // Small: the bytes follow the Storage in the shared_ptr's own block, one
+    // allocation instead of two (a tensor of a small fwd+bwd step is mostly
+    // allocator work). The bytes go with the last owner of the block (a
+    // weak_ptr<Storage> would hold them too; none is taken).
+    void* data = nullptr;
+    return std::allocate_shared<Storage>(InlineAlloc<Storage>(nbytes + kAlign, &data), data, nbytes,
+                                         device, Deleter());
+  }
   void* raw = std::malloc(nbytes + kAlign);
   if (raw == nullptr) throw std::bad_alloc();
-  // malloc aligns to at least sizeof(void*), so there is always room for it.
+  // malloc aligns to at least sizeof(void*), so there is always room for
+  // malloc's pointer just below the aligned block.
   const auto base = reinterpret_cast<std::uintptr_t>(raw);
   void* p = reinterpret_cast<void*>((base + kAlign) & ~std::uintptr_t{kAlign - 1});
   static_cast<void**>(p)[-1] = raw;

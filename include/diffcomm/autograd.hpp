@@ -117,15 +117,27 @@ class FunctionNode final : public Node {
 
 template <class T>
 std::vector<Tensor> Function<T>::apply(const std::vector<Tensor>& inputs) && {
+  T& self = static_cast<T&>(*this);
+  if (!any_requires_grad(inputs)) {
+    // Nothing to record (e.g. every op inside a backward): forward may see
+    // the caller's handles, since none of them can record anything; an
+    // output that is one of those handles still comes back as a fresh one,
+    // as if the inputs had been detached. Saves a handle per input per op.
+    std::vector<Tensor> outputs = self.forward(inputs);
+    for (auto& out : outputs)
+      for (const auto& in : inputs)
+        if (out.defined() && out.same(in)) {
+          out = out.detach();
+          break;
+        }
+    return outputs;
+  }
   std::vector<Tensor> detached;
   detached.reserve(inputs.size());
   for (const auto& t : inputs) detached.push_back(t.defined() ? t.detach() : Tensor{});
-  T& self = static_cast<T&>(*this);
   std::vector<Tensor> outputs = self.forward(detached);
-  if (any_requires_grad(inputs)) {
-    auto node = std::make_shared<detail::FunctionNode<T>>(std::move(self));
-    connect(node, inputs, outputs);
-  }
+  auto node = std::make_shared<detail::FunctionNode<T>>(std::move(self));
+  connect(node, inputs, outputs);
   return outputs;
 }
 

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <boost/fiber/all.hpp>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <list>
@@ -56,6 +58,25 @@ struct Rendezvous {
   double start_us = 0, end_us = 0;
   std::vector<std::shared_ptr<dist::Backend>> split_results;
   boost::fibers::condition_variable_any cv;
+  std::size_t pending_at = SIZE_MAX;           // index in World::Impl::pending while waited in
+  std::vector<const dist::Call*> const_calls;  // compare()'s view of `calls`, kept for reuse
+
+  // Ready for another collective of `g`; vectors keep their capacity.
+  void reset(SimGroup* g, const std::vector<int>& members) {
+    group = g;
+    label.clear();
+    calls.assign(members.size(), nullptr);
+    globals.assign(members.begin(), members.end());
+    arrival_order.clear();
+    arrived = 0;
+    done = false;
+    error = ErrorKind::None;
+    message.clear();
+    report.reset();
+    start_us = end_us = 0;
+    split_results.clear();
+    pending_at = SIZE_MAX;
+  }
 };
 
 struct SimGroup {
@@ -65,6 +86,11 @@ struct SimGroup {
   std::map<uint64_t, std::shared_ptr<Rendezvous>> pending;
   // p2p: (src slot, dst slot, tag, n) -> rendezvous
   std::map<std::tuple<int, int, int, uint64_t>, std::shared_ptr<Rendezvous>> pending_p2p;
+  // Completed collective rendezvous kept for reuse: a fresh one per call was
+  // a make_shared plus four vectors' allocations (arrival_order growing
+  // 1, 2, 4, ...) on every collective. One is reused once every member has
+  // left it (use_count() == 1: only this list holds it).
+  std::vector<std::shared_ptr<Rendezvous>> spare;
 };
 
 enum class Status { Running, Blocked, Finished, Failed };
@@ -106,7 +132,16 @@ struct World::Impl {
   WorldOptions options;
   std::vector<RankState> ranks;
   std::list<std::shared_ptr<SimGroup>> groups;
-  std::set<Rendezvous*> pending;  // every rendezvous someone waits in
+  // Every rendezvous someone waits in, unordered (Rendezvous::pending_at is
+  // its index: O(1) insert and swap-remove, no node allocation per waiting
+  // rank as std::set had). The rare paths that walk it sort a copy by
+  // address, the order the std::set gave, so wake order is unchanged.
+  std::vector<Rendezvous*> pending;
+  std::vector<Rendezvous*> pending_sorted() const {
+    std::vector<Rendezvous*> all(pending);
+    std::sort(all.begin(), all.end(), std::less<Rendezvous*>());
+    return all;
+  }
   uint64_t next_group_id = 0;
   int live = 0;
   int blocked = 0;
@@ -176,7 +211,12 @@ struct World::Impl {
 
   // ---------------------------------------------------------- waiting
   void wake(Rendezvous& rv) {
-    const bool was_pending = pending.erase(&rv) > 0;
+    if (rv.pending_at < pending.size() && pending[rv.pending_at] == &rv) {
+      pending[rv.pending_at] = pending.back();
+      pending[rv.pending_at]->pending_at = rv.pending_at;
+      pending.pop_back();
+    }
+    rv.pending_at = SIZE_MAX;
     for (int slot : rv.arrival_order) {
       RankState& rs = ranks[static_cast<std::size_t>(rv.globals[static_cast<std::size_t>(slot)])];
       if (rs.status == Status::Blocked) {
@@ -185,7 +225,6 @@ struct World::Impl {
         --blocked;
       }
     }
-    (void)was_pending;
     rv.done = true;
     rv.cv.notify_all();
   }
@@ -208,8 +247,7 @@ struct World::Impl {
       }
     }
     auto shared = std::make_shared<const std::string>(std::move(report));
-    std::vector<Rendezvous*> all(pending.begin(), pending.end());
-    for (Rendezvous* rv : all) {
+    for (Rendezvous* rv : pending_sorted()) {
       rv->error = ErrorKind::Deadlock;
       rv->report = shared;
       wake(*rv);
@@ -222,7 +260,10 @@ struct World::Impl {
     rs.status = Status::Blocked;
     rs.waiting_in = &call;  // formatted only if a deadlock report needs it
     ++blocked;
-    pending.insert(&rv);
+    if (rv.pending_at == SIZE_MAX) {
+      rv.pending_at = pending.size();
+      pending.push_back(&rv);
+    }
     check_deadlock();
     NoLock lock;
     while (!rv.done) {
@@ -248,7 +289,7 @@ struct World::Impl {
       const int root = rs.cause >= 0 ? rs.cause : global;
       const std::string what = failure_text(global);
       std::vector<Rendezvous*> affected;
-      for (Rendezvous* rv : pending) {
+      for (Rendezvous* rv : pending_sorted()) {
         const auto& m = rv->globals;  // collective: the group; p2p: the pair
         if (std::find(m.begin(), m.end(), global) != m.end()) affected.push_back(rv);
       }
@@ -313,11 +354,11 @@ struct World::Impl {
   // ---------------------------------------------------------- fingerprints
   // Returns "" when the members agree, else the mismatch report (the shared
   // dist::compare, so production's checked mode reports in the same words).
-  static std::string compare(const Rendezvous& rv) {
+  static std::string compare(Rendezvous& rv) {
     // In place: descriptions are built only on a mismatch (N^2 split
     // entries and shapes otherwise, for all_to_all_single / all_to_all).
-    const std::vector<const Call*> calls(rv.calls.begin(), rv.calls.end());
-    return dist::compare(calls, rv.group->members);
+    rv.const_calls.assign(rv.calls.begin(), rv.calls.end());
+    return dist::compare(rv.const_calls, rv.group->members);
   }
 
   // ---------------------------------------------------------- data movement
@@ -622,10 +663,14 @@ void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call&
   const std::size_t n = g->members.size();
   std::shared_ptr<Rendezvous>& entry = g->pending[call.seq];
   if (!entry) {
-    entry = std::make_shared<Rendezvous>();
-    entry->group = g.get();
-    entry->calls.assign(n, nullptr);
-    entry->globals = g->members;
+    for (auto it = g->spare.begin(); it != g->spare.end(); ++it)
+      if (it->use_count() == 1) {
+        entry = std::move(*it);
+        g->spare.erase(it);
+        break;
+      }
+    if (!entry) entry = std::make_shared<Rendezvous>();
+    entry->reset(g.get(), g->members);
   }
   std::shared_ptr<Rendezvous> rv = entry;  // keeps it alive after erase
   rv->calls[static_cast<std::size_t>(slot)] = &call;
@@ -633,6 +678,10 @@ void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call&
   if (++rv->arrived == static_cast<int>(n)) {
     g->pending.erase(call.seq);
     complete(*rv);
+    // Waiters still hold it until they return; reused after that. A failed
+    // one is not kept (its members raise from it).
+    constexpr std::size_t kSpares = 4;
+    if (rv->error == ErrorKind::None && g->spare.size() < kSpares) g->spare.push_back(rv);
   } else {
     wait(*rv, global, call);
   }

@@ -105,9 +105,13 @@ std::string Call::where() const {
 }
 
 void Stats::record(std::string_view group, std::string_view op, uint64_t sent, uint64_t received) {
-  auto it = entries_.find(KeyLess::View{group, op});
-  if (it == entries_.end()) it = entries_.emplace(Key{group, op}, OpStats{}).first;
-  OpStats& s = it->second;
+  if (last_.key == nullptr || last_.key->second != op || last_.key->first != group) {
+    auto it = entries_.find(KeyLess::View{group, op});
+    if (it == entries_.end()) it = entries_.emplace(Key{group, op}, OpStats{}).first;
+    last_.key = &it->first;
+    last_.stats = &it->second;
+  }
+  OpStats& s = *last_.stats;
   ++s.calls;
   s.bytes_sent += sent;
   s.bytes_received += received;

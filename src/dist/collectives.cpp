@@ -114,6 +114,22 @@ class Checker {
       fail(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role_,
                        device_.str()));
   }
+  // The common call names its tensors with literals ("tensor", "input"):
+  // the checks that pass need no std::string built per call.
+  void tensor(const Tensor& t, const char* role) {
+    if (t.defined()) {
+      if (have_first_) {
+        if (t.dtype() == call_.dtype && t.device() == device_) return;
+      } else if (g_.backend().supports(t.device())) {
+        have_first_ = true;
+        call_.dtype = t.dtype();
+        device_ = t.device();
+        first_role_ = role;
+        return;
+      }
+    }
+    tensor(t, std::string(role));
+  }
   // A list element's role, "outputs[3]", formatted only for a message: a
   // string per element per call was most of a 1024-rank list-form call.
   struct Item {

@@ -40,10 +40,30 @@ class Stats {
   /// Sum over everything.
   OpStats total() const;
   const std::map<Key, OpStats, KeyLess>& entries() const { return entries_; }
-  void clear() { entries_.clear(); }
+  void clear() {
+    entries_.clear();
+    last_ = {};
+  }
 
  private:
   std::map<Key, OpStats, KeyLess> entries_;
+  // The entry record() touched last: a program calls the same op on the same
+  // group many times in a row, and a map lookup comparing two strings per
+  // node was a visible part of a small collective's fixed cost. Map nodes
+  // are stable; a copy of Stats starts with an empty cache (it would point
+  // into the other map).
+  struct Last {
+    const Key* key = nullptr;
+    OpStats* stats = nullptr;
+    Last() = default;
+    Last(const Last&) {}
+    Last& operator=(const Last&) {
+      key = nullptr;
+      stats = nullptr;
+      return *this;
+    }
+  };
+  Last last_;
 };
 
 }  // namespace diffcomm::dist
