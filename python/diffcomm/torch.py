@@ -59,7 +59,7 @@ from ._core import nn as _nn
 
 __all__ = [
     "init_process_group", "destroy_process_group", "get_world", "get_rank", "get_world_size",
-    "new_group", "to_diffcomm", "from_diffcomm",
+    "new_group", "to_diffcomm", "from_diffcomm", "premul_sum",
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
     "all_to_all", "all_to_all_single", "copy_to_tp_region",
@@ -222,7 +222,15 @@ _OPS = {"sum": "sum", "avg": "avg", "product": "product", "min": "min", "max": "
         "prod": "product", "mean": "avg"}
 
 
+def premul_sum(factor: float) -> str:
+    """The PREMUL_SUM reduce op (torch/NCCL): factor * sum of the inputs; its
+    adjoint is the same scaled adjoint. Pass it as ``op=``."""
+    return f"premul_sum:{float(factor)!r}"
+
+
 def _op(op: Any) -> str:
+    if isinstance(op, str) and op.startswith("premul_sum:"):
+        return op
     if isinstance(op, str):
         key = op.lower()
     else:  # torch.distributed.ReduceOp (its repr differs between torch versions)

@@ -16,9 +16,11 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "diffcomm/autograd.hpp"
@@ -157,8 +159,16 @@ dc::dist::ReduceOp parse_reduce_op(const std::string& s) {
   if (s == "product") return R::Product;
   if (s == "min") return R::Min;
   if (s == "max") return R::Max;
+  // "premul_sum:<factor>" (diffcomm.torch.premul_sum(f) builds it).
+  constexpr std::string_view kPremul = "premul_sum:";
+  if (s.rfind(kPremul, 0) == 0) {
+    const std::string factor = s.substr(kPremul.size());
+    char* end = nullptr;
+    const double f = std::strtod(factor.c_str(), &end);
+    if (!factor.empty() && end != nullptr && *end == '\0') return R::premul_sum(f);
+  }
   throw dc::InvalidArgument("diffcomm: unknown reduce op '" + s +
-                            "' (sum, avg, product, min, max)");
+                            "' (sum, avg, product, min, max, premul_sum:<factor>)");
 }
 
 dc::nn::GatherGrad parse_gather_grad(const std::string& s) {

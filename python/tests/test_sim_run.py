@@ -71,6 +71,21 @@ def test_case3_avg():
     assert sim.run(2, fn).results == [[2.0], [2.0]]
 
 
+def test_premul_sum():
+    # Issue [4/5] item 8: W=2, factor 0.5, x = 2 and 4 gives 3; the adjoint is
+    # the same scaled sum of the cotangents: 0.5 * (1 + 3) = 2 on both ranks.
+    xs, cot = [2.0, 4.0], [1.0, 3.0]
+
+    def fn(rank, world):
+        x = leaf([xs[rank]])
+        y = dt.all_reduce(x, dt.premul_sum(0.5))
+        assert y.tolist() == [3.0]
+        (y * cot[rank]).sum().backward()
+        return x.grad.tolist()
+
+    assert sim.run(2, fn).results == [[2.0], [2.0]]
+
+
 def test_case4_zero_element_all_gather():
     def fn(rank, world):
         x = torch.zeros(1, 0, 2, dtype=f64, requires_grad=True)
