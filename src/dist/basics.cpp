@@ -96,6 +96,18 @@ bool SplitList::operator==(const SplitList& o) const {
 
 std::string Call::signature() const { return dist::signature(describe(*this)); }
 
+Call Call::step(OpType step_op) const {
+  Call c;
+  c.op = step_op;
+  c.seq = seq;
+  c.group = group;
+  c.rank = rank;
+  c.group_size = group_size;
+  c.dtype = dtype;
+  c.part_of = op_cstr(op);
+  return c;
+}
+
 std::string Call::where() const {
   if (part_of)
     return fmt::format("{} #{} on group '{}' (rank {} of {}, {} step)", part_of, seq, group, rank,

@@ -11,16 +11,10 @@
 namespace diffcomm::dist {
 namespace {
 
-// A control step of `user`: same group, rank and number.
+// A control step of `user` (fingerprints travel as int64).
 Call control_call(const Call& user, OpType op) {
-  Call c;
-  c.op = op;
-  c.seq = user.seq;
-  c.group = user.group;
-  c.rank = user.rank;
-  c.group_size = user.group_size;
+  Call c = user.step(op);
   c.dtype = DType::Int64;
-  c.part_of = op_cstr(user.op);
   return c;
 }
 

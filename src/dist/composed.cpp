@@ -8,19 +8,6 @@
 namespace diffcomm::dist {
 namespace {
 
-// A transport step of `parent`: same group, rank, number; its own op.
-Call step(const Call& parent, OpType op) {
-  Call c;
-  c.op = op;
-  c.seq = parent.seq;
-  c.group = parent.group;
-  c.rank = parent.rank;
-  c.group_size = parent.group_size;
-  c.dtype = parent.dtype;
-  c.part_of = op_cstr(parent.op);
-  return c;
-}
-
 Tensor flat(const Tensor& t) { return t.view_as_shape({t.numel()}); }
 
 // Block j of `numel` elements for member j: the first numel % n blocks get
@@ -38,7 +25,7 @@ void reduce_scatter_blocks(Backend& b, const Call& parent, const Tensor& in, con
   const int n = parent.group_size;
   const int64_t mine = counts[static_cast<std::size_t>(parent.rank)];
   Tensor received = empty({n * mine}, parent.dtype, in.device());
-  Call a2a = step(parent, OpType::AllToAllSingle);
+  Call a2a = parent.step(OpType::AllToAllSingle);
   a2a.inputs = {in};
   a2a.outputs = {received};
   a2a.input_splits = counts;
@@ -57,7 +44,7 @@ void composed_all_reduce(Backend& b, Call& c) {
   const Splits counts = even_blocks(t.numel(), c.group_size);
   Tensor mine = empty({counts[static_cast<std::size_t>(c.rank)]}, c.dtype, t.device());
   reduce_scatter_blocks(b, c, t, counts, mine);
-  Call gather = step(c, OpType::AllGatherV);
+  Call gather = c.step(OpType::AllGatherV);
   gather.inputs = {mine};
   gather.outputs = {t};
   gather.output_splits = counts;
@@ -73,7 +60,7 @@ void composed_reduce(Backend& b, Call& c) {
   reduce_scatter_blocks(b, c, t, counts, mine);
   // Every member sends its reduced block to dst; only dst receives.
   const bool is_dst = c.rank == c.root;
-  Call to_dst = step(c, OpType::AllToAllSingle);
+  Call to_dst = c.step(OpType::AllToAllSingle);
   to_dst.inputs = {mine};
   to_dst.outputs = {is_dst ? t : empty({0}, c.dtype, t.device())};
   Splits to_root(static_cast<std::size_t>(n), 0);

@@ -140,6 +140,10 @@ struct Call {
   std::string signature() const;
   /// "all_reduce #3 on group 'world' (rank 1 of 4)".
   std::string where() const;
+  /// A transport step of this call (a composed reduction's all-to-all, a
+  /// checked mode's fingerprint exchange): same group, rank, size, number
+  /// and dtype, op `op`, part_of naming this call's op. No tensors.
+  Call step(OpType op) const;
 };
 
 }  // namespace diffcomm::dist
