@@ -25,7 +25,8 @@
 // The last argument of the sim benchmarks selects the world configuration:
 // 0 = bench config (RoundRobin, trace off, 64 KiB stacks), 1 = WorldOptions{}
 // defaults (Random schedule, trace on, 256 KiB stacks: what diffcomm-sim and
-// the examples run).
+// the examples run); 2 = defaults with the trace off and 3 = defaults with
+// RoundRobin (BM_Barrier at 16384 ranks only, to attribute the defaults' cost).
 #include <benchmark/benchmark.h>
 #include <sys/resource.h>
 
@@ -93,6 +94,10 @@ sim::WorldOptions options(int ranks, int64_t config) {
     o.stack_size = 64 * 1024;
     o.trace = false;
   }
+  // Attribution of the defaults' cost (BM_Barrier only): config 2 is the
+  // defaults with the trace off, config 3 the defaults with RoundRobin.
+  if (config == 2) o.trace = false;
+  if (config == 3) o.schedule = sim::Schedule::RoundRobin;
   return o;
 }
 
@@ -395,6 +400,8 @@ void BandwidthArgs(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_Barrier)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
+// Which part of the defaults costs at 16384 ranks: trace off / RoundRobin.
+BENCHMARK(BM_Barrier)->Args({16384, 2})->Args({16384, 3})->UseManualTime()->Iterations(5);
 BENCHMARK(BM_AllReduce8B)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_ListForm)->Args({0, 1024})->Args({1, 1024})->UseManualTime()->Iterations(5);

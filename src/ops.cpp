@@ -122,6 +122,48 @@ Tensor expand_scalar(const Tensor& g, const Shape& shape) {
   return out;
 }
 
+// out = a b for a row-major [m, k] x [k, N] with N known at compile time: the
+// N accumulators of an output row stay in registers instead of a vector that
+// is stored and reloaded for every p. Each output element is the same sum,
+// in the same order (0, then + a[i,p] b[p,j] for p = 0..k-1), as the generic
+// loop in raw_matmul, so the bits are identical.
+template <int N, class T, class C, class Acc>
+void matmul_fixed_n(const T* __restrict pa, const T* __restrict pb, T* __restrict po, int64_t m,
+                    int64_t k) {
+  int64_t i = 0;
+  // Two output rows at a time: independent add chains (the adds of one
+  // element are serial, so one row alone waits on the add latency).
+  for (; i + 1 < m; i += 2) {
+    Acc acc0[N] = {}, acc1[N] = {};
+    const T* arow0 = pa + i * k;
+    const T* arow1 = arow0 + k;
+    for (int64_t p = 0; p < k; ++p) {
+      const Acc av0 = static_cast<Acc>(static_cast<C>(arow0[p]));
+      const Acc av1 = static_cast<Acc>(static_cast<C>(arow1[p]));
+      const T* brow = pb + p * N;
+      for (int j = 0; j < N; ++j) {
+        const Acc bv = static_cast<Acc>(static_cast<C>(brow[j]));
+        acc0[j] += av0 * bv;
+        acc1[j] += av1 * bv;
+      }
+    }
+    for (int j = 0; j < N; ++j) {
+      po[i * N + j] = static_cast<T>(static_cast<C>(acc0[j]));
+      po[(i + 1) * N + j] = static_cast<T>(static_cast<C>(acc1[j]));
+    }
+  }
+  for (; i < m; ++i) {
+    Acc acc[N] = {};
+    const T* arow = pa + i * k;
+    for (int64_t p = 0; p < k; ++p) {
+      const Acc av = static_cast<Acc>(static_cast<C>(arow[p]));
+      const T* brow = pb + p * N;
+      for (int j = 0; j < N; ++j) acc[j] += av * static_cast<Acc>(static_cast<C>(brow[j]));
+    }
+    for (int j = 0; j < N; ++j) po[i * N + j] = static_cast<T>(static_cast<C>(acc[j]));
+  }
+}
+
 Tensor raw_matmul(const Tensor& a, const Tensor& b) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) || a.dtype() != b.dtype())
     throw InvalidArgument(
@@ -137,6 +179,15 @@ Tensor raw_matmul(const Tensor& a, const Tensor& b) {
     const T* pa = static_cast<const T*>(a.data_ptr());
     const T* pb = static_cast<const T*>(b.data_ptr());
     T* po = static_cast<T*>(out.data_ptr());
+    if constexpr (std::is_floating_point_v<T>) {
+      // The narrow right-hand sides of the training step (n = 8, 16, 32).
+      switch (n) {
+        case 8: return matmul_fixed_n<8, T, C, Acc>(pa, pb, po, m, k);
+        case 16: return matmul_fixed_n<16, T, C, Acc>(pa, pb, po, m, k);
+        case 32: return matmul_fixed_n<32, T, C, Acc>(pa, pb, po, m, k);
+        default: break;
+      }
+    }
     std::vector<Acc> row(static_cast<std::size_t>(n));
     for (int64_t i = 0; i < m; ++i) {
       std::fill(row.begin(), row.end(), Acc{0});
@@ -161,10 +212,26 @@ Tensor raw_transpose(const Tensor& x) {
   const std::size_t es = element_size(x.dtype());
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j)
-      std::memcpy(dst + static_cast<std::size_t>(j * r + i) * es,
-                  src + static_cast<std::size_t>(i * c + j) * es, es);
+  // Element copies of a fixed size (a memcpy call per element cost more than
+  // the copy itself).
+  auto typed = [&](auto size) {
+    constexpr std::size_t E = decltype(size)::value;
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t j = 0; j < c; ++j)
+        std::memcpy(dst + static_cast<std::size_t>(j * r + i) * E,
+                    src + static_cast<std::size_t>(i * c + j) * E, E);
+  };
+  switch (es) {
+    case 1: typed(std::integral_constant<std::size_t, 1>{}); break;
+    case 2: typed(std::integral_constant<std::size_t, 2>{}); break;
+    case 4: typed(std::integral_constant<std::size_t, 4>{}); break;
+    case 8: typed(std::integral_constant<std::size_t, 8>{}); break;
+    default:
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < c; ++j)
+          std::memcpy(dst + static_cast<std::size_t>(j * r + i) * es,
+                      src + static_cast<std::size_t>(i * c + j) * es, es);
+  }
   return out;
 }
 

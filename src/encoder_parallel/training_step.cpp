@@ -193,6 +193,7 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
                                              p_all.begin() + hi * cfg.in_features),
                          {hi - lo, cfg.in_features}, cfg.dtype);
+  std::vector<double>().swap(p_all);  // P holds this rank's slice; not kept across collectives
   Tensor features = matmul(P, W);
   if (ecp > 1) {
     auto enc_group =
@@ -244,12 +245,19 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   // The text embeddings are a parameter's output in a real decoder: they
   // require grad, so every rank's decoder graph is differentiable.
   Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
+  // The drawn tables are only read by gather_rows: drop this rank's handles
+  // now, before the next collective yields. Held across the step, every rank
+  // kept its own copy whenever the bounded memo had evicted its dp slice's
+  // tables, and the memo evicts more the more dp slices interleave (memory
+  // per rank grew with N).
+  text_cache.clear();
   base.set_requires_grad(true);
   Tensor E = merge_into_decoder(base, received, layout, routed.rows);
   res.decoder_input = E.detach();
 
   // ---- decoder (Megatron-style TP / SP) and loss
   const Tensor U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
+  u_cache.clear();  // as text_cache above
   const Drawn a_drawn = syn.A();
   const std::vector<double>& a = *a_drawn;
   const int64_t cols = cfg.ffn / tp;
