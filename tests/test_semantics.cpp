@@ -619,5 +619,56 @@ TEST(SimFailures, SplitAndNewGroupFingerprintsPrintAsWhatTheyAre) {
   }
 }
 
+// reduce_into's list form (the simulated all_reduce): every output gets the
+// sum, whatever the aliasing; with partial overlaps the result equals a sum
+// into a temporary followed by copies to outs[0], outs[1], ... in order. The
+// expected memory is computed here with plain loops over doubles (small
+// integers: every float32 sum is exact).
+TEST(ReduceIntoList, EveryAliasingMatchesTemporaryThenOrderedCopies) {
+  constexpr int64_t kLen = 1500;  // > one 512-element block, not a multiple
+  struct Case {
+    const char* name;
+    std::vector<int64_t> in_at, out_at;  // element offsets into one buffer
+  };
+  const std::vector<Case> cases = {
+      {"distinct", {0, 2000, 4000}, {6000, 8000, 10000}},
+      {"in place", {0, 2000, 4000}, {0, 2000, 4000}},
+      {"outputs are other members' inputs", {0, 2000, 4000}, {2000, 4000, 0}},
+      {"shared output", {0, 2000, 4000}, {6000, 6000, 6000}},
+      {"output overlaps an input at an offset", {0, 2000, 4000}, {700, 6000, 8000}},
+      {"outputs overlap each other at an offset", {0, 2000, 4000}, {6000, 6300, 6900}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<float> buf(12000);
+    for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 97);
+    // Reference: read every input first, then write the outputs in order.
+    std::vector<double> mem(buf.begin(), buf.end());
+    std::vector<double> sum(kLen, 0.0);
+    for (int64_t at : c.in_at)
+      for (int64_t i = 0; i < kLen; ++i) sum[i] += mem[at + i];
+    for (int64_t at : c.out_at)
+      for (int64_t i = 0; i < kLen; ++i) mem[at + i] = sum[i];
+    std::vector<Tensor> ins, outs;
+    for (int64_t at : c.in_at) ins.push_back(from_blob(buf.data() + at, {kLen}, DType::Float32));
+    for (int64_t at : c.out_at) outs.push_back(from_blob(buf.data() + at, {kLen}, DType::Float32));
+    dist::reduce_into(outs, ins, ReduceOp::Sum);
+    for (std::size_t i = 0; i < buf.size(); ++i)
+      ASSERT_EQ(static_cast<double>(buf[i]), mem[i]) << "element " << i;
+  }
+}
+
+TEST(ReduceIntoList, AvgAndMismatchedOutputs) {
+  std::vector<float> a{1, 2, 3}, b{3, 4, 6};
+  Tensor ta = from_blob(a.data(), {3}, DType::Float32),
+         tb = from_blob(b.data(), {3}, DType::Float32);
+  dist::reduce_into({ta, tb}, {ta, tb}, ReduceOp::Avg);
+  EXPECT_EQ(a, (std::vector<float>{2, 3, 4.5}));
+  EXPECT_EQ(b, (std::vector<float>{2, 3, 4.5}));
+  Tensor wrong = zeros({2}, DType::Float32);
+  EXPECT_THROW(dist::reduce_into({ta, wrong}, {ta, tb}, ReduceOp::Sum), InvalidArgument);
+  EXPECT_THROW(dist::reduce_into(std::vector<Tensor>{}, {ta, tb}, ReduceOp::Sum), InvalidArgument);
+}
+
 }  // namespace
 }  // namespace diffcomm

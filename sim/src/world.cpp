@@ -380,25 +380,17 @@ struct World::Impl {
       case OpType::Barrier:
       case OpType::NewGroup: break;
       case OpType::AllReduce: {
-        // Reduced straight into rank 0's output (its own input: reduce_into
-        // reads each block before writing it), then copied from there: no
-        // temporary tensor and one write of B fewer. A temporary only when
-        // some other member's buffer partly overlaps rank 0's.
-        std::vector<Tensor> ins;
+        // Reduced block by block into every member's output at once
+        // (reduce_into's list form): each input and output byte is touched
+        // once, as a memcpy of the same buffers would.
+        std::vector<Tensor> ins, outs;
         ins.reserve(n);
-        for (auto* ci : c) ins.push_back(ci->inputs[0]);
-        const Tensor& out0 = c[0]->outputs[0];
-        const char* b0 = static_cast<const char*>(out0.data_ptr());
-        const std::size_t len = out0.nbytes();
-        bool direct = true;
+        outs.reserve(n);
         for (auto* ci : c) {
-          const char* bi = static_cast<const char*>(ci->outputs[0].data_ptr());
-          if (bi != b0 && bi < b0 + len && b0 < bi + len) direct = false;
+          ins.push_back(ci->inputs[0]);
+          outs.push_back(ci->outputs[0]);
         }
-        const Tensor target = direct ? out0 : empty_like(out0);
-        dist::reduce_into(target, ins, c[0]->reduce_op);
-        for (auto* ci : c)
-          if (ci->outputs[0].data_ptr() != target.data_ptr()) ci->outputs[0].copy_(target);
+        dist::reduce_into(outs, ins, c[0]->reduce_op);
         break;
       }
       case OpType::Broadcast: {

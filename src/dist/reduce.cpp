@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "detail/device_ops.hpp"
@@ -22,22 +23,24 @@ struct wrap_type<C, true> {
 };
 }  // namespace
 
-void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) {
-  if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
-  if (out.device().is_cuda()) {
-    // The same per-element rule on the device (src/cuda/reduce_semantics.hpp),
-    // on the caller's current stream.
-    for (const auto& t : inputs)
-      if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
-        throw InvalidArgument(
-            fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
-    detail::reduce_into_device(out, inputs, op, cuda::current_stream(out.device().index));
-    return;
-  }
+namespace {
+bool overlap(const char* a, std::size_t na, const char* b, std::size_t nb) {
+  return a < b + nb && b < a + na;
+}
+
+// The CPU rule, written to outs[0..n_outs) (see reduce_op.hpp).
+void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
+                ReduceOp op) {
+  const Tensor& out = outs[0];
   for (const auto& t : inputs)
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
       throw InvalidArgument(
           fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
+  for (std::size_t j = 1; j < n_outs; ++j)
+    if (outs[j].dtype() != out.dtype() || outs[j].numel() != out.numel() ||
+        !outs[j].device().is_cpu())
+      throw InvalidArgument(
+          fmt::format("reduce_into: output {} does not match output {}", outs[j].str(), out.str()));
   if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
     throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
                                       dtype_name(out.dtype())));
@@ -45,25 +48,35 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;
     const auto n = static_cast<std::size_t>(out.numel());
-    T* po = static_cast<T*>(out.data_ptr());
+    const std::size_t bytes = n * sizeof(T);
     // Block by block: a block of the accumulator stays in L1 while every
     // input streams through it once, and the result is written straight to
-    // `out` (no N-sized scratch, no second pass). Safe whenever `out` either
-    // is an input (same start: that block of it is read before it is
-    // written, and never read again) or overlaps none; any other overlap
-    // accumulates everything first, as the rule "out may alias an input"
-    // requires. Order of combination per element is unchanged.
-    constexpr std::size_t kBlock = 512;  // 4 KiB of C at most: fits a fiber stack
-    const char* ob = reinterpret_cast<const char*>(po);
-    const char* oe = ob + n * sizeof(T);
+    // every output (no N-sized scratch, no second pass). Safe whenever each
+    // output either is an input (same start: that block of it is read
+    // before it is written, and never read again) or overlaps no input, and
+    // outputs that overlap each other start at the same byte (they receive
+    // the same values). Any other overlap accumulates everything first and
+    // then writes the outputs one after the other, as copies from a
+    // temporary would. Order of combination per element is unchanged.
+    // 4 KiB of accumulator: fits any fiber stack, stays in L1, and makes the
+    // per-block copies to the other outputs long enough to run at memcpy speed.
+    constexpr std::size_t kBlock = 4096 / sizeof(C);
     bool blockwise = true;
-    for (const auto& t : inputs) {
-      const char* ib = static_cast<const char*>(t.data_ptr());
-      if (ib != ob && ib < oe && ob < ib + n * sizeof(T)) blockwise = false;
+    for (std::size_t j = 0; j < n_outs && blockwise; ++j) {
+      const char* ob = static_cast<const char*>(outs[j].data_ptr());
+      for (const auto& t : inputs) {
+        const char* ib = static_cast<const char*>(t.data_ptr());
+        if (ib != ob && overlap(ib, bytes, ob, bytes)) blockwise = false;
+      }
+      for (std::size_t k = 0; k < j; ++k) {
+        const char* kb = static_cast<const char*>(outs[k].data_ptr());
+        if (kb != ob && overlap(kb, bytes, ob, bytes)) blockwise = false;
+      }
     }
     alignas(64) C block[kBlock];
     std::vector<C> acc(blockwise ? 0 : n);
-    auto finish = [&](const C* a, std::size_t b, std::size_t e) {
+    // Writes the finished elements [b, e) of the accumulator `a` to `po`.
+    auto finish = [&](T* po, const C* a, std::size_t b, std::size_t e) {
       if (op == ReduceOp::Avg) {
         const C count = static_cast<C>(inputs.size());
         for (std::size_t i = b; i < e; ++i)
@@ -72,23 +85,56 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
         for (std::size_t i = b; i < e; ++i) po[i] = static_cast<T>(a[i - b]);
       }
     };
+    // Blockwise: the first output gets the finished block, the others a copy
+    // of it (skipped where an output is the same buffer).
+    auto write_block = [&](const C* a, std::size_t b, std::size_t e) {
+      T* p0 = static_cast<T*>(outs[0].data_ptr());
+      finish(p0, a, b, e);
+      for (std::size_t j = 1; j < n_outs; ++j) {
+        T* pj = static_cast<T*>(outs[j].data_ptr());
+        if (pj != p0) std::memcpy(pj + b, p0 + b, (e - b) * sizeof(T));
+      }
+    };
     // One tight loop per op (the switch stays outside the element loop);
     // `first` maps the first input's element (PremulSum's factor).
     auto fold_with = [&](auto combine, auto first) {
       for (std::size_t b = 0; b < n; b += kBlock) {
         const std::size_t e = std::min(n, b + kBlock);
         C* a = blockwise ? block : acc.data() + b;
-        const T* p0 = static_cast<const T*>(inputs[0].data_ptr());
-        for (std::size_t i = b; i < e; ++i) a[i - b] = first(static_cast<C>(p0[i]));
-        for (std::size_t k = 1; k < inputs.size(); ++k) {
-          const T* p = static_cast<const T*>(inputs[k].data_ptr());
-          for (std::size_t i = b; i < e; ++i) a[i - b] = combine(a[i - b], static_cast<C>(p[i]));
+        // Up to four inputs per pass over the block, combined one after
+        // another — (((x0 op x1) op x2) op x3), the same order as one input at
+        // a time — with a quarter of the accumulator loads and stores.
+        auto pass = [&](std::size_t k, auto count, bool init) {
+          constexpr std::size_t m = decltype(count)::value;
+          const T* q[4] = {};
+          for (std::size_t j = 0; j < m; ++j)
+            q[j] = static_cast<const T*>(inputs[k + j].data_ptr());
+          for (std::size_t i = b; i < e; ++i) {
+            C v =
+                init ? first(static_cast<C>(q[0][i])) : combine(a[i - b], static_cast<C>(q[0][i]));
+            if constexpr (m > 1) v = combine(v, static_cast<C>(q[1][i]));
+            if constexpr (m > 2) v = combine(v, static_cast<C>(q[2][i]));
+            if constexpr (m > 3) v = combine(v, static_cast<C>(q[3][i]));
+            a[i - b] = v;
+          }
+        };
+        for (std::size_t k = 0; k < inputs.size();) {
+          const std::size_t m = std::min<std::size_t>(4, inputs.size() - k);
+          const bool init = k == 0;
+          switch (m) {
+            case 4: pass(k, std::integral_constant<std::size_t, 4>{}, init); break;
+            case 3: pass(k, std::integral_constant<std::size_t, 3>{}, init); break;
+            case 2: pass(k, std::integral_constant<std::size_t, 2>{}, init); break;
+            default: pass(k, std::integral_constant<std::size_t, 1>{}, init); break;
+          }
+          k += m;
         }
-        if (blockwise) finish(a, b, e);
+        if (blockwise) write_block(a, b, e);
       }
       if (!blockwise)
-        for (std::size_t b = 0; b < n; b += kBlock)
-          finish(acc.data() + b, b, std::min(n, b + kBlock));
+        for (std::size_t j = 0; j < n_outs; ++j)
+          for (std::size_t b = 0; b < n; b += kBlock)
+            finish(static_cast<T*>(outs[j].data_ptr()), acc.data() + b, b, std::min(n, b + kBlock));
     };
     auto fold = [&](auto combine) { fold_with(combine, [](C v) { return v; }); };
     // Integers wrap around (two's complement, as NCCL and MPI do), computed
@@ -122,6 +168,32 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
         break;
     }
   });
+}
+}  // namespace
+
+void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) {
+  if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
+  if (out.device().is_cuda()) {
+    // The same per-element rule on the device (src/cuda/reduce_semantics.hpp),
+    // on the caller's current stream.
+    for (const auto& t : inputs)
+      if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
+        throw InvalidArgument(
+            fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
+    detail::reduce_into_device(out, inputs, op, cuda::current_stream(out.device().index));
+    return;
+  }
+  reduce_cpu(&out, 1, inputs, op);
+}
+
+void reduce_into(const std::vector<Tensor>& outs, const std::vector<Tensor>& inputs, ReduceOp op) {
+  if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
+  if (outs.empty()) throw InvalidArgument("reduce_into: no outputs");
+  for (const auto& t : outs)
+    if (!t.device().is_cpu())
+      throw InvalidArgument(fmt::format(
+          "reduce_into: output {} is not a CPU tensor (one output on devices)", t.str()));
+  reduce_cpu(outs.data(), outs.size(), inputs, op);
 }
 
 }  // namespace diffcomm::dist

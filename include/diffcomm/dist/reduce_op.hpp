@@ -76,4 +76,14 @@ std::string reduce_op_name(ReduceOp op);
 /// directly; MPI and NCCL through dist/composed.hpp).
 void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op);
 
+/// The same reduction written to every tensor of `outs` (CPU only): the
+/// result is as if reduced into a temporary and then copied to outs[0],
+/// outs[1], ... in list order. Why: an in-process all_reduce (the simulated
+/// world) then reads each input block and writes each output block once,
+/// block by block while the block is hot, instead of reducing into one
+/// buffer and copying it N - 1 times. Each output may be an input (same
+/// start: in place); any other overlap takes a slower path with the same
+/// result. Throws InvalidArgument as reduce_into does.
+void reduce_into(const std::vector<Tensor>& outs, const std::vector<Tensor>& inputs, ReduceOp op);
+
 }  // namespace diffcomm::dist
