@@ -211,7 +211,7 @@ std::pair<double, double> tolerance(DType dtype) {
 }
 
 StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
-                        const std::vector<Batch>& per_dp) {
+                        const std::vector<Batch>& per_dp, bool keep_routed_rows) {
   validate(cfg, per_dp);
   if (world.size() != cfg.world_size())
     throw InvalidArgument(fmt::format("training step: world has {} ranks but dp x cp x tp = {}",
@@ -235,134 +235,160 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   res.exchange_rank = e;
   const Synthetic syn{cfg};
 
-  // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
-  Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
-  W.set_requires_grad(true);
-  const int ecp = cfg.encoder.encoder_cp;
-  const int bucket = e / ecp, j = e % ecp;
-  const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
-  int64_t R = 0;
-  std::vector<double> p_all;
-  for (int64_t id : items) {
-    const auto& it = plan.items[static_cast<std::size_t>(id)];
-    const Drawn p = syn.patches(res.dp_rank, id, it.output_rows);
-    p_all.insert(p_all.end(), p->begin(), p->end());
-    R += it.output_rows;
-  }
-  auto slice_lo = [&](int k) { return R * k / ecp; };
-  const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
-  Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
-                                             p_all.begin() + hi * cfg.in_features),
-                         {hi - lo, cfg.in_features}, cfg.dtype);
-  std::vector<double>().swap(p_all);  // P holds this rank's slice; not kept across collectives
-  Tensor features = LinearFn{{}, LinearFn::kRight, {}}.apply({P, W})[0];
-  if (ecp > 1) {
-    auto enc_group =
-        exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
-    dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
-    in[0] = hi - lo;
-    if (j == 0)
-      for (int k = 0; k < ecp; ++k)
-        out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
-    features = nn::all_to_all_single(features, out, in, *enc_group);
-  }
-  std::vector<EncoderFeature> records;
-  if (j == 0) {
-    std::vector<int64_t> lengths;
-    for (int64_t id : items)
-      lengths.push_back(plan.items[static_cast<std::size_t>(id)].output_rows);
-    std::vector<Tensor> rows = split_rows(features, lengths);
-    for (std::size_t k = 0; k < items.size(); ++k)
-      records.push_back({plan.items[static_cast<std::size_t>(items[k])], std::move(rows[k])});
-  }
+  // Memory: in a simulated world every rank is parked in some collective
+  // while the others run, so what a rank holds across a collective is
+  // multiplied by the world size. The step's tensors therefore live in this
+  // scope only, each local is dropped as soon as neither the rest of the
+  // forward nor the backward reads it (the graph keeps what backward needs),
+  // and only the gradient crosses the final all-reduce.
+  Tensor g;
+  {
+    // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
+    Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
+    W.set_requires_grad(true);
+    const int ecp = cfg.encoder.encoder_cp;
+    const int bucket = e / ecp, j = e % ecp;
+    const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
+    int64_t R = 0;
+    std::vector<double> p_all;
+    for (int64_t id : items) {
+      const auto& it = plan.items[static_cast<std::size_t>(id)];
+      const Drawn p = syn.patches(res.dp_rank, id, it.output_rows);
+      p_all.insert(p_all.end(), p->begin(), p->end());
+      R += it.output_rows;
+    }
+    auto slice_lo = [&](int k) { return R * k / ecp; };
+    const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
+    Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
+                                               p_all.begin() + hi * cfg.in_features),
+                           {hi - lo, cfg.in_features}, cfg.dtype);
+    std::vector<double>().swap(p_all);  // P holds this rank's slice; not kept across collectives
+    Tensor features = LinearFn{{}, LinearFn::kRight, {}}.apply({P, W})[0];
+    if (ecp > 1) {
+      auto enc_group =
+          exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
+      dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
+      in[0] = hi - lo;
+      if (j == 0)
+        for (int k = 0; k < ecp; ++k)
+          out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
+      features = nn::all_to_all_single(features, out, in, *enc_group);
+    }
+    std::vector<EncoderFeature> records;
+    if (j == 0) {
+      std::vector<int64_t> lengths;
+      for (int64_t id : items)
+        lengths.push_back(plan.items[static_cast<std::size_t>(id)].output_rows);
+      std::vector<Tensor> rows = split_rows(features, lengths);
+      for (std::size_t k = 0; k < items.size(); ++k)
+        records.push_back({plan.items[static_cast<std::size_t>(items[k])], std::move(rows[k])});
+    }
 
-  // ---- exchange, unpack, merge
-  // `features` is the prototype: on a rank that produces nothing it is the
-  // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
-  // send on it keeps that collective's backward reachable here too.
-  RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
-                                         cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
-  res.routed_rows = routed.rows.detach();
-  res.received_items = routed.items;
-  const std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
-  const ShardLayout layout(plan, e);
-  res.shard_tokens = layout.tokens();
-  std::map<int64_t, Drawn> text_cache, u_cache;
-  auto text_of = [&](int64_t b) -> const std::vector<double>& {
-    auto it = text_cache.find(b);
-    if (it == text_cache.end())
-      it = text_cache
-               .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
-               .first;
-    return *it->second;
-  };
-  auto u_of = [&](int64_t b) -> const std::vector<double>& {
-    auto it = u_cache.find(b);
-    if (it == u_cache.end())
-      it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
-               .first;
-    return *it->second;
-  };
-  // The text embeddings are a parameter's output in a real decoder: they
-  // require grad, so every rank's decoder graph is differentiable.
-  Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
-  // The drawn tables are only read by gather_rows: drop this rank's handles
-  // now, before the next collective yields. Held across the step, every rank
-  // kept its own copy whenever the bounded memo had evicted its dp slice's
-  // tables, and the memo evicts more the more dp slices interleave (memory
-  // per rank grew with N).
-  text_cache.clear();
-  base.set_requires_grad(true);
-  Tensor E = merge_into_decoder(base, received, layout, routed.rows);
-  res.decoder_input = E.detach();
+    // ---- exchange, unpack, merge
+    // `features` is the prototype: on a rank that produces nothing it is the
+    // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
+    // send on it keeps that collective's backward reachable here too.
+    RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
+                                           cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
+    // The records are views of features; backward needs neither (the encoder
+    // node keeps P, the split keeps row counts).
+    std::vector<EncoderFeature>().swap(records);
+    features = Tensor{};
+    if (keep_routed_rows) res.routed_rows = routed.rows.detach();
+    res.received_items = routed.items;
+    std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
+    const ShardLayout layout(plan, e);
+    res.shard_tokens = layout.tokens();
+    std::map<int64_t, Drawn> text_cache, u_cache;
+    auto text_of = [&](int64_t b) -> const std::vector<double>& {
+      auto it = text_cache.find(b);
+      if (it == text_cache.end())
+        it = text_cache
+                 .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+                 .first;
+      return *it->second;
+    };
+    auto u_of = [&](int64_t b) -> const std::vector<double>& {
+      auto it = u_cache.find(b);
+      if (it == u_cache.end())
+        it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+                 .first;
+      return *it->second;
+    };
+    // The text embeddings are data here: E = merge(base, routed rows)
+    // requires grad on every rank through the routed rows (the exchange of
+    // features of W, an empty anchored send included), so every rank's
+    // decoder graph is differentiable without them. As a leaf requiring grad
+    // they would stay in the graph, a shard-sized buffer at every later
+    // collective, for a gradient nothing reads.
+    Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
+    // The drawn tables are only read by gather_rows: drop this rank's handles
+    // now, before the next collective yields. Held across the step, every rank
+    // kept its own copy whenever the bounded memo had evicted its dp slice's
+    // tables, and the memo evicts more the more dp slices interleave (memory
+    // per rank grew with N).
+    text_cache.clear();
+    Tensor E = merge_into_decoder(base, received, layout, routed.rows);
+    res.decoder_input = E.detach();
+    // The merge copied what it needs; the routed rows (the exchange's largest
+    // buffer) are not read again.
+    std::vector<EncoderFeature>().swap(received);
+    routed.rows = Tensor{};
+    base = Tensor{};
 
-  // ---- decoder (Megatron-style TP / SP) and loss
-  const Tensor U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
-  u_cache.clear();  // as text_cache above
-  const Drawn a_drawn = syn.A();
-  const std::vector<double>& a = *a_drawn;
-  const int64_t cols = cfg.ffn / tp;
-  std::vector<double> a_cols;
-  for (int64_t r = 0; r < cfg.hidden; ++r)
-    for (int64_t c = res.tp_rank * cols; c < (res.tp_rank + 1) * cols; ++c)
-      a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
-  const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
-  const dist::ProcessGroup& tp_group = mesh.group("tp");
-  Tensor X, pos_lhs;  // the positional term is <pos_lhs, U> where defined
-  if (tp == 1) {
-    X = E;
-    pos_lhs = E;
-  } else if (cfg.decoder.sp) {
-    pos_lhs = E;
-    X = nn::all_gather_single(E, tp_group);
-  } else {
-    X = nn::copy_to_tp_region(E, tp_group);
-    if (res.tp_rank == 0) pos_lhs = X;
-  }
-  const Tensor Y = LinearFn{{}, LinearFn::kLeft, {}}.apply({X, A_t})[0];
-  Tensor loss = scale(dot(Y, Y), 0.5);
-  if (pos_lhs.defined()) loss = add(loss, dot(pos_lhs, U));
-  // The reported loss is accumulated in float64 from this rank's tensors: in
-  // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
-  // while its gradient (Y, U) does not depend on that value.
-  // (Read in place: to_vector would copy both operands per call.)
-  auto dot64 = [](const Tensor& a, const Tensor& b) {
-    double acc = 0;
-    dispatch_dtype(a.dtype(), [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      const T* x = static_cast<const T*>(a.data_ptr());
-      const T* y = static_cast<const T*>(b.data_ptr());
-      const int64_t n = a.numel();
-      for (int64_t i = 0; i < n; ++i)
-        acc += static_cast<double>(static_cast<compute_t<T>>(x[i])) *
-               static_cast<double>(static_cast<compute_t<T>>(y[i]));
-    });
-    return acc;
-  };
-  res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
-  backward({loss});
-
-  Tensor g = W.grad().defined() ? W.grad().copy_data() : zeros_like(W);
+    // ---- decoder (Megatron-style TP / SP) and loss
+    const Drawn a_drawn = syn.A();
+    const std::vector<double>& a = *a_drawn;
+    const int64_t cols = cfg.ffn / tp;
+    std::vector<double> a_cols;
+    for (int64_t r = 0; r < cfg.hidden; ++r)
+      for (int64_t c = res.tp_rank * cols; c < (res.tp_rank + 1) * cols; ++c)
+        a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
+    const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
+    const dist::ProcessGroup& tp_group = mesh.group("tp");
+    Tensor X, pos_lhs;  // the positional term is <pos_lhs, U> where defined
+    if (tp == 1) {
+      X = E;
+      pos_lhs = E;
+    } else if (cfg.decoder.sp) {
+      pos_lhs = E;
+      X = nn::all_gather_single(E, tp_group);
+    } else {
+      X = nn::copy_to_tp_region(E, tp_group);
+      if (res.tp_rank == 0) pos_lhs = X;
+    }
+    Tensor Y = LinearFn{{}, LinearFn::kLeft, {}}.apply({X, A_t})[0];
+    X = Tensor{};  // the linear's backward needs A_t only
+    // U is drawn after the all-gather, so no collective sees it.
+    Tensor U;
+    if (pos_lhs.defined()) U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
+    u_cache.clear();  // as text_cache above
+    Tensor loss = scale(dot(Y, Y), 0.5);
+    if (pos_lhs.defined()) loss = add(loss, dot(pos_lhs, U));
+    // The reported loss is accumulated in float64 from this rank's tensors: in
+    // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
+    // while its gradient (Y, U) does not depend on that value.
+    // (Read in place: to_vector would copy both operands per call.)
+    auto dot64 = [](const Tensor& a, const Tensor& b) {
+      double acc = 0;
+      dispatch_dtype(a.dtype(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const T* x = static_cast<const T*>(a.data_ptr());
+        const T* y = static_cast<const T*>(b.data_ptr());
+        const int64_t n = a.numel();
+        for (int64_t i = 0; i < n; ++i)
+          acc += static_cast<double>(static_cast<compute_t<T>>(x[i])) *
+                 static_cast<double>(static_cast<compute_t<T>>(y[i]));
+      });
+      return acc;
+    };
+    res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
+    Y = U = pos_lhs = E = Tensor{};  // the dot nodes keep them until their backward
+    // dW alone, without accumulating a .grad() into every leaf (the text
+    // embeddings' gradient would be one more shard-sized buffer held to the
+    // end); same engine, same order, same collectives as backward().
+    g = grad({loss}, {W})[0].copy_data();
+  }  // every tensor of the step is freed here, before the all-reduce yields
   dist::all_reduce(world, g, dist::ReduceOp::Sum);
   res.encoder_grad = g;
   return res;
