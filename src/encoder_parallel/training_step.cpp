@@ -121,8 +121,14 @@ Tensor gather_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
   dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* p = static_cast<T*>(out.data_ptr());
+    int64_t cur = -1;  // tokens come in runs of one sample: look its table up once per run
+    const double* tab = nullptr;
     for (const auto& [b, t] : tokens) {
-      const double* row = table(b).data() + t * hidden;
+      if (b != cur) {
+        tab = table(b).data();
+        cur = b;
+      }
+      const double* row = tab + t * hidden;
       for (int64_t h = 0; h < hidden; ++h) *p++ = static_cast<T>(static_cast<compute_t<T>>(row[h]));
     }
   });
@@ -363,8 +369,12 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
     Tensor U;
     if (pos_lhs.defined()) U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
     u_cache.clear();  // as text_cache above
-    Tensor loss = scale(dot(Y, Y), 0.5);
-    if (pos_lhs.defined()) loss = add(loss, dot(pos_lhs, U));
+    const Tensor yy = dot(Y, Y);
+    Tensor loss = scale(yy, 0.5), eu;
+    if (pos_lhs.defined()) {
+      eu = dot(pos_lhs, U);
+      loss = add(loss, eu);
+    }
     // The reported loss is accumulated in float64 from this rank's tensors: in
     // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
     // while its gradient (Y, U) does not depend on that value.
@@ -382,7 +392,10 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
       });
       return acc;
     };
-    res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
+    if (cfg.dtype == DType::Float64)  // the graph's dots are these very sums
+      res.loss = 0.5 * yy.item() + (eu.defined() ? eu.item() : 0.0);
+    else
+      res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
     Y = U = pos_lhs = E = Tensor{};  // the dot nodes keep them until their backward
     // dW alone, without accumulating a .grad() into every leaf (the text
     // embeddings' gradient would be one more shard-sized buffer held to the
