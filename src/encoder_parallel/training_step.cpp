@@ -34,8 +34,9 @@ uint64_t mix(uint64_t a, uint64_t b) {
 
 std::vector<double> draw_fresh(uint64_t seed, std::size_t count, double scale, DType dtype) {
   Generator gen(seed);
-  std::vector<double> v(count);
-  for (double& x : v) x = scale * gen.normal();
+  std::vector<double> v;
+  v.reserve(count);  // (not zero-filled first)
+  for (std::size_t i = 0; i < count; ++i) v.push_back(scale * gen.normal());
   // Round to dtype so distributed and reference start from the same values
   // (float64: already exact, no round trip through a tensor).
   if (dtype == DType::Float64) return v;
@@ -459,8 +460,11 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
         std::copy(F.begin(), F.end(), E.begin() + im.token_start * H);
         imgs.push_back(std::move(img));
       }
-      // loss and dE = U + (E A) A^T
+      // loss and dE = U + (E A) A^T; dE only on image rows, the only ones
+      // dW reads (text rows contribute to the loss alone).
       std::vector<double> dE(E.size());
+      std::vector<char> image_row(static_cast<std::size_t>(s.seq_len), 0);
+      for (const Img& img : imgs) std::fill_n(image_row.begin() + img.start, img.tokens, char{1});
       for (int64_t t = 0; t < s.seq_len; ++t) {
         const double* const e = &E[static_cast<std::size_t>(t * H)];
         const double* const u = U + t * H;
@@ -468,14 +472,13 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
         const double* const bk = back.data();
         std::fill(y.begin(), y.end(), 0.0);
         accumulate_rows(e, 1, H, A, Fn, y.data(), Fn);  // y = e A
+        for (int64_t h = 0; h < H; ++h) ref.loss += e[h] * u[h];
+        for (int64_t c = 0; c < Fn; ++c) ref.loss += 0.5 * yy[c] * yy[c];
+        if (image_row[static_cast<std::size_t>(t)] == 0) continue;
         std::fill(back.begin(), back.end(), 0.0);
         accumulate_rows(yy, 1, Fn, At.data(), H, back.data(), H);  // back = y A^T
         double* const de = dE.data() + t * H;
-        for (int64_t h = 0; h < H; ++h) {
-          ref.loss += e[h] * u[h];
-          de[h] = u[h] + bk[h];
-        }
-        for (int64_t c = 0; c < Fn; ++c) ref.loss += 0.5 * yy[c] * yy[c];
+        for (int64_t h = 0; h < H; ++h) de[h] = u[h] + bk[h];
       }
       // dW += P^T dE over each image's rows
       for (const Img& img : imgs) {
