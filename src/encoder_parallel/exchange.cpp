@@ -26,6 +26,24 @@ struct ReplicaCopyFn : Function<ReplicaCopyFn> {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) { return {zeros_like(grads[0])}; }
 };
 
+// Forward: row views of the input. Backward: the views' gradients
+// concatenated (cat of gradients records nothing).
+struct SplitRowsFn : Function<SplitRowsFn> {
+  static constexpr const char* kName = "SplitRowsBackward";
+  std::vector<int64_t> lengths;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    std::vector<Tensor> out;
+    out.reserve(lengths.size());
+    int64_t at = 0;
+    for (int64_t n : lengths) {
+      out.push_back(in[0].row_view(at, n));
+      at += n;
+    }
+    return out;
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) { return {cat(grads)}; }
+};
+
 bool contains(const std::vector<int>& v, int x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
@@ -149,17 +167,34 @@ std::vector<EncoderFeature> unpack_records(const Tensor& rows,
     throw InvalidArgument(fmt::format(
         "unpack_records: rows has {} rows but the plan's {} received items total {} rows",
         rows.size(0), received_items.size(), total));
+  std::vector<int64_t> lengths;
+  lengths.reserve(received_items.size());
+  for (const auto& it : received_items) lengths.push_back(it.output_rows);
+  std::vector<Tensor> pieces = split_rows(rows, lengths);
   std::vector<EncoderFeature> out;
-  int64_t at = 0;
-  for (const auto& it : received_items) {
-    out.push_back({it, narrow(rows, at, it.output_rows)});
-    at += it.output_rows;
-  }
+  out.reserve(received_items.size());
+  for (std::size_t k = 0; k < received_items.size(); ++k)
+    out.push_back({received_items[k], std::move(pieces[k])});
   std::stable_sort(out.begin(), out.end(), [](const EncoderFeature& a, const EncoderFeature& b) {
     return std::tie(a.item.batch_index, a.item.decoder_token_start, a.item.item_id) <
            std::tie(b.item.batch_index, b.item.decoder_token_start, b.item.item_id);
   });
   return out;
+}
+
+std::vector<Tensor> split_rows(const Tensor& rows, const std::vector<int64_t>& lengths) {
+  if (!rows.defined() || rows.dim() < 1)
+    throw InvalidArgument(fmt::format("split_rows: needs a tensor of rows, got {}",
+                                      rows.defined() ? rows.str() : "an undefined tensor"));
+  int64_t total = 0;
+  for (int64_t n : lengths)
+    if (n < 0 || __builtin_add_overflow(total, n, &total))
+      throw InvalidArgument(fmt::format("split_rows: bad block length {}", n));
+  if (total != rows.size(0))
+    throw InvalidArgument(fmt::format("split_rows: blocks total {} rows but {} has {}", total,
+                                      rows.str(), rows.size(0)));
+  if (lengths.empty()) return {};
+  return SplitRowsFn{{}, lengths}.apply({rows});
 }
 
 }  // namespace diffcomm::encoder_parallel

@@ -39,6 +39,7 @@ struct MergeFn : Function<MergeFn> {
   std::vector<Run> runs;
   std::vector<Shape> record_shapes;
   bool has_anchor = false;
+  bool base_grad = true;  // base requires grad (else its gradient is not built)
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     for (const Run& r : runs)
@@ -47,14 +48,14 @@ struct MergeFn : Function<MergeFn> {
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const Tensor& g = grads[0];
-    Tensor gbase = g.copy_data();
+    Tensor gbase = base_grad ? g.copy_data() : Tensor{};
     std::vector<Tensor> out;
     out.push_back(gbase);
     for (const Shape& s : record_shapes) out.push_back(zeros(s, g.dtype(), g.device()));
     if (has_anchor) out.push_back(Tensor{});
     for (const Run& r : runs) {
       out[1 + r.record].row_view(r.rec_row, r.len).copy_(g.row_view(r.shard_row, r.len));
-      gbase.row_view(r.shard_row, r.len).fill_(0.0);
+      if (base_grad) gbase.row_view(r.shard_row, r.len).fill_(0.0);
     }
     return out;
   }
@@ -95,6 +96,7 @@ Tensor merge_into_decoder(const Tensor& base, const std::vector<EncoderFeature>&
     }
   }
   fn.has_anchor = anchor.defined();
+  fn.base_grad = base.requires_grad();
   if (anchor.defined()) inputs.push_back(anchor);  // last input: no gradient of its own
   return std::move(fn).apply(inputs)[0];
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -33,9 +34,12 @@ uint64_t mix(uint64_t a, uint64_t b) {
 
 std::vector<double> draw_fresh(uint64_t seed, std::size_t count, double scale, DType dtype) {
   Generator gen(seed);
-  std::vector<double> v(count);
-  for (double& x : v) x = scale * gen.normal();
-  // Round to dtype so distributed and reference start from the same values.
+  std::vector<double> v;
+  v.reserve(count);  // (not zero-filled first)
+  for (std::size_t i = 0; i < count; ++i) v.push_back(scale * gen.normal());
+  // Round to dtype so distributed and reference start from the same values
+  // (float64: already exact, no round trip through a tensor).
+  if (dtype == DType::Float64) return v;
   return from_vector(v, {static_cast<int64_t>(count)}, dtype).to_vector();
 }
 
@@ -110,16 +114,80 @@ struct Synthetic {
 };
 
 // Rows (sample, token) of per-sample [seq_len, hidden] tables, as a tensor.
+// Written straight into the tensor, converted as from_vector converts.
 Tensor gather_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
                    const std::function<const std::vector<double>&(int64_t)>& table, int64_t hidden,
                    DType dtype) {
-  std::vector<double> v;
-  v.reserve(tokens.size() * static_cast<std::size_t>(hidden));
-  for (const auto& [b, t] : tokens) {
-    const auto& tab = table(b);
-    v.insert(v.end(), tab.begin() + t * hidden, tab.begin() + (t + 1) * hidden);
+  Tensor out = empty({static_cast<int64_t>(tokens.size()), hidden}, dtype);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(out.data_ptr());
+    int64_t cur = -1;  // tokens come in runs of one sample: look its table up once per run
+    const double* tab = nullptr;
+    for (const auto& [b, t] : tokens) {
+      if (b != cur) {
+        tab = table(b).data();
+        cur = b;
+      }
+      const double* row = tab + t * hidden;
+      for (int64_t h = 0; h < hidden; ++h) *p++ = static_cast<T>(static_cast<compute_t<T>>(row[h]));
+    }
+  });
+  return out;
+}
+
+// Y = L R where only one operand requires grad (the other is data or a
+// frozen weight): the backward computes that operand's gradient alone, with
+// the same products as matmul's backward (dL = dY R^T, dR = L^T dY), so the
+// bits are matmul's. matmul's backward would also compute the other operand's
+// gradient and transpose it, a third of the step's matmul work.
+struct LinearFn : Function<LinearFn> {
+  static constexpr const char* kName = "LinearBackward";
+  enum Grad { kLeft, kRight };  // the operand that requires grad
+  Grad grad = kLeft;
+  Tensor saved;  // the other operand
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    saved = in[grad == kLeft ? 1 : 0];
+    return {matmul(in[0], in[1])};  // detached inputs: records nothing
   }
-  return from_vector(v, {static_cast<int64_t>(tokens.size()), hidden}, dtype);
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    if (grad == kLeft) return {matmul(g[0], transpose(saved)), Tensor{}};
+    return {Tensor{}, matmul(transpose(saved), g[0])};
+  }
+};
+
+// out[j] = out[j] + a[0] B[0, j] + a[1] B[1, j] + ... + a[k-1] B[k-1, j]
+// (left to right) for j < n; a[p] is a[p * lda], B[p, j] is b[p * ldb + j].
+// The reference's sums are all of this form. Blocks of 16 outputs keep their
+// accumulators in registers across p as 8 two-lane vectors (independent add
+// chains; GCC/Clang vector extensions, plain SSE2 on x86-64): each lane is
+// a separate multiply then add, and every output still sees its terms in
+// increasing p, so the bits are those of the plain loop.
+void accumulate_rows(const double* a, int64_t lda, int64_t k, const double* b, int64_t ldb,
+                     double* out, int64_t n) {
+  using v2d = double __attribute__((vector_size(16)));
+  constexpr int kVecs = 8, kBlock = 2 * kVecs;
+  int64_t j = 0;
+  for (; j + kBlock <= n; j += kBlock) {
+    v2d acc[kVecs];
+    std::memcpy(acc, out + j, sizeof acc);
+    for (int64_t p = 0; p < k; ++p) {
+      const double ap = a[p * lda];
+      const v2d av = {ap, ap};
+      const double* bp = b + p * ldb + j;
+      for (int q = 0; q < kVecs; ++q) {
+        v2d bv;
+        std::memcpy(&bv, bp + 2 * q, sizeof bv);
+        acc[q] += av * bv;
+      }
+    }
+    std::memcpy(out + j, acc, sizeof acc);
+  }
+  for (; j < n; ++j) {
+    double acc = out[j];
+    for (int64_t p = 0; p < k; ++p) acc += a[p * lda] * b[p * ldb + j];
+    out[j] = acc;
+  }
 }
 
 void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
@@ -150,7 +218,7 @@ std::pair<double, double> tolerance(DType dtype) {
 }
 
 StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
-                        const std::vector<Batch>& per_dp) {
+                        const std::vector<Batch>& per_dp, bool keep_routed_rows) {
   validate(cfg, per_dp);
   if (world.size() != cfg.world_size())
     throw InvalidArgument(fmt::format("training step: world has {} ranks but dp x cp x tp = {}",
@@ -174,126 +242,167 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   res.exchange_rank = e;
   const Synthetic syn{cfg};
 
-  // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
-  Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
-  W.set_requires_grad(true);
-  const int ecp = cfg.encoder.encoder_cp;
-  const int bucket = e / ecp, j = e % ecp;
-  const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
-  int64_t R = 0;
-  std::vector<double> p_all;
-  for (int64_t id : items) {
-    const auto& it = plan.items[static_cast<std::size_t>(id)];
-    const Drawn p = syn.patches(res.dp_rank, id, it.output_rows);
-    p_all.insert(p_all.end(), p->begin(), p->end());
-    R += it.output_rows;
-  }
-  auto slice_lo = [&](int k) { return R * k / ecp; };
-  const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
-  Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
-                                             p_all.begin() + hi * cfg.in_features),
-                         {hi - lo, cfg.in_features}, cfg.dtype);
-  std::vector<double>().swap(p_all);  // P holds this rank's slice; not kept across collectives
-  Tensor features = matmul(P, W);
-  if (ecp > 1) {
-    auto enc_group =
-        exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
-    dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
-    in[0] = hi - lo;
-    if (j == 0)
-      for (int k = 0; k < ecp; ++k)
-        out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
-    features = nn::all_to_all_single(features, out, in, *enc_group);
-  }
-  std::vector<EncoderFeature> records;
-  if (j == 0) {
-    int64_t at = 0;
+  // Memory: in a simulated world every rank is parked in some collective
+  // while the others run, so what a rank holds across a collective is
+  // multiplied by the world size. The step's tensors therefore live in this
+  // scope only, each local is dropped as soon as neither the rest of the
+  // forward nor the backward reads it (the graph keeps what backward needs),
+  // and only the gradient crosses the final all-reduce.
+  Tensor g;
+  {
+    // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
+    Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
+    W.set_requires_grad(true);
+    const int ecp = cfg.encoder.encoder_cp;
+    const int bucket = e / ecp, j = e % ecp;
+    const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
+    int64_t R = 0;
+    std::vector<double> p_all;
     for (int64_t id : items) {
       const auto& it = plan.items[static_cast<std::size_t>(id)];
-      records.push_back({it, narrow(features, at, it.output_rows)});
-      at += it.output_rows;
+      const Drawn p = syn.patches(res.dp_rank, id, it.output_rows);
+      p_all.insert(p_all.end(), p->begin(), p->end());
+      R += it.output_rows;
     }
-  }
+    auto slice_lo = [&](int k) { return R * k / ecp; };
+    const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
+    Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
+                                               p_all.begin() + hi * cfg.in_features),
+                           {hi - lo, cfg.in_features}, cfg.dtype);
+    std::vector<double>().swap(p_all);  // P holds this rank's slice; not kept across collectives
+    Tensor features = LinearFn{{}, LinearFn::kRight, {}}.apply({P, W})[0];
+    if (ecp > 1) {
+      auto enc_group =
+          exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
+      dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
+      in[0] = hi - lo;
+      if (j == 0)
+        for (int k = 0; k < ecp; ++k)
+          out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
+      features = nn::all_to_all_single(features, out, in, *enc_group);
+    }
+    std::vector<EncoderFeature> records;
+    if (j == 0) {
+      std::vector<int64_t> lengths;
+      for (int64_t id : items)
+        lengths.push_back(plan.items[static_cast<std::size_t>(id)].output_rows);
+      std::vector<Tensor> rows = split_rows(features, lengths);
+      for (std::size_t k = 0; k < items.size(); ++k)
+        records.push_back({plan.items[static_cast<std::size_t>(items[k])], std::move(rows[k])});
+    }
 
-  // ---- exchange, unpack, merge
-  // `features` is the prototype: on a rank that produces nothing it is the
-  // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
-  // send on it keeps that collective's backward reachable here too.
-  RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
-                                         cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
-  res.routed_rows = routed.rows.detach();
-  res.received_items = routed.items;
-  const std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
-  const ShardLayout layout(plan, e);
-  res.shard_tokens = layout.tokens();
-  std::map<int64_t, Drawn> text_cache, u_cache;
-  auto text_of = [&](int64_t b) -> const std::vector<double>& {
-    auto it = text_cache.find(b);
-    if (it == text_cache.end())
-      it = text_cache
-               .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
-               .first;
-    return *it->second;
-  };
-  auto u_of = [&](int64_t b) -> const std::vector<double>& {
-    auto it = u_cache.find(b);
-    if (it == u_cache.end())
-      it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
-               .first;
-    return *it->second;
-  };
-  // The text embeddings are a parameter's output in a real decoder: they
-  // require grad, so every rank's decoder graph is differentiable.
-  Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
-  // The drawn tables are only read by gather_rows: drop this rank's handles
-  // now, before the next collective yields. Held across the step, every rank
-  // kept its own copy whenever the bounded memo had evicted its dp slice's
-  // tables, and the memo evicts more the more dp slices interleave (memory
-  // per rank grew with N).
-  text_cache.clear();
-  base.set_requires_grad(true);
-  Tensor E = merge_into_decoder(base, received, layout, routed.rows);
-  res.decoder_input = E.detach();
+    // ---- exchange, unpack, merge
+    // `features` is the prototype: on a rank that produces nothing it is the
+    // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
+    // send on it keeps that collective's backward reachable here too.
+    RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
+                                           cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
+    // The records are views of features; backward needs neither (the encoder
+    // node keeps P, the split keeps row counts).
+    std::vector<EncoderFeature>().swap(records);
+    features = Tensor{};
+    if (keep_routed_rows) res.routed_rows = routed.rows.detach();
+    res.received_items = routed.items;
+    std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
+    const ShardLayout layout(plan, e);
+    res.shard_tokens = layout.tokens();
+    std::map<int64_t, Drawn> text_cache, u_cache;
+    auto text_of = [&](int64_t b) -> const std::vector<double>& {
+      auto it = text_cache.find(b);
+      if (it == text_cache.end())
+        it = text_cache
+                 .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+                 .first;
+      return *it->second;
+    };
+    auto u_of = [&](int64_t b) -> const std::vector<double>& {
+      auto it = u_cache.find(b);
+      if (it == u_cache.end())
+        it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+                 .first;
+      return *it->second;
+    };
+    // The text embeddings are data here: E = merge(base, routed rows)
+    // requires grad on every rank through the routed rows (the exchange of
+    // features of W, an empty anchored send included), so every rank's
+    // decoder graph is differentiable without them. As a leaf requiring grad
+    // they would stay in the graph, a shard-sized buffer at every later
+    // collective, for a gradient nothing reads.
+    Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
+    // The drawn tables are only read by gather_rows: drop this rank's handles
+    // now, before the next collective yields. Held across the step, every rank
+    // kept its own copy whenever the bounded memo had evicted its dp slice's
+    // tables, and the memo evicts more the more dp slices interleave (memory
+    // per rank grew with N).
+    text_cache.clear();
+    Tensor E = merge_into_decoder(base, received, layout, routed.rows);
+    res.decoder_input = E.detach();
+    // The merge copied what it needs; the routed rows (the exchange's largest
+    // buffer) are not read again.
+    std::vector<EncoderFeature>().swap(received);
+    routed.rows = Tensor{};
+    base = Tensor{};
 
-  // ---- decoder (Megatron-style TP / SP) and loss
-  const Tensor U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
-  u_cache.clear();  // as text_cache above
-  const Drawn a_drawn = syn.A();
-  const std::vector<double>& a = *a_drawn;
-  const int64_t cols = cfg.ffn / tp;
-  std::vector<double> a_cols;
-  for (int64_t r = 0; r < cfg.hidden; ++r)
-    for (int64_t c = res.tp_rank * cols; c < (res.tp_rank + 1) * cols; ++c)
-      a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
-  const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
-  const dist::ProcessGroup& tp_group = mesh.group("tp");
-  Tensor X, pos_lhs;  // the positional term is <pos_lhs, U> where defined
-  if (tp == 1) {
-    X = E;
-    pos_lhs = E;
-  } else if (cfg.decoder.sp) {
-    pos_lhs = E;
-    X = nn::all_gather_single(E, tp_group);
-  } else {
-    X = nn::copy_to_tp_region(E, tp_group);
-    if (res.tp_rank == 0) pos_lhs = X;
-  }
-  const Tensor Y = matmul(X, A_t);
-  Tensor loss = scale(dot(Y, Y), 0.5);
-  if (pos_lhs.defined()) loss = add(loss, dot(pos_lhs, U));
-  // The reported loss is accumulated in float64 from this rank's tensors: in
-  // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
-  // while its gradient (Y, U) does not depend on that value.
-  auto dot64 = [](const Tensor& a, const Tensor& b) {
-    const std::vector<double> x = a.to_vector(), y = b.to_vector();
-    double acc = 0;
-    for (std::size_t i = 0; i < x.size(); ++i) acc += x[i] * y[i];
-    return acc;
-  };
-  res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
-  backward({loss});
-
-  Tensor g = W.grad().defined() ? W.grad().copy_data() : zeros_like(W);
+    // ---- decoder (Megatron-style TP / SP) and loss
+    const Drawn a_drawn = syn.A();
+    const std::vector<double>& a = *a_drawn;
+    const int64_t cols = cfg.ffn / tp;
+    std::vector<double> a_cols;
+    for (int64_t r = 0; r < cfg.hidden; ++r)
+      for (int64_t c = res.tp_rank * cols; c < (res.tp_rank + 1) * cols; ++c)
+        a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
+    const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
+    const dist::ProcessGroup& tp_group = mesh.group("tp");
+    Tensor X, pos_lhs;  // the positional term is <pos_lhs, U> where defined
+    if (tp == 1) {
+      X = E;
+      pos_lhs = E;
+    } else if (cfg.decoder.sp) {
+      pos_lhs = E;
+      X = nn::all_gather_single(E, tp_group);
+    } else {
+      X = nn::copy_to_tp_region(E, tp_group);
+      if (res.tp_rank == 0) pos_lhs = X;
+    }
+    Tensor Y = LinearFn{{}, LinearFn::kLeft, {}}.apply({X, A_t})[0];
+    X = Tensor{};  // the linear's backward needs A_t only
+    // U is drawn after the all-gather, so no collective sees it.
+    Tensor U;
+    if (pos_lhs.defined()) U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
+    u_cache.clear();  // as text_cache above
+    const Tensor yy = dot(Y, Y);
+    Tensor loss = scale(yy, 0.5), eu;
+    if (pos_lhs.defined()) {
+      eu = dot(pos_lhs, U);
+      loss = add(loss, eu);
+    }
+    // The reported loss is accumulated in float64 from this rank's tensors: in
+    // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
+    // while its gradient (Y, U) does not depend on that value.
+    // (Read in place: to_vector would copy both operands per call.)
+    auto dot64 = [](const Tensor& a, const Tensor& b) {
+      double acc = 0;
+      dispatch_dtype(a.dtype(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const T* x = static_cast<const T*>(a.data_ptr());
+        const T* y = static_cast<const T*>(b.data_ptr());
+        const int64_t n = a.numel();
+        for (int64_t i = 0; i < n; ++i)
+          acc += static_cast<double>(static_cast<compute_t<T>>(x[i])) *
+                 static_cast<double>(static_cast<compute_t<T>>(y[i]));
+      });
+      return acc;
+    };
+    if (cfg.dtype == DType::Float64)  // the graph's dots are these very sums
+      res.loss = 0.5 * yy.item() + (eu.defined() ? eu.item() : 0.0);
+    else
+      res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
+    Y = U = pos_lhs = E = Tensor{};  // the dot nodes keep them until their backward
+    // dW alone, without accumulating a .grad() into every leaf (the text
+    // embeddings' gradient would be one more shard-sized buffer held to the
+    // end); same engine, same order, same collectives as backward().
+    g = grad({loss}, {W})[0].copy_data();
+  }  // every tensor of the step is freed here, before the all-reduce yields
   dist::all_reduce(world, g, dist::ReduceOp::Sum);
   res.encoder_grad = g;
   return res;
@@ -303,14 +412,29 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
   validate(cfg, per_dp);
   const Synthetic syn{cfg};
   const Drawn W_drawn = syn.W(), A_drawn = syn.A();
-  const std::vector<double>& W = *W_drawn;
-  const std::vector<double>& A = *A_drawn;
+  const double* const W = W_drawn->data();
+  const double* const A = A_drawn->data();
   const int64_t H = cfg.hidden, I = cfg.in_features, Fn = cfg.ffn;
-  auto round = [&](std::vector<double> v) {
-    return from_vector(v, {static_cast<int64_t>(v.size())}, cfg.dtype).to_vector();
+  // Every sum below keeps the order of the plain loops it replaced (each
+  // element: 0, then + a_p b_p in increasing p), so the bits are the same;
+  // the loops are only arranged so that independent elements are computed
+  // side by side (vectorizable) instead of one long add chain at a time.
+  // At = A^T ([ffn, hidden]): back[h] = sum_c y[c] A[h, c] runs over c for all
+  // h at once, reading At's rows contiguously.
+  std::vector<double> At(static_cast<std::size_t>(Fn * H));
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t c = 0; c < Fn; ++c)
+      At[static_cast<std::size_t>(c * H + h)] = A[static_cast<std::size_t>(h * Fn + c)];
+  // Rounds to the step's dtype (identity in float64).
+  auto round = [&](std::vector<double>& v) {
+    if (cfg.dtype != DType::Float64)
+      v = from_vector(v, {static_cast<int64_t>(v.size())}, cfg.dtype).to_vector();
   };
   StepReference ref;
   ref.encoder_grad.assign(static_cast<std::size_t>(I * H), 0.0);
+  double* const dW = ref.encoder_grad.data();
+  std::vector<double> y(static_cast<std::size_t>(Fn)), back(static_cast<std::size_t>(H));
+  std::vector<double> F;
   for (int d = 0; d < cfg.dp; ++d) {
     const Batch& batch = per_dp[static_cast<std::size_t>(d)];
     ref.embeddings.emplace_back();
@@ -319,50 +443,49 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
       const Sample& s = batch.samples[b];
       std::vector<double> E = *syn.text(d, static_cast<int64_t>(b), s.seq_len);
       const Drawn U_drawn = syn.u(d, static_cast<int64_t>(b), s.seq_len);
-      const std::vector<double>& U = *U_drawn;
+      const double* const U = U_drawn->data();
       struct Img {
         int64_t start, tokens;
-        std::vector<double> P;
+        Drawn P;
       };
       std::vector<Img> imgs;
       for (const ImageSpan& im : s.images) {
-        Img img{im.token_start, im.tokens, *syn.patches(d, item_id++, im.tokens)};
+        Img img{im.token_start, im.tokens, syn.patches(d, item_id++, im.tokens)};
         // F = P W, accumulated in float64 in the order of the inner index.
-        std::vector<double> F(static_cast<std::size_t>(im.tokens * H), 0.0);
+        F.assign(static_cast<std::size_t>(im.tokens * H), 0.0);
+        const double* const P = img.P->data();
         for (int64_t r = 0; r < im.tokens; ++r)
-          for (int64_t k = 0; k < I; ++k)
-            for (int64_t h = 0; h < H; ++h)
-              F[static_cast<std::size_t>(r * H + h)] += img.P[static_cast<std::size_t>(r * I + k)] *
-                                                        W[static_cast<std::size_t>(k * H + h)];
-        F = round(F);
+          accumulate_rows(P + r * I, 1, I, W, H, F.data() + r * H, H);
+        round(F);
         std::copy(F.begin(), F.end(), E.begin() + im.token_start * H);
         imgs.push_back(std::move(img));
       }
-      // loss and dE = U + (E A) A^T
+      // loss and dE = U + (E A) A^T; dE only on image rows, the only ones
+      // dW reads (text rows contribute to the loss alone).
       std::vector<double> dE(E.size());
+      std::vector<char> image_row(static_cast<std::size_t>(s.seq_len), 0);
+      for (const Img& img : imgs) std::fill_n(image_row.begin() + img.start, img.tokens, char{1});
       for (int64_t t = 0; t < s.seq_len; ++t) {
-        const double* e = &E[static_cast<std::size_t>(t * H)];
-        std::vector<double> y(static_cast<std::size_t>(Fn), 0.0);
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t c = 0; c < Fn; ++c)
-            y[static_cast<std::size_t>(c)] += e[h] * A[static_cast<std::size_t>(h * Fn + c)];
-        for (int64_t h = 0; h < H; ++h) {
-          ref.loss += e[h] * U[static_cast<std::size_t>(t * H + h)];
-          double back = 0;
-          for (int64_t c = 0; c < Fn; ++c)
-            back += y[static_cast<std::size_t>(c)] * A[static_cast<std::size_t>(h * Fn + c)];
-          dE[static_cast<std::size_t>(t * H + h)] = U[static_cast<std::size_t>(t * H + h)] + back;
-        }
-        for (double v : y) ref.loss += 0.5 * v * v;
+        const double* const e = &E[static_cast<std::size_t>(t * H)];
+        const double* const u = U + t * H;
+        const double* const yy = y.data();
+        const double* const bk = back.data();
+        std::fill(y.begin(), y.end(), 0.0);
+        accumulate_rows(e, 1, H, A, Fn, y.data(), Fn);  // y = e A
+        for (int64_t h = 0; h < H; ++h) ref.loss += e[h] * u[h];
+        for (int64_t c = 0; c < Fn; ++c) ref.loss += 0.5 * yy[c] * yy[c];
+        if (image_row[static_cast<std::size_t>(t)] == 0) continue;
+        std::fill(back.begin(), back.end(), 0.0);
+        accumulate_rows(yy, 1, Fn, At.data(), H, back.data(), H);  // back = y A^T
+        double* const de = dE.data() + t * H;
+        for (int64_t h = 0; h < H; ++h) de[h] = u[h] + bk[h];
       }
       // dW += P^T dE over each image's rows
-      for (const Img& img : imgs)
-        for (int64_t r = 0; r < img.tokens; ++r)
-          for (int64_t k = 0; k < I; ++k)
-            for (int64_t h = 0; h < H; ++h)
-              ref.encoder_grad[static_cast<std::size_t>(k * H + h)] +=
-                  img.P[static_cast<std::size_t>(r * I + k)] *
-                  dE[static_cast<std::size_t>((img.start + r) * H + h)];
+      for (const Img& img : imgs) {
+        const double* const P = img.P->data();
+        for (int64_t k = 0; k < I; ++k)  // dW[k, :] += sum over rows r of P[r, k] dE[r, :]
+          accumulate_rows(P + k, I, img.tokens, dE.data() + img.start * H, H, dW + k * H, H);
+      }
       ref.embeddings.back().push_back(std::move(E));
     }
   }

@@ -44,4 +44,12 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
 std::vector<EncoderFeature> unpack_records(const Tensor& rows,
                                            const std::vector<EncoderWorkItem>& received_items);
 
+/// rows [n, ...] as consecutive blocks of lengths[i] rows (sum == n), each a
+/// differentiable view; one autograd node whose backward concatenates the
+/// blocks' gradients (zeros for a block that got none). A narrow per block
+/// would instead give each block a full-size zero gradient and add them all
+/// up: O(blocks x n). Throws InvalidArgument for a negative length, a sum
+/// other than n or a 0-d tensor.
+std::vector<Tensor> split_rows(const Tensor& rows, const std::vector<int64_t>& lengths);
+
 }  // namespace diffcomm::encoder_parallel

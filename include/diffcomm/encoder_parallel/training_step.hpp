@@ -50,7 +50,7 @@ struct StepRankResult {
   FeatureExchangeMode mode = FeatureExchangeMode::Local;
   Tensor decoder_input;  ///< merged shard [layout rows, hidden] (detached)
   std::vector<std::pair<int64_t, int64_t>> shard_tokens;  ///< (sample, token) per shard row
-  Tensor routed_rows;  ///< rows the exchange delivered (detached)
+  Tensor routed_rows;  ///< rows the exchange delivered (detached); undefined unless kept
   std::vector<EncoderWorkItem> received_items;
   Tensor encoder_grad;  ///< dL/dW summed over the world (same on every rank)
   double loss = 0;      ///< this rank's loss term, accumulated in float64 for every dtype
@@ -61,8 +61,11 @@ struct StepRankResult {
 /// per_dp[d] is the micro-batch of DP replica d (replicated metadata). Calls
 /// collectives on world and on mesh groups it creates: every rank must call.
 /// Throws InvalidArgument for inconsistent configurations.
+/// keep_routed_rows: fill StepRankResult::routed_rows. It is the largest
+/// buffer of a rank's step (every image a rank owns tokens of, whole), and
+/// only tests that inspect the exchange read it; the check does not.
 StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
-                        const std::vector<Batch>& per_dp);
+                        const std::vector<Batch>& per_dp, bool keep_routed_rows = true);
 
 /// The single-rank reference.
 struct StepReference {
