@@ -685,6 +685,11 @@ def command_line_edges(cli):
     bad(["step", "--dp", 4096, "--cp", 2, "--tp", 4], "--dp")
     bad(["step", "--batch", 0], "--batch")
     bad(["step", "--hidden", 1048576], "--hidden")
+    # The memory estimate's limit is the user's: a tiny one refuses the default
+    # step and says how to raise it; zero or negative is refused outright.
+    bad(["step", "--memory-limit", "0.001"], "raise --memory-limit")
+    bad(["step", "--memory-limit", 0], "--memory-limit")
+    bad(["step", "--memory-limit", -4], "--memory-limit")
     bad(["step", "--trace", "/dev/full"], "--trace")
     bad(["foo"], "unknown subcommand 'foo'")
     bad(["step", "--images", "/tmp"], "is a directory")
