@@ -173,28 +173,7 @@ class TensorList {
       size_ = o.size_;
       return *this;
     }
-    if (this == &o) return *this;
-    kind_ = o.kind_;
-    size_ = o.size_;
-    switch (kind_) {
-      case Kind::Borrowed:
-        data_ = o.data_;
-        one_ = Tensor();
-        many_.clear();
-        break;
-      case Kind::One:
-        one_ = std::move(o.one_);
-        data_ = &one_;
-        many_.clear();
-        break;
-      case Kind::Many:
-        many_ = std::move(o.many_);
-        data_ = many_.data();
-        one_ = Tensor();
-        break;
-    }
-    o.clear();
-    return *this;
+    return move_from(o);
   }
   ~TensorList() = default;
 
@@ -238,6 +217,32 @@ class TensorList {
 
  private:
   enum class Kind : uint8_t { Borrowed, One, Many };
+  // Out of line on purpose: the borrowed fast path of operator= stays small
+  // enough to inline into the funnel.
+  [[gnu::noinline]] TensorList& move_from(TensorList& o) noexcept {
+    if (this == &o) return *this;
+    kind_ = o.kind_;
+    size_ = o.size_;
+    switch (kind_) {
+      case Kind::Borrowed:
+        data_ = o.data_;
+        one_ = Tensor();
+        many_.clear();
+        break;
+      case Kind::One:
+        one_ = std::move(o.one_);
+        data_ = &one_;
+        many_.clear();
+        break;
+      case Kind::Many:
+        many_ = std::move(o.many_);
+        data_ = many_.data();
+        one_ = Tensor();
+        break;
+    }
+    o.clear();
+    return *this;
+  }
   void clear() {
     one_ = Tensor();
     many_.clear();
