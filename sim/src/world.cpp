@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/fiber/all.hpp>
 #include <cstdint>
 #include <cstring>
@@ -60,6 +61,26 @@ struct Rendezvous {
   boost::fibers::condition_variable_any cv;
   std::size_t pending_at = SIZE_MAX;           // index in World::Impl::pending while waited in
   std::vector<const dist::Call*> const_calls;  // compare()'s view of `calls`, kept for reuse
+  // all_to_all (list form): row s written by member s on arrival, from its
+  // own lists while they are in cache (see fill_all_to_all_row); compared
+  // and moved from here. Kept with their capacity for reuse.
+  // Not zero-filled: every member's row is written before it is read.
+  struct AllToAllTables {
+    std::size_t size = 0;                           // entries per table (N^2)
+    std::unique_ptr<uint64_t[]> in_code, out_code;  // dist::shape_code per block
+    std::unique_ptr<const char*[]> src;             // null when empty
+    std::unique_ptr<char*[]> dst;                   // null when empty
+    std::unique_ptr<std::size_t[]> len;             // input block bytes
+    void resize(std::size_t n) {
+      if (size == n) return;
+      in_code.reset(new uint64_t[n]);
+      out_code.reset(new uint64_t[n]);
+      src.reset(new const char*[n]);
+      dst.reset(new char*[n]);
+      len.reset(new std::size_t[n]);
+      size = n;
+    }
+  } a2a;
 
   // Ready for another collective of `g`; vectors keep their capacity.
   void reset(SimGroup* g, const std::vector<int>& members) {
@@ -83,7 +104,23 @@ struct SimGroup {
   uint64_t id = 0;
   std::vector<int> members;          // global ranks in group order
   uint32_t trace_name = UINT32_MAX;  // index into World::Impl::trace_names (trace only)
-  std::map<uint64_t, std::shared_ptr<Rendezvous>> pending;
+  // Collectives on their way, by call number. At most one in practice (no
+  // member can start call k+1 before all have arrived at k, and the last
+  // arrival takes k out), so a vector searched from the back, which keeps
+  // its capacity: a map node per collective was a malloc/free per call.
+  std::vector<std::pair<uint64_t, std::shared_ptr<Rendezvous>>> pending;
+  std::shared_ptr<Rendezvous>& pending_entry(uint64_t seq) {
+    for (auto it = pending.rbegin(); it != pending.rend(); ++it)
+      if (it->first == seq) return it->second;
+    return pending.emplace_back(seq, nullptr).second;
+  }
+  void erase_pending(uint64_t seq) {
+    for (auto it = pending.begin(); it != pending.end(); ++it)
+      if (it->first == seq) {
+        pending.erase(it);
+        return;
+      }
+  }
   // p2p: (src slot, dst slot, tag, n) -> rendezvous
   std::map<std::tuple<int, int, int, uint64_t>, std::shared_ptr<Rendezvous>> pending_p2p;
   // Completed collective rendezvous kept for reuse: a fresh one per call was
@@ -177,23 +214,35 @@ struct World::Impl {
     return g;
   }
 
+  // FNV-1a powers of the prime: kFnvPow[k] = prime^k (mod 2^64).
+  static constexpr std::array<uint64_t, 9> kFnvPow = [] {
+    std::array<uint64_t, 9> p{};
+    p[0] = 1;
+    for (std::size_t k = 1; k < p.size(); ++k) p[k] = p[k - 1] * 1099511628211ull;
+    return p;
+  }();
   void hash(uint64_t v) {
-    // FNV-1a over 8 bytes.
-    for (int i = 0; i < 8; ++i) {
+    // FNV-1a over 8 bytes. The zero high bytes of a small value (call
+    // numbers, slots, characters) only multiply (h ^ 0 == h): one
+    // multiplication by a power of the prime, the same hash in a fraction of
+    // the steps (it was eight rounds per character of every op name).
+    int i = 0;
+    for (; i < 8 && (v >> (8 * i)) != 0; ++i) {
       trace_hash ^= (v >> (8 * i)) & 0xFF;
       trace_hash *= 1099511628211ull;
     }
+    trace_hash *= kFnvPow[static_cast<std::size_t>(8 - i)];
   }
   void hash(const char* s) {
     for (; *s != 0; ++s) hash(static_cast<uint64_t>(static_cast<unsigned char>(*s)));
   }
 
-  uint32_t intern_trace_name(SimGroup& g, const std::string& name) {
+  uint32_t intern_trace_name(SimGroup& g, std::string_view name) {
     // Members name their group alike in practice; compare, not assume.
     if (g.trace_name < trace_names.size() && trace_names[g.trace_name] == name) return g.trace_name;
     const auto it = std::find(trace_names.begin(), trace_names.end(), name);
     g.trace_name = static_cast<uint32_t>(it - trace_names.begin());
-    if (it == trace_names.end()) trace_names.push_back(name);
+    if (it == trace_names.end()) trace_names.emplace_back(name);
     return g.trace_name;
   }
 
@@ -358,6 +407,9 @@ struct World::Impl {
     // In place: descriptions are built only on a mismatch (N^2 split
     // entries and shapes otherwise, for all_to_all_single / all_to_all).
     rv.const_calls.assign(rv.calls.begin(), rv.calls.end());
+    if (rv.calls[0]->op == OpType::AllToAll)
+      return dist::compare(rv.const_calls, rv.group->members,
+                           dist::AllToAllCodes{rv.a2a.in_code.get(), rv.a2a.out_code.get()});
     return dist::compare(rv.const_calls, rv.group->members);
   }
 
@@ -396,7 +448,7 @@ struct World::Impl {
       case OpType::Broadcast: {
         const auto src = static_cast<std::size_t>(c[0]->root);
         for (std::size_t i = 0; i < n; ++i)
-          if (i != src) c[i]->outputs[0].copy_(c[src]->inputs[0]);
+          if (i != src) c[i]->outputs.writable(0).copy_(c[src]->inputs[0]);
         break;
       }
       case OpType::Reduce: {
@@ -410,7 +462,7 @@ struct World::Impl {
       }
       case OpType::AllGather:
         for (std::size_t i = 0; i < n; ++i)
-          for (std::size_t s = 0; s < n; ++s) c[i]->outputs[s].copy_(c[s]->inputs[0]);
+          for (std::size_t s = 0; s < n; ++s) c[i]->outputs.writable(s).copy_(c[s]->inputs[0]);
         break;
       case OpType::AllGatherSingle:
         for (std::size_t i = 0; i < n; ++i) {
@@ -428,12 +480,12 @@ struct World::Impl {
         break;
       case OpType::Gather: {
         const auto dst = static_cast<std::size_t>(c[0]->root);
-        for (std::size_t s = 0; s < n; ++s) c[dst]->outputs[s].copy_(c[s]->inputs[0]);
+        for (std::size_t s = 0; s < n; ++s) c[dst]->outputs.writable(s).copy_(c[s]->inputs[0]);
         break;
       }
       case OpType::Scatter: {
         const auto src = static_cast<std::size_t>(c[0]->root);
-        for (std::size_t i = 0; i < n; ++i) c[i]->outputs[0].copy_(c[src]->inputs[i]);
+        for (std::size_t i = 0; i < n; ++i) c[i]->outputs.writable(0).copy_(c[src]->inputs[i]);
         break;
       }
       case OpType::ReduceScatter:
@@ -461,34 +513,7 @@ struct World::Impl {
           dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
         }
         break;
-      case OpType::AllToAll: {
-        // Pointers and sizes read rank by rank (each rank's own lists, in
-        // order), then the N^2 blocks moved from these tables in the same
-        // order as before: copy_ per pair read two tensors in transposed
-        // order, a cache miss per block at 1024 ranks. Shapes and dtypes
-        // were compared before any data moves, so a block's size is its
-        // input's.
-        std::vector<const char*> src(n * n);
-        std::vector<char*> dst(n * n);
-        std::vector<std::size_t> len(n * n);
-        for (std::size_t s = 0; s < n; ++s)
-          for (std::size_t i = 0; i < n; ++i) {
-            const Tensor& in = c[s]->inputs[i];
-            len[s * n + i] = in.nbytes();
-            src[s * n + i] = len[s * n + i] ? static_cast<const char*>(in.data_ptr()) : nullptr;
-            dst[s * n + i] = c[s]->outputs[i].nbytes()
-                                 ? static_cast<char*>(c[s]->outputs[i].data_ptr())
-                                 : nullptr;
-          }
-        for (std::size_t i = 0; i < n; ++i)
-          for (std::size_t s = 0; s < n; ++s) {
-            const std::size_t b = len[s * n + i];
-            char* to = dst[i * n + s];
-            const char* from = src[s * n + i];
-            if (b != 0 && to != from) std::memmove(to, from, b);
-          }
-        break;
-      }
+      case OpType::AllToAll: break;  // move_all_to_all(), from the members' tables
       case OpType::AllToAllSingle: {
         // Offsets are prefix sums kept as running cursors, once per
         // collective: the sender's in its own loop, each receiver's in
@@ -519,7 +544,79 @@ struct World::Impl {
         break;
       }
       case OpType::Send:
-      case OpType::Recv: c[1]->outputs[0].copy_(c[0]->inputs[0]); break;
+      case OpType::Recv: c[1]->outputs.writable(0).copy_(c[0]->inputs[0]); break;
+    }
+  }
+
+  // all_to_all's row of member `slot`, read from its own lists on arrival
+  // (one pass over its tensors while the funnel's checks left them in cache;
+  // reading every member's N tensors again at the rendezvous, for the
+  // compare and then for the move, were two passes over all N^2 tensors,
+  // hundreds of MB at 1024 ranks). Block sizes use the call's dtype: the
+  // funnel checked that every tensor has it. Rows of members that called
+  // something else, or lists of another length, are not written: compare()
+  // rejects those calls before reading any row.
+  static void fill_all_to_all_row(Rendezvous& rv, std::size_t slot, const Call& call) {
+    const std::size_t n = rv.calls.size();
+    if (call.inputs.size() != n || call.outputs.size() != n) return;
+    auto& t = rv.a2a;
+    t.resize(n * n);
+    const std::size_t esize = element_size(call.dtype);
+    auto bytes_of = [&](const Shape& s) {
+      std::size_t e = esize;
+      for (int64_t d : s) e *= static_cast<std::size_t>(d);
+      return e;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t k = slot * n + i;
+      const Tensor& in = call.inputs[i];
+      const Tensor& out = call.outputs[i];
+      if (!in.defined() || !out.defined()) {  // compare() reports it
+        t.in_code[k] = t.out_code[k] = 0;
+        t.src[k] = nullptr;
+        t.dst[k] = nullptr;
+        t.len[k] = 0;
+        continue;
+      }
+      const Shape& si = in.shape();
+      const Shape& so = out.shape();
+      t.in_code[k] = dist::shape_code(si);
+      t.out_code[k] = dist::shape_code(so);
+      t.len[k] = bytes_of(si);
+      t.src[k] = t.len[k] != 0 ? static_cast<const char*>(in.data_ptr()) : nullptr;
+      t.dst[k] = bytes_of(so) != 0 ? static_cast<char*>(out.data_ptr()) : nullptr;
+    }
+  }
+
+  // The N^2 blocks moved from the members' tables, receiver by receiver in
+  // sender order. Shapes and dtypes were compared before any data moves, so
+  // a block's size is its input's.
+  // The senders' entries for a panel of kPanel receivers are first gathered
+  // into a receiver-major buffer (each sender row read once per panel, a
+  // few cache lines), so the moves read it in order: reading the senders'
+  // rows in receiver order took a new page for every block at 1024 ranks.
+  // The order of the moves is unchanged (receiver by receiver, senders in
+  // order).
+  static void move_all_to_all(Rendezvous& rv) {
+    const std::size_t n = rv.calls.size();
+    const auto& t = rv.a2a;
+    constexpr std::size_t kPanel = 64;
+    struct Block {
+      const char* from;
+      std::size_t len;
+    };
+    std::vector<Block> panel(std::min(n, kPanel) * n);
+    for (std::size_t i0 = 0; i0 < n; i0 += kPanel) {
+      const std::size_t width = std::min(n, i0 + kPanel) - i0;
+      for (std::size_t s = 0; s < n; ++s)
+        for (std::size_t r = 0; r < width; ++r)
+          panel[r * n + s] = {t.src[s * n + i0 + r], t.len[s * n + i0 + r]};
+      for (std::size_t r = 0; r < width; ++r)
+        for (std::size_t s = 0; s < n; ++s) {
+          const Block& b = panel[r * n + s];
+          char* to = t.dst[(i0 + r) * n + s];
+          if (b.len != 0 && to != b.from) std::memmove(to, b.from, b.len);
+        }
     }
   }
 
@@ -632,7 +729,10 @@ void World::Impl::complete(Rendezvous& rv) {
     wake(rv);
     return;
   }
-  move_data(rv.calls);
+  if (rv.calls[0]->op == OpType::AllToAll)
+    move_all_to_all(rv);
+  else
+    move_data(rv.calls);
   rv.end_us = start + cost_us(rv);
   hash(rv.group->id);
   hash(rv.calls[0]->seq);
@@ -653,7 +753,7 @@ void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call&
   const int global = g->members[static_cast<std::size_t>(slot)];
   enter(*g, global, call);
   const std::size_t n = g->members.size();
-  std::shared_ptr<Rendezvous>& entry = g->pending[call.seq];
+  std::shared_ptr<Rendezvous>& entry = g->pending_entry(call.seq);
   if (!entry) {
     for (auto it = g->spare.begin(); it != g->spare.end(); ++it)
       if (it->use_count() == 1) {
@@ -667,8 +767,9 @@ void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call&
   std::shared_ptr<Rendezvous> rv = entry;  // keeps it alive after erase
   rv->calls[static_cast<std::size_t>(slot)] = &call;
   rv->arrival_order.push_back(slot);
+  if (call.op == OpType::AllToAll) fill_all_to_all_row(*rv, static_cast<std::size_t>(slot), call);
   if (++rv->arrived == static_cast<int>(n)) {
-    g->pending.erase(call.seq);
+    g->erase_pending(call.seq);
     complete(*rv);
     // Waiters still hold it until they return; reused after that. A failed
     // one is not kept (its members raise from it).
@@ -678,7 +779,7 @@ void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call&
     wait(*rv, global, call);
   }
   if (rv->error != ErrorKind::None) {
-    if (rv->error != ErrorKind::Mismatch) g->pending.erase(call.seq);
+    if (rv->error != ErrorKind::Mismatch) g->erase_pending(call.seq);
     raise(*rv, call);
   }
 }
@@ -729,7 +830,7 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
   const int global = g->members[static_cast<std::size_t>(slot)];
   enter(*g, global, call);
   const std::size_t n = g->members.size();
-  std::shared_ptr<Rendezvous>& entry = g->pending[call.seq];
+  std::shared_ptr<Rendezvous>& entry = g->pending_entry(call.seq);
   if (!entry) {
     entry = std::make_shared<Rendezvous>();
     entry->group = g.get();
@@ -740,7 +841,7 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
   rv->calls[static_cast<std::size_t>(slot)] = &call;
   rv->arrival_order.push_back(slot);
   if (++rv->arrived == static_cast<int>(n)) {
-    g->pending.erase(call.seq);
+    g->erase_pending(call.seq);
     const std::string mismatch = compare(*rv);
     if (mismatch.empty()) {
       // Members with one color form a group, ordered by (key, old rank).

@@ -44,17 +44,31 @@ void stage_aliased_inputs(Call& c) {
   if (c.outputs.size() == 1) {
     const Range out = range_of(c.outputs[0]);
     if (out.first == out.second) return;
-    for (Tensor& in : c.inputs)
-      if (in.nbytes() > 0 && overlap(range_of(in), out)) in = in.copy_data();
+    for (std::size_t i = 0; i < c.inputs.size(); ++i) {
+      const Tensor& in = c.inputs[i];
+      if (in.nbytes() > 0 && overlap(range_of(in), out)) c.inputs.set(i, in.copy_data());
+    }
     return;
   }
-  // Disjoint union of the output ranges, sorted, then one binary search per
-  // input.
+  // The hull of the output ranges first: inputs outside it (separate
+  // buffers, the common case) need no sorted table. Otherwise the disjoint
+  // union of the output ranges, sorted, then one binary search per input.
   std::vector<Range> outs;
   outs.reserve(c.outputs.size());
   for (const Tensor& t : c.outputs)
     if (t.nbytes() > 0) outs.push_back(range_of(t));
   if (outs.empty()) return;
+  Range hull = outs[0];
+  for (const Range& o : outs) {
+    hull.first = std::min(hull.first, o.first);
+    hull.second = std::max(hull.second, o.second);
+  }
+  std::vector<std::size_t> near;  // inputs inside the hull
+  for (std::size_t i = 0; i < c.inputs.size(); ++i) {
+    const Tensor& in = c.inputs[i];
+    if (in.nbytes() > 0 && overlap(range_of(in), hull)) near.push_back(i);
+  }
+  if (near.empty()) return;
   std::sort(outs.begin(), outs.end());
   std::size_t k = 0;
   for (std::size_t i = 1; i < outs.size(); ++i) {
@@ -64,13 +78,13 @@ void stage_aliased_inputs(Call& c) {
       outs[++k] = outs[i];
   }
   outs.resize(k + 1);
-  for (Tensor& in : c.inputs) {
-    if (in.nbytes() == 0) continue;
+  for (std::size_t i : near) {
+    const Tensor& in = c.inputs[i];
     const Range r = range_of(in);
     // The first output range ending after r begins is the only candidate.
     auto it = std::upper_bound(outs.begin(), outs.end(), r.first,
                                [](const char* p, const Range& o) { return p < o.second; });
-    if (it != outs.end() && overlap(r, *it)) in = in.copy_data();
+    if (it != outs.end() && overlap(r, *it)) c.inputs.set(i, in.copy_data());
   }
 }
 
@@ -102,6 +116,7 @@ class Checker {
       call_.dtype = t.dtype();
       device_ = t.device();
       first_role_ = role;
+      first_role_lit_ = nullptr;
       if (!g_.backend().supports(device_))
         fail(fmt::format("{} is on {}, which the {} backend cannot communicate", role,
                          device_.str(), g_.backend().backend_name()));
@@ -109,9 +124,9 @@ class Checker {
     }
     if (t.dtype() != call_.dtype)
       fail(fmt::format("{} has dtype {} but {} has dtype {}", role, dtype_name(t.dtype()),
-                       first_role_, dtype_name(call_.dtype)));
+                       first_role(), dtype_name(call_.dtype)));
     if (t.device() != device_)
-      fail(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role_,
+      fail(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role(),
                        device_.str()));
   }
   // The common call names its tensors with literals ("tensor", "input"):
@@ -124,7 +139,7 @@ class Checker {
         have_first_ = true;
         call_.dtype = t.dtype();
         device_ = t.device();
-        first_role_ = role;
+        first_role_lit_ = role;
         return;
       }
     }
@@ -190,6 +205,36 @@ class Checker {
       rows += r;
     }
   }
+  // A list checked in one pass (tensor() per entry), with what the call
+  // needs of it besides: its bytes and the hull of its non-empty blocks.
+  // One pass instead of three (check, bytes, aliasing) over N tensors per
+  // rank, most of a 1024-rank list-form call.
+  struct ListScan {
+    uint64_t bytes = 0;
+    Range hull{nullptr, nullptr};
+  };
+  ListScan scan(const std::vector<Tensor>& ts, const char* role) {
+    ListScan r;
+    uint64_t esize = 0;  // every entry has the call's dtype once checked
+    for (std::size_t i = 0; i < ts.size(); ++i) {
+      const Tensor& t = ts[i];
+      tensor(t, Item{role, i});
+      if (esize == 0) esize = element_size(call_.dtype);
+      const uint64_t b = static_cast<uint64_t>(t.numel()) * esize;
+      if (b == 0) continue;
+      r.bytes += b;
+      const char* p = static_cast<const char*>(t.data_ptr());
+      if (r.hull.first == r.hull.second) {
+        r.hull = {p, p + b};
+      } else {
+        r.hull.first = std::min(r.hull.first, p);
+        r.hull.second = std::max(r.hull.second, p + b);
+      }
+    }
+    return r;
+  }
+  // The caller proved no input overlaps an output: dispatch skips staging.
+  void no_aliasing() { no_aliasing_ = true; }
   static uint64_t row_bytes(const Tensor& t) {
     return static_cast<uint64_t>(t.row_numel()) * element_size(t.dtype());
   }
@@ -216,7 +261,7 @@ class Checker {
     call_.bytes_sent = sent;
     call_.bytes_received = received;
     g_.stats().record(g_.name(), op_cstr(call_.op), sent, received);
-    stage_aliased_inputs(call_);
+    if (!no_aliasing_) stage_aliased_inputs(call_);
     FlightRecorder& recorder = g_.flight_recorder();
     const std::size_t slot = recorder.begin(call_);
     try {
@@ -263,6 +308,13 @@ class Checker {
   Call call_;
   bool have_first_ = false;
   Device device_;
+  // The first tensor's role: a literal on the common path (no string built
+  // per call), a string only when the role was formatted.
+  std::string_view first_role() const {
+    return first_role_lit_ != nullptr ? std::string_view(first_role_lit_) : first_role_;
+  }
+  bool no_aliasing_ = false;
+  const char* first_role_lit_ = nullptr;
   std::string first_role_;
 };
 
@@ -298,8 +350,8 @@ void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op) {
   Checker c(group, OpType::AllReduce);
   c.tensor(tensor, "tensor");
   c.reduce_op(op);
-  c.call().inputs = {tensor};
-  c.call().outputs = {tensor};
+  c.call().inputs = TensorList::borrow(tensor);
+  c.call().outputs = TensorList::borrow(tensor);
   const uint64_t n = static_cast<uint64_t>(c.size());
   const uint64_t bus = n > 1 ? 2 * (n - 1) * nbytes(tensor) / n : 0;
   c.dispatch(bus, bus);
@@ -309,8 +361,8 @@ void broadcast(const ProcessGroup& group, const Tensor& tensor, int src) {
   Checker c(group, OpType::Broadcast);
   c.tensor(tensor, "tensor");
   c.root(src, "src");
-  c.call().inputs = {tensor};
-  c.call().outputs = {tensor};
+  c.call().inputs = TensorList::borrow(tensor);
+  c.call().outputs = TensorList::borrow(tensor);
   const bool me = c.rank() == src;
   c.dispatch(me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0,
              me ? 0 : nbytes(tensor));
@@ -321,8 +373,8 @@ void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp o
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
   c.reduce_op(op);
-  c.call().inputs = {tensor};
-  c.call().outputs = {tensor};
+  c.call().inputs = TensorList::borrow(tensor);
+  c.call().outputs = TensorList::borrow(tensor);
   const bool me = c.rank() == dst;
   c.dispatch(me ? 0 : nbytes(tensor),
              me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0);
@@ -337,8 +389,8 @@ void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs,
     c.tensor(outputs[i], Checker::Item{"outputs", i});
     c.same_shape(outputs[i], input.shape(), Checker::Item{"outputs", i});
   }
-  c.call().inputs = {input};
-  c.call().outputs = outputs;
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(outputs);
   c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(outputs) - nbytes(input));
 }
 
@@ -350,8 +402,8 @@ void all_gather_single(const ProcessGroup& group, const Tensor& output, const Te
   Shape expected = input.shape();
   expected[0] *= c.size();
   c.same_shape(output, expected, "output");
-  c.call().inputs = {input};
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(output);
   c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(output) - nbytes(input));
 }
 
@@ -370,8 +422,8 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
   if (output_splits[static_cast<std::size_t>(c.rank())] != input.size(0))
     c.fail(fmt::format("output_splits[{}] = {} but this rank's input has {} rows", c.rank(),
                        output_splits[static_cast<std::size_t>(c.rank())], input.size(0)));
-  c.call().inputs = {input};
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(output);
   c.call().output_splits = output_splits;
   c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(output) - nbytes(input));
 }
@@ -392,8 +444,8 @@ void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const
     c.fail(fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
                        outputs.size()));
   }
-  c.call().inputs = {input};
-  c.call().outputs = outputs;
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(outputs);
   c.dispatch(me ? 0 : nbytes(input), me ? nbytes(outputs) - nbytes(input) : 0);
 }
 
@@ -413,8 +465,8 @@ void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<
     c.fail(fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
                        inputs.size()));
   }
-  c.call().inputs = inputs;
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(inputs);
+  c.call().outputs = TensorList::borrow(output);
   c.dispatch(me ? nbytes(inputs) - nbytes(output) : 0, me ? 0 : nbytes(output));
 }
 
@@ -428,8 +480,8 @@ void reduce_scatter(const ProcessGroup& group, const Tensor& output,
     c.tensor(inputs[i], Checker::Item{"inputs", i});
     c.same_shape(inputs[i], output.shape(), Checker::Item{"inputs", i});
   }
-  c.call().inputs = inputs;
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(inputs);
+  c.call().outputs = TensorList::borrow(output);
   c.dispatch(nbytes(inputs) - nbytes(output), nbytes(output) * static_cast<uint64_t>(c.size() - 1));
 }
 
@@ -443,8 +495,8 @@ void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, cons
   Shape expected = output.shape();
   expected[0] *= c.size();
   c.same_shape(input, expected, "input");
-  c.call().inputs = {input};
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(output);
   c.dispatch(nbytes(input) - nbytes(output), nbytes(output) * static_cast<uint64_t>(c.size() - 1));
 }
 
@@ -464,8 +516,8 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
   if (input_splits[static_cast<std::size_t>(c.rank())] != output.size(0))
     c.fail(fmt::format("input_splits[{}] = {} but this rank's output has {} rows", c.rank(),
                        input_splits[static_cast<std::size_t>(c.rank())], output.size(0)));
-  c.call().inputs = {input};
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(output);
   c.call().input_splits = input_splits;
   c.dispatch(nbytes(input) - nbytes(output), nbytes(output) * static_cast<uint64_t>(c.size() - 1));
 }
@@ -475,14 +527,16 @@ void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
   Checker c(group, OpType::AllToAll);
   c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
-  for (std::size_t i = 0; i < inputs.size(); ++i) c.tensor(inputs[i], Checker::Item{"inputs", i});
-  for (std::size_t i = 0; i < outputs.size(); ++i)
-    c.tensor(outputs[i], Checker::Item{"outputs", i});
+  const Checker::ListScan in = c.scan(inputs, "inputs");
+  const Checker::ListScan out = c.scan(outputs, "outputs");
   const auto me = static_cast<std::size_t>(c.rank());
   c.same_shape(outputs[me], inputs[me].shape(), Checker::Item{"outputs", me});
-  c.call().inputs = inputs;
-  c.call().outputs = outputs;
-  c.dispatch(nbytes(inputs) - nbytes(inputs[me]), nbytes(outputs) - nbytes(outputs[me]));
+  c.call().inputs = TensorList::borrow(inputs);
+  c.call().outputs = TensorList::borrow(outputs);
+  // Separate input and output buffers (the common case): nothing to stage,
+  // and no second pass over the lists to find that out.
+  if (!overlap(in.hull, out.hull)) c.no_aliasing();
+  c.dispatch(in.bytes - nbytes(inputs[me]), out.bytes - nbytes(outputs[me]));
 }
 
 void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
@@ -520,8 +574,8 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   const uint64_t row_bytes = static_cast<uint64_t>(input.row_numel()) * element_size(input.dtype());
   const uint64_t sent = static_cast<uint64_t>(split_sum(in) - in[me]) * row_bytes;
   const uint64_t received = static_cast<uint64_t>(split_sum(out) - out[me]) * row_bytes;
-  c.call().inputs = {input};
-  c.call().outputs = {output};
+  c.call().inputs = TensorList::borrow(input);
+  c.call().outputs = TensorList::borrow(output);
   c.call().input_splits = std::move(in);
   c.call().output_splits = std::move(out);
   c.dispatch(sent, received);
@@ -533,7 +587,7 @@ void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag) {
   c.root(dst, "dst");
   if (dst == c.rank()) c.fail("dst is this rank; send to yourself would never match");
   c.call().tag = tag;
-  c.call().inputs = {tensor};
+  c.call().inputs = TensorList::borrow(tensor);
   c.dispatch(nbytes(tensor), 0);
 }
 
@@ -543,7 +597,7 @@ void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag) {
   c.root(src, "src");
   if (src == c.rank()) c.fail("src is this rank; recv from yourself would never match");
   c.call().tag = tag;
-  c.call().outputs = {tensor};
+  c.call().outputs = TensorList::borrow(tensor);
   c.dispatch(0, nbytes(tensor));
 }
 

@@ -285,21 +285,7 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
   return "";
 }
 
-namespace {
-
-const Shape& first_shape(const std::vector<Tensor>& ts) {
-  static const Shape none;
-  return ts.empty() ? none : ts[0].shape();
-}
-// row_shape() of the shapes of `ts`, compared in place.
-bool same_row_shape(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
-  const Shape& x = first_shape(a);
-  const Shape& y = first_shape(b);
-  if (x.empty() || y.empty()) return x.size() <= 1 && y.size() <= 1;
-  return std::equal(x.begin() + 1, x.end(), y.begin() + 1, y.end());
-}
-// An exact (injective) 64-bit code of shapes up to 2-D with modest extents
-// (tag in the top two bits); 0 when the shape does not fit one.
+// Tag in the top two bits: 0-d, 1-d, 2-d.
 uint64_t shape_code(const Shape& s) {
   constexpr uint64_t k31 = uint64_t{1} << 31, k62 = uint64_t{1} << 62;
   auto fits = [](int64_t d, uint64_t limit) { return d >= 0 && static_cast<uint64_t>(d) < limit; };
@@ -309,7 +295,21 @@ uint64_t shape_code(const Shape& s) {
     return (uint64_t{3} << 62) | (static_cast<uint64_t>(s[0]) << 31) | static_cast<uint64_t>(s[1]);
   return 0;
 }
-bool all_defined(const std::vector<Tensor>& ts) {
+
+namespace {
+
+const Shape& first_shape(const TensorList& ts) {
+  static const Shape none;
+  return ts.empty() ? none : ts[0].shape();
+}
+// row_shape() of the shapes of `ts`, compared in place.
+bool same_row_shape(const TensorList& a, const TensorList& b) {
+  const Shape& x = first_shape(a);
+  const Shape& y = first_shape(b);
+  if (x.empty() || y.empty()) return x.size() <= 1 && y.size() <= 1;
+  return std::equal(x.begin() + 1, x.end(), y.begin() + 1, y.end());
+}
+bool all_defined(const TensorList& ts) {
   return std::all_of(ts.begin(), ts.end(), [](const Tensor& t) { return t.defined(); });
 }
 
@@ -318,7 +318,7 @@ bool all_defined(const std::vector<Tensor>& ts) {
 // shape and split list (N^2 entries for all_to_all and all_to_all_single: 4
 // GiB at 16384 ranks, and most of a 1024-rank list-form call's time), only to
 // find that they agree, which is the common case.
-bool calls_agree(const std::vector<const Call*>& c) {
+bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) {
   const std::size_t n = c.size();
   const Call& c0 = *c[0];
   for (std::size_t i = 0; i < n; ++i)
@@ -337,8 +337,12 @@ bool calls_agree(const std::vector<const Call*>& c) {
   if (same_shape_op(op)) {
     const bool outs = op == OpType::ReduceScatter || op == OpType::Scatter;
     const Shape& s0 = first_shape(outs ? c0.outputs : c0.inputs);
-    for (std::size_t i = 1; i < n; ++i)
-      if (first_shape(outs ? c[i]->outputs : c[i]->inputs) != s0) return false;
+    // By exact code when the shape has one (no memcmp call per member).
+    const uint64_t k0 = shape_code(s0);
+    for (std::size_t i = 1; i < n; ++i) {
+      const Shape& si = first_shape(outs ? c[i]->outputs : c[i]->inputs);
+      if (k0 != 0 ? shape_code(si) != k0 : si != s0) return false;
+    }
     return true;
   }
   switch (op) {
@@ -372,24 +376,40 @@ bool calls_agree(const std::vector<const Call*>& c) {
     case OpType::AllToAll: {
       for (std::size_t i = 0; i < n; ++i)
         if (c[i]->inputs.size() != n || c[i]->outputs.size() != n) return false;
-      // Shapes read rank by rank into exact codes, then compared in the
-      // transposed order from that table: comparing tensor to tensor reads
-      // N^2 shapes in transposed order, a cache miss each at 1024 ranks.
-      std::vector<uint64_t> in(n * n), out(n * n);
-      for (std::size_t s = 0; s < n; ++s)
-        for (std::size_t i = 0; i < n; ++i) {
-          in[s * n + i] = shape_code(c[s]->inputs[i].shape());
-          out[s * n + i] = shape_code(c[s]->outputs[i].shape());
-        }
-      for (std::size_t i = 0; i < n; ++i)
-        for (std::size_t s = 0; s < n; ++s) {
-          const uint64_t a = out[i * n + s], b = in[s * n + i];
-          if (a != 0 && b != 0) {
-            if (a != b) return false;
-          } else if (c[i]->outputs[s].shape() != c[s]->inputs[i].shape()) {
-            return false;
+      // Shapes read rank by rank into exact codes (or given so), then
+      // compared in the transposed order from that table: comparing tensor
+      // to tensor reads N^2 shapes in transposed order, a cache miss each at
+      // 1024 ranks.
+      std::vector<uint64_t> in_table, out_table;
+      const uint64_t* in = codes != nullptr ? codes->in : nullptr;
+      const uint64_t* out = codes != nullptr ? codes->out : nullptr;
+      if (in == nullptr || out == nullptr) {
+        in_table.resize(n * n);
+        out_table.resize(n * n);
+        for (std::size_t s = 0; s < n; ++s)
+          for (std::size_t i = 0; i < n; ++i) {
+            in_table[s * n + i] = shape_code(c[s]->inputs[i].shape());
+            out_table[s * n + i] = shape_code(c[s]->outputs[i].shape());
           }
-        }
+        in = in_table.data();
+        out = out_table.data();
+      }
+      // In tiles of kTile x kTile: the transposed reads of one tile touch
+      // kTile rows of kTile entries, which stay in cache and in the TLB
+      // (row by row, every read of `in` was a new page at 1024 ranks). The
+      // answer does not depend on the order.
+      constexpr std::size_t kTile = 64;
+      for (std::size_t i0 = 0; i0 < n; i0 += kTile)
+        for (std::size_t s0 = 0; s0 < n; s0 += kTile)
+          for (std::size_t i = i0; i < std::min(n, i0 + kTile); ++i)
+            for (std::size_t s = s0; s < std::min(n, s0 + kTile); ++s) {
+              const uint64_t a = out[i * n + s], b = in[s * n + i];
+              if (a != 0 && b != 0) {
+                if (a != b) return false;
+              } else if (c[i]->outputs[s].shape() != c[s]->inputs[i].shape()) {
+                return false;
+              }
+            }
       return true;
     }
     default: return true;
@@ -399,7 +419,12 @@ bool calls_agree(const std::vector<const Call*>& c) {
 }  // namespace
 
 std::string compare(const std::vector<const Call*>& calls, const std::vector<int>& globals) {
-  if (calls.empty() || calls_agree(calls)) return "";
+  return compare(calls, globals, AllToAllCodes{});
+}
+
+std::string compare(const std::vector<const Call*>& calls, const std::vector<int>& globals,
+                    const AllToAllCodes& codes) {
+  if (calls.empty() || calls_agree(calls, &codes)) return "";
   // Disagreement (rare): the descriptions give the one wording of the report.
   std::vector<CallDesc> descs;
   descs.reserve(calls.size());
@@ -420,7 +445,7 @@ Fingerprint fingerprint(const Call& call) {
   f[3] = data ? call.root : -1;
   f[4] = has_reduce(op) ? reduce_word(call.reduce_op) : -1;
   uint64_t shape = 0, row = 0, splits = 0, out_edges = 0, in_edges = 0, members = 0;
-  auto shapes = [](const std::vector<Tensor>& ts) {
+  auto shapes = [](const TensorList& ts) {
     std::vector<Shape> s;
     for (const auto& t : ts) s.push_back(t.shape());
     return s;

@@ -9,6 +9,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "diffcomm/dist/reduce_op.hpp"
@@ -102,18 +103,175 @@ class SplitList {
   std::shared_ptr<const std::vector<int64_t>> owned_;
 };
 
+/// Tensors of a Call, as every backend reads them: a read-only list that
+/// either borrows the caller's tensors or owns its own.
+///  - Borrowed (TensorList::borrow): a view of tensors the caller holds for
+///    the whole synchronous call; the funnel's case. Why: a list-form call
+///    copied its N tensor handles per direction into every rank's Call (2 x
+///    N^2 handle copies and releases per collective at N ranks, most of a
+///    1024-rank all_to_all), and a single-tensor call paid a vector
+///    allocation per direction per rank.
+///  - Owned: one tensor inline (no allocation; the implicit conversion from
+///    a Tensor, for transport steps built from temporaries), or a vector.
+/// Copying a borrowed list borrows the same tensors: whatever keeps a Call
+/// beyond its call must keep owned() copies or descriptions, never the Call.
+class TensorList {
+ public:
+  TensorList() = default;
+  /// One tensor, owned, held inline.
+  TensorList(Tensor t)  // NOLINT(google-explicit-constructor): `c.inputs = {t}`
+      : one_(std::move(t)), data_(&one_), size_(1), kind_(Kind::One) {}
+  /// Several tensors, owned.
+  explicit TensorList(std::vector<Tensor> ts)
+      : many_(std::move(ts)), data_(many_.data()), size_(many_.size()), kind_(Kind::Many) {}
+  /// The caller's tensors, not copied: they must outlive every use of the
+  /// list. (Temporaries are refused at compile time.)
+  static TensorList borrow(const std::vector<Tensor>& ts) {
+    TensorList l;
+    l.data_ = ts.data();
+    l.size_ = ts.size();
+    return l;
+  }
+  static TensorList borrow(const Tensor& t) {
+    TensorList l;
+    l.data_ = &t;
+    l.size_ = 1;
+    return l;
+  }
+  static TensorList borrow(std::vector<Tensor>&&) = delete;
+  static TensorList borrow(Tensor&&) = delete;
+
+  TensorList(const TensorList& o) { *this = o; }
+  TensorList(TensorList&& o) noexcept { *this = std::move(o); }
+  TensorList& operator=(const TensorList& o) {
+    if (this == &o) return *this;
+    kind_ = o.kind_;
+    size_ = o.size_;
+    // The storage not in use is emptied: no stale handles kept alive.
+    switch (kind_) {
+      case Kind::Borrowed:
+        data_ = o.data_;
+        one_ = Tensor();
+        many_.clear();
+        break;
+      case Kind::One:
+        one_ = o.one_;
+        data_ = &one_;
+        many_.clear();
+        break;
+      case Kind::Many:
+        many_ = o.many_;
+        data_ = many_.data();
+        one_ = Tensor();
+        break;
+    }
+    return *this;
+  }
+  TensorList& operator=(TensorList&& o) noexcept {
+    if (kind_ == Kind::Borrowed && o.kind_ == Kind::Borrowed) {  // the funnel's case: two words
+      data_ = o.data_;
+      size_ = o.size_;
+      return *this;
+    }
+    return move_from(o);
+  }
+  ~TensorList() = default;
+
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const Tensor& operator[](std::size_t i) const { return data_[i]; }
+  const Tensor& front() const { return data_[0]; }
+  const Tensor* begin() const { return data_; }
+  const Tensor* end() const { return data_ + size_; }
+  bool borrowed() const { return kind_ == Kind::Borrowed && size_ > 0; }
+  /// Entry i for writing its data (Tensor::copy_ and fill_ are non-const
+  /// members although they change the elements, never the handle): the
+  /// handle itself is not modified, so the caller's list stays as passed.
+  Tensor& writable(std::size_t i) const { return const_cast<Tensor&>(data_[i]); }
+
+  /// Replaces entry i (the funnel's staging of aliased inputs, a backend's
+  /// device copies). A borrowed list first becomes an owned copy: the
+  /// caller's list is never written.
+  void set(std::size_t i, Tensor t) {
+    if (kind_ == Kind::Borrowed) {
+      if (size_ == 1) {
+        one_ = data_[0];
+        data_ = &one_;
+        kind_ = Kind::One;
+      } else {
+        many_.assign(data_, data_ + size_);
+        data_ = many_.data();
+        kind_ = Kind::Many;
+      }
+    }
+    (kind_ == Kind::One ? one_ : many_[i]) = std::move(t);
+  }
+  /// A copy that owns its tensors (to keep beyond the call).
+  TensorList owned() const {
+    if (kind_ != Kind::Borrowed) return *this;
+    if (size_ == 1) return TensorList(data_[0]);
+    return TensorList(std::vector<Tensor>(data_, data_ + size_));
+  }
+  /// The tensors as a vector (handle copies).
+  std::vector<Tensor> to_vector() const { return std::vector<Tensor>(begin(), end()); }
+
+ private:
+  enum class Kind : uint8_t { Borrowed, One, Many };
+  // Out of line on purpose: the borrowed fast path of operator= stays small
+  // enough to inline into the funnel.
+  [[gnu::noinline]] TensorList& move_from(TensorList& o) noexcept {
+    if (this == &o) return *this;
+    kind_ = o.kind_;
+    size_ = o.size_;
+    switch (kind_) {
+      case Kind::Borrowed:
+        data_ = o.data_;
+        one_ = Tensor();
+        many_.clear();
+        break;
+      case Kind::One:
+        one_ = std::move(o.one_);
+        data_ = &one_;
+        many_.clear();
+        break;
+      case Kind::Many:
+        many_ = std::move(o.many_);
+        data_ = many_.data();
+        one_ = Tensor();
+        break;
+    }
+    o.clear();
+    return *this;
+  }
+  void clear() {
+    one_ = Tensor();
+    many_.clear();
+    data_ = nullptr;
+    size_ = 0;
+    kind_ = Kind::Borrowed;
+  }
+
+  Tensor one_;
+  std::vector<Tensor> many_;
+  const Tensor* data_ = nullptr;
+  std::size_t size_ = 0;
+  Kind kind_ = Kind::Borrowed;
+};
+
 struct Call {
   OpType op = OpType::Barrier;
-  uint64_t seq = 0;   ///< per-group call number (collectives and send/recv counted apart)
-  std::string group;  ///< group name, for messages
-  int rank = 0;       ///< caller's group-local rank
+  uint64_t seq = 0;  ///< per-group call number (collectives and send/recv counted apart)
+  /// Group name, for messages: the ProcessGroup's own name (it outlives the
+  /// call), not a copy per call.
+  std::string_view group;
+  int rank = 0;  ///< caller's group-local rank
   int group_size = 1;
   DType dtype = DType::Float32;
   int root = -1;  ///< src/dst of rooted ops, peer of send/recv
   int tag = 0;    ///< send/recv tag
   ReduceOp reduce_op = ReduceOp::Sum;
-  std::vector<Tensor> inputs;   ///< read-only buffers
-  std::vector<Tensor> outputs;  ///< written buffers (in-place ops: inputs == outputs)
+  TensorList inputs;   ///< read-only buffers
+  TensorList outputs;  ///< written buffers (in-place ops: inputs == outputs)
   /// Rows per peer. all_to_all_single: both (even splits as a uniform
   /// list, never empty); all_gather_v: output_splits; reduce_scatter_v:
   /// input_splits.

@@ -64,6 +64,23 @@ std::string compare(const std::vector<const CallDesc*>& calls, const std::vector
 /// descriptions; only a mismatch builds them, for the same report.
 std::string compare(const std::vector<const Call*>& calls, const std::vector<int>& globals);
 
+/// An exact (injective) code of a shape up to 2-D with modest extents; 0 when
+/// the shape has none (then compare the shapes themselves).
+uint64_t shape_code(const Shape& shape);
+/// all_to_all's shapes as codes, read by each member from its own lists
+/// while they are in cache: in[s * n + i] = shape_code(inputs[i] of group
+/// rank s), out likewise. Why: comparing reads N^2 shapes, and reading them
+/// again from every member's tensors at the rendezvous was a second pass over
+/// all of them (hundreds of MB at 1024 ranks).
+struct AllToAllCodes {
+  const uint64_t* in = nullptr;
+  const uint64_t* out = nullptr;
+};
+/// compare() of all_to_all calls with the members' codes given (read only
+/// when every member called all_to_all with N tensors per list).
+std::string compare(const std::vector<const Call*>& calls, const std::vector<int>& globals,
+                    const AllToAllCodes& codes);
+
 /// A fixed-size summary of one member's call (kFingerprintWords int64 words),
 /// exchanged by every member before the data moves in checked mode. Equal
 /// where compare() needs equality; split ops carry hashes whose sums over the

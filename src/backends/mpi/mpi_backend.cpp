@@ -233,7 +233,8 @@ class MpiBackend final : public dist::Backend {
     Tensor tmp = empty({static_cast<int64_t>(size_) * in.numel()}, in.dtype());
     gather_fixed(c, in, tmp);
     for (int s = 0; s < size_; ++s)
-      c.outputs[static_cast<std::size_t>(s)].copy_(tmp.row_view(s * in.numel(), in.numel()));
+      c.outputs.writable(static_cast<std::size_t>(s))
+          .copy_(tmp.row_view(s * in.numel(), in.numel()));
   }
 
   void all_gather_single(Call& c) override { gather_fixed(c, c.inputs[0], c.outputs[0]); }
@@ -303,7 +304,8 @@ class MpiBackend final : public dist::Backend {
     }
     if (me)
       for (int s = 0; s < size_; ++s)
-        c.outputs[static_cast<std::size_t>(s)].copy_(tmp.row_view(s * in.numel(), in.numel()));
+        c.outputs.writable(static_cast<std::size_t>(s))
+            .copy_(tmp.row_view(s * in.numel(), in.numel()));
   }
 
   void scatter(Call& c) override {
@@ -369,7 +371,7 @@ class MpiBackend final : public dist::Backend {
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
       if (p == rank_) {
-        c.outputs[pi].copy_(c.inputs[pi]);
+        c.outputs.writable(pi).copy_(c.inputs[pi]);
         continue;
       }
       sends.push_back({p, static_cast<const char*>(c.inputs[pi].data_ptr()),

@@ -178,7 +178,7 @@ char* at(const Tensor& t, int64_t elements) {
 std::size_t count(const Tensor& t) { return static_cast<std::size_t>(t.numel()); }
 
 // Whether ts[s+1] starts where ts[s] ends: one buffer NCCL can take as is.
-bool consecutive(const std::vector<Tensor>& ts) {
+bool consecutive(const dist::TensorList& ts) {
   for (std::size_t s = 1; s < ts.size(); ++s)
     if (at(ts[s - 1], ts[s - 1].numel()) != static_cast<char*>(ts[s].data_ptr())) return false;
   return true;
@@ -978,8 +978,8 @@ class NcclBackend final : public dist::Backend {
       return dev;
     };
     Call d = c;
-    for (Tensor& t : d.inputs) t = stage(t, false);
-    for (Tensor& t : d.outputs) t = stage(t, true);
+    for (std::size_t i = 0; i < d.inputs.size(); ++i) d.inputs.set(i, stage(d.inputs[i], false));
+    for (std::size_t i = 0; i < d.outputs.size(); ++i) d.outputs.set(i, stage(d.outputs[i], true));
     body(d);
     wait(&c);
     for (const Staged& s : map)
