@@ -38,7 +38,7 @@ class AccumulateGrad final : public Node {
     if (!g.defined())
       g = grads[0].copy_data();
     else
-      g = add(g, grads[0]);
+      g = detail::accumulate_add(g, grads[0]);
     return {};
   }
 
@@ -120,7 +120,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
     auto& buf = table[node].buffer;
     if (buf.empty()) buf.resize(node->outputs().size());
     Tensor& b = buf[static_cast<std::size_t>(slot)];
-    b = b.defined() ? add(b, g) : g;
+    b = b.defined() ? detail::accumulate_add(b, g) : g;
   };
 
   for (std::size_t i = 0; i < roots.size(); ++i) {

@@ -497,6 +497,11 @@ struct CloneFn : Function<CloneFn> {
 }  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b) { return AddFn{{}, 1.0}.apply({a, b})[0]; }
+Tensor detail::accumulate_add(const Tensor& a, const Tensor& b) {
+  if (a.defined() && b.defined() && !a.requires_grad() && !b.requires_grad())
+    return raw_add(a, b, 1.0);  // what AddFn::forward returns (a fresh tensor)
+  return add(a, b);
+}
 Tensor sub(const Tensor& a, const Tensor& b) { return AddFn{{}, -1.0}.apply({a, b})[0]; }
 Tensor mul(const Tensor& a, const Tensor& b) { return MulFn{}.apply({a, b})[0]; }
 Tensor div(const Tensor& a, const Tensor& b) { return DivFn{}.apply({a, b})[0]; }

@@ -111,11 +111,13 @@ namespace {
 // Storages up to this size carry their bytes in the shared_ptr block.
 constexpr std::size_t kInlineMax = 64 * 1024;
 
-// A per-thread cache of freed inline-storage blocks above glibc's per-thread
-// cache limit (tcache: requests up to 1032 B). Why: a 2 KiB tensor block
-// freed to glibc takes the coalescing slow path (~1 100 instructions per
-// free, malloc_consolidate included), the largest single cost of a small
-// fwd+bwd step. Blocks are kept per size class (4 per power of two, the
+// A per-thread cache of freed inline-storage and TensorImpl blocks. Why: a
+// 2 KiB tensor block is above glibc's per-thread cache (tcache: requests up
+// to 1032 B), so freeing it took the coalescing slow path (~1 100
+// instructions per free, malloc_consolidate included), the largest single
+// cost of a small fwd+bwd step; below that, a list pop/push here is still a
+// fraction of tcache's path with its checks. Blocks are kept per size class
+// (64-byte steps to 1 KiB, then 4 per power of two, the
 // allocation rounded up to its class) in intrusive free lists, at most
 // kCacheBytes per thread; beyond that they go back to the heap. Per thread,
 // not per rank: the simulated world runs every rank's fiber on one thread
@@ -136,10 +138,12 @@ constexpr bool kUseBlockCache = true;
 #else
 constexpr bool kUseBlockCache = true;
 #endif
-constexpr std::size_t kCacheMinBytes = 1024;        // below: glibc's tcache is as fast
 constexpr std::size_t kCacheMaxBytes = 128 * 1024;  // above every inline block
-constexpr int kCacheClasses = 4 * 7;                // (1, 2], (2, 4], ... (64, 128] KiB
-constexpr std::size_t kCacheBytes = 1024 * 1024;    // cached bytes per thread, at most
+constexpr std::size_t kSmallMax = 1024;             // 64-byte steps up to here
+// 16 classes of 64 B up to 1 KiB, then 4 per power of two: (1, 2], (2, 4],
+// ... (64, 128] KiB.
+constexpr int kCacheClasses = 16 + 4 * 7;
+constexpr std::size_t kCacheBytes = 1024 * 1024;  // cached bytes per thread, at most
 
 struct FreeBlock {
   FreeBlock* next;
@@ -170,21 +174,24 @@ struct CacheReaper {
 };
 thread_local CacheReaper t_reaper;
 
-// Size class of a request n in (kCacheMinBytes, kCacheMaxBytes]: with
-// 2^(b-1) < n <= 2^b, steps of 2^(b-3), so the rounding wastes < 25 %.
+// Size class of a request n in [1, kCacheMaxBytes]: 64-byte steps up to
+// 1 KiB; above, with 2^(b-1) < n <= 2^b, steps of 2^(b-3), so the rounding
+// wastes < 25 %.
 struct SizeClass {
   int index;
   std::size_t bytes;  // n rounded up to the class
 };
 SizeClass size_class(std::size_t n) {
+  if (n <= kSmallMax) {
+    const std::size_t steps = (n + 63) >> 6;  // 1..16
+    return {static_cast<int>(steps) - 1, steps << 6};
+  }
   const int b = static_cast<int>(std::bit_width(n - 1));
   const int shift = b - 3;
   const std::size_t steps = (n + (std::size_t{1} << shift) - 1) >> shift;  // 5..8
-  return {(b - 11) * 4 + static_cast<int>(steps) - 5, steps << shift};
+  return {16 + (b - 11) * 4 + static_cast<int>(steps) - 5, steps << shift};
 }
-bool cacheable(std::size_t n) {
-  return kUseBlockCache && n > kCacheMinBytes && n <= kCacheMaxBytes;
-}
+bool cacheable(std::size_t n) { return kUseBlockCache && n > 0 && n <= kCacheMaxBytes; }
 
 void* block_allocate(std::size_t n) {
   if (!cacheable(n)) return ::operator new(n);
@@ -243,6 +250,25 @@ struct InlineAlloc {
     return extra == o.extra;
   }
 };
+// std::allocate_shared allocator for TensorImpl: the block cache above.
+template <class T>
+struct CachedAlloc {
+  using value_type = T;
+  CachedAlloc() = default;
+  template <class U>
+  CachedAlloc(const CachedAlloc<U>&) {}  // NOLINT
+  T* allocate(std::size_t n) { return static_cast<T*>(block_allocate(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t n) noexcept { block_free(p, n * sizeof(T)); }
+  template <class U>
+  bool operator==(const CachedAlloc<U>&) const {
+    return true;
+  }
+};
+
+// A new, empty TensorImpl (handle state and control block in one cached block).
+std::shared_ptr<TensorImpl> new_impl() {
+  return std::allocate_shared<TensorImpl>(CachedAlloc<TensorImpl>());
+}
 }  // namespace
 
 std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
@@ -327,7 +353,7 @@ Tensor Tensor::row_view(int64_t start, int64_t length) const {
   if (start < 0 || length < 0 || start + length > rows)
     throw InvalidArgument(fmt::format("row_view: rows [{}, {}) out of range for {} ({} rows)",
                                       start, start + length, str(), rows));
-  auto v = std::make_shared<TensorImpl>();
+  auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
   v->shape = impl.shape;
@@ -344,7 +370,7 @@ Tensor Tensor::view_as_shape(Shape shape) const {
   if (shape_numel(shape) != numel())
     throw InvalidArgument(fmt::format("reshape: cannot view {} as {} ({} vs {} elements)", str(),
                                       shape_str(shape), numel(), shape_numel(shape)));
-  auto v = std::make_shared<TensorImpl>();
+  auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
   v->shape = std::move(shape);
@@ -354,7 +380,7 @@ Tensor Tensor::view_as_shape(Shape shape) const {
 
 Tensor Tensor::detach() const {
   const auto& impl = checked(impl_);
-  auto v = std::make_shared<TensorImpl>();
+  auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
   v->shape = impl.shape;
@@ -459,7 +485,7 @@ Tensor empty(const Shape& shape, DType dtype, Device device) {
     nbytes *= plain ? static_cast<uint64_t>(d) : 1;
   }
   if (!plain) nbytes = checked_nbytes(shape, dtype, "empty");
-  auto impl = std::make_shared<TensorImpl>();
+  auto impl = new_impl();
   impl->storage = Storage::allocate(static_cast<std::size_t>(nbytes), device);
   impl->shape = shape;
   impl->dtype = dtype;
@@ -507,7 +533,7 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType 
 Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
                  Storage::Deleter deleter) {
   const uint64_t nbytes = checked_nbytes(shape, dtype, "from_blob");
-  auto impl = std::make_shared<TensorImpl>();
+  auto impl = new_impl();
   impl->storage =
       std::make_shared<Storage>(data, static_cast<std::size_t>(nbytes), device, std::move(deleter));
   impl->shape = shape;
