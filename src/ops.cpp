@@ -8,9 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#elif defined(__SSE2__)
+#if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
@@ -101,83 +99,13 @@ Tensor raw_mul(const Tensor& a, const Tensor& b) {
 // exact. In exponent fields (biased, e >= 1 for the ulp): max|x| < 2^(emax -
 // 126), u = 2^(max(emin, 1) - 150), so the test is
 // ceil(log2 n) + emax - max(emin, 1) <= 29.
-
-// The tail after the vector loop, then the exactness test of the comment
-// above (amax: max |x|; amin: min nonzero |x|, +inf if none; sum: of p[0, i)).
-bool finish_exact_sum(const float* p, int64_t i, int64_t n, float amax, float amin, double sum,
-                      double* out) {
-  for (; i < n; ++i) {
-    const float a = std::fabs(p[i]);
-    amax = std::max(amax, a);
-    if (a != 0) amin = std::min(amin, a);
-    sum += static_cast<double>(p[i]);
-  }
-  // A NaN or Inf element makes the sum non-finite (a finite float32 sum
-  // cannot overflow float64); the serial loop handles those.
-  if (!std::isfinite(sum)) return false;
-  if (amin != INFINITY) {
-    const int emax = static_cast<int>(std::bit_cast<uint32_t>(amax) >> 23);
-    const int emin = std::max(static_cast<int>(std::bit_cast<uint32_t>(amin) >> 23), 1);
-    const int log2n = std::bit_width(static_cast<uint64_t>(n - 1));
-    if (log2n + emax - emin > 29) return false;
-  }
-  *out = sum;
-  return true;
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define DIFFCOMM_SUM_AVX2 1
-// The same pass eight floats wide, for CPUs with AVX2 (chosen at run time;
-// the build targets baseline x86-64). Half the instructions of the SSE2 loop.
-__attribute__((target("avx2"))) bool exact_float_sum_avx2(const float* p, int64_t n, double* out) {
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256 inf = _mm256_set1_ps(INFINITY);
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 vmax0 = zero, vmax1 = zero, vmin0 = inf, vmin1 = inf;
-  __m256d s0 = _mm256_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 x0 = _mm256_loadu_ps(p + i), x1 = _mm256_loadu_ps(p + i + 8);
-    const __m256 a0 = _mm256_and_ps(x0, absmask), a1 = _mm256_and_ps(x1, absmask);
-    vmax0 = _mm256_max_ps(vmax0, a0);
-    vmax1 = _mm256_max_ps(vmax1, a1);
-    vmin0 = _mm256_min_ps(
-        vmin0, _mm256_or_ps(a0, _mm256_and_ps(_mm256_cmp_ps(a0, zero, _CMP_EQ_OQ), inf)));
-    vmin1 = _mm256_min_ps(
-        vmin1, _mm256_or_ps(a1, _mm256_and_ps(_mm256_cmp_ps(a1, zero, _CMP_EQ_OQ), inf)));
-    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(x0)));
-    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1)));
-    s2 = _mm256_add_pd(s2, _mm256_cvtps_pd(_mm256_castps256_ps128(x1)));
-    s3 = _mm256_add_pd(s3, _mm256_cvtps_pd(_mm256_extractf128_ps(x1, 1)));
-  }
-  float mx[8], mn[8];
-  double s[16];
-  _mm256_storeu_ps(mx, _mm256_max_ps(vmax0, vmax1));
-  _mm256_storeu_ps(mn, _mm256_min_ps(vmin0, vmin1));
-  _mm256_storeu_pd(s, s0);
-  _mm256_storeu_pd(s + 4, s1);
-  _mm256_storeu_pd(s + 8, s2);
-  _mm256_storeu_pd(s + 12, s3);
-  float amax = mx[0], amin = mn[0];
-  for (int k = 1; k < 8; ++k) {
-    amax = std::max(amax, mx[k]);
-    amin = std::min(amin, mn[k]);
-  }
-  double sum = 0;
-  for (double v : s) sum += v;  // exact whenever the test passes, so any order
-  return finish_exact_sum(p, i, n, amax, amin, sum, out);
-}
-#endif
-
 bool exact_float_sum(const float* p, int64_t n, double* out) {
-  if (n <= 0 || n > (int64_t{1} << 24)) return false;
-#if defined(DIFFCOMM_SUM_AVX2)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx2) return exact_float_sum_avx2(p, n, out);
-#endif
 #if defined(__SSE2__)
+  if (n <= 0 || n > (int64_t{1} << 24)) return false;
   // One pass: max |x|, min nonzero |x| (zeros become +inf), and the sum in
-  // eight float64 lanes, computed speculatively and checked at the end.
+  // eight float64 lanes, computed speculatively and checked at the end. A
+  // NaN or Inf element makes the sum non-finite (a finite float32 sum cannot
+  // overflow float64), which takes the serial path.
   const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7FFFFFFF));
   const __m128 inf = _mm_set1_ps(INFINITY);
   const __m128 zero = _mm_setzero_ps();
@@ -204,13 +132,27 @@ bool exact_float_sum(const float* p, int64_t n, double* out) {
   _mm_storeu_pd(s + 2, s1);
   _mm_storeu_pd(s + 4, s2);
   _mm_storeu_pd(s + 6, s3);
-  const float amax = std::max(std::max(mx[0], mx[1]), std::max(mx[2], mx[3]));
-  const float amin = std::min(std::min(mn[0], mn[1]), std::min(mn[2], mn[3]));
-  const double sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  return finish_exact_sum(p, i, n, amax, amin, sum, out);
+  float amax = std::max(std::max(mx[0], mx[1]), std::max(mx[2], mx[3]));
+  float amin = std::min(std::min(mn[0], mn[1]), std::min(mn[2], mn[3]));
+  double sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; ++i) {
+    const float a = std::fabs(p[i]);
+    amax = std::max(amax, a);
+    if (a != 0) amin = std::min(amin, a);
+    sum += static_cast<double>(p[i]);
+  }
+  if (!std::isfinite(sum)) return false;
+  if (amin != INFINITY) {
+    const int emax = static_cast<int>(std::bit_cast<uint32_t>(amax) >> 23);
+    const int emin = std::max(static_cast<int>(std::bit_cast<uint32_t>(amin) >> 23), 1);
+    const int log2n = std::bit_width(static_cast<uint64_t>(n - 1));
+    if (log2n + emax - emin > 29) return false;
+  }
+  *out = sum;
+  return true;
 #else
-  (void)p, (void)out;
-  return false;  // the serial loop elsewhere
+  (void)p, (void)n, (void)out;
+  return false;  // the serial loop everywhere else
 #endif
 }
 
