@@ -3,9 +3,10 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
-#include <deque>
 #include <queue>
+#include <typeinfo>
 
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
@@ -21,23 +22,28 @@ namespace {
 std::atomic<uint64_t> g_next_sequence_nr{0};
 
 // The sink of a leaf that requires grad: adds incoming gradients to .grad().
+// The leaf owns it (TensorImpl::grad_accumulator) and it refers to the leaf
+// weakly: a gradient for a leaf nobody holds any more has nowhere to be seen,
+// so it is dropped.
 class AccumulateGrad final : public Node {
  public:
-  explicit AccumulateGrad(std::shared_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {
-    outputs().push_back({leaf_->shape, leaf_->dtype, leaf_->storage->device()});
+  explicit AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf) : leaf_(leaf) {
+    outputs().push_back({leaf->shape, leaf->dtype, leaf->storage->device()});
   }
   std::string name() const override { return "AccumulateGrad"; }
   std::vector<Tensor> apply(std::vector<Tensor> grads) override {
-    Tensor& g = leaf_->grad;
+    const std::shared_ptr<TensorImpl> leaf = leaf_.lock();
+    if (!leaf) return {};
+    Tensor& g = leaf->grad;
     if (!g.defined())
       g = grads[0].copy_data();
     else
-      g = add(g, grads[0]);
+      g = detail::accumulate_add(g, grads[0]);
     return {};
   }
 
  private:
-  std::shared_ptr<TensorImpl> leaf_;
+  std::weak_ptr<TensorImpl> leaf_;
 };
 
 struct ReadyOrder {
@@ -88,13 +94,15 @@ class NodeTable {
     return i;
   }
   void grow() {
-    std::vector<int> old(index_.size() * 2, -1);
-    index_.swap(old);
+    index_.assign(index_.size() * 2, -1);
     for (std::size_t k = 0; k < states_.size(); ++k)
       index_[probe(states_[k].node)] = static_cast<int>(k);
   }
-  std::vector<int> index_;        // power-of-two size, -1 = empty
-  std::deque<NodeState> states_;  // stable references while the table grows
+  // Inline room for a small graph (a step of a few ops): the table, its
+  // index, the roots, the stack and the ready queue cost no allocation then.
+  // A reference into states_ is only held until the next operator[].
+  boost::container::small_vector<int, 32> index_;  // power-of-two size, -1 = empty
+  boost::container::small_vector<NodeState, 8> states_;
 };
 
 // One run of the engine over the graph reachable from the roots.
@@ -106,14 +114,13 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
     throw InvalidArgument(
         fmt::format("{}: {} roots but {} root gradients", who, roots.size(), grad_roots.size()));
   NodeTable table;
-  std::vector<std::shared_ptr<Node>> root_nodes;
-  root_nodes.reserve(roots.size());
+  boost::container::small_vector<std::shared_ptr<Node>, 4> root_nodes;
 
   auto add_to_buffer = [&](Node* node, int slot, const Tensor& g) {
     auto& buf = table[node].buffer;
     if (buf.empty()) buf.resize(node->outputs().size());
     Tensor& b = buf[static_cast<std::size_t>(slot)];
-    b = b.defined() ? add(b, g) : g;
+    b = b.defined() ? detail::accumulate_add(b, g) : g;
   };
 
   for (std::size_t i = 0; i < roots.size(); ++i) {
@@ -139,7 +146,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
 
   // Count, for every reachable node, the edges that point at it.
   {
-    std::vector<Node*> stack;
+    boost::container::small_vector<Node*, 16> stack;
     for (auto& n : root_nodes) {
       NodeState& st = table[n.get()];
       if (!st.seen) {
@@ -168,7 +175,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
     if (capture_edges[i].valid())
       captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
 
-  std::priority_queue<Node*, std::vector<Node*>, ReadyOrder> ready;
+  std::priority_queue<Node*, boost::container::small_vector<Node*, 16>, ReadyOrder> ready;
   for (auto& n : root_nodes) {
     NodeState& st = table[n.get()];
     if (st.deps == 0 && !st.queued) {
@@ -197,7 +204,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
     for (std::size_t i = 0; i < captures.size(); ++i)
       if (captures[i].node == node) captured[i] = buf[static_cast<std::size_t>(captures[i].slot)];
 
-    if (dynamic_cast<AccumulateGrad*>(node) != nullptr) {
+    if (typeid(*node) == typeid(AccumulateGrad)) {  // final class: cheaper than dynamic_cast
       if (accumulate) node->apply(std::move(buf));
       buf = {};
       continue;
@@ -238,12 +245,8 @@ Edge gradient_edge(const Tensor& t) {
   const auto& impl = t.impl();
   if (impl->grad_fn) return {impl->grad_fn, impl->output_nr};
   if (!impl->requires_grad) return {};
-  std::shared_ptr<Node> acc = impl->grad_accumulator.lock();
-  if (!acc) {
-    acc = std::make_shared<AccumulateGrad>(impl);
-    impl->grad_accumulator = acc;
-  }
-  return {acc, 0};
+  if (!impl->grad_accumulator) impl->grad_accumulator = std::make_shared<AccumulateGrad>(impl);
+  return {impl->grad_accumulator, 0};
 }
 
 bool any_requires_grad(const std::vector<Tensor>& inputs) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -110,11 +111,124 @@ namespace {
 // Storages up to this size carry their bytes in the shared_ptr block.
 constexpr std::size_t kInlineMax = 64 * 1024;
 
+// A per-thread cache of freed inline-storage and TensorImpl blocks. Why: a
+// 2 KiB tensor block is above glibc's per-thread cache (tcache: requests up
+// to 1032 B), so freeing it took the coalescing slow path (~1 100
+// instructions per free, malloc_consolidate included), the largest single
+// cost of a small fwd+bwd step; below that, a list pop/push here is still a
+// fraction of tcache's path with its checks. Blocks are kept per size class
+// (64-byte steps to 1 KiB, then 4 per power of two, the
+// allocation rounded up to its class) in intrusive free lists, at most
+// kCacheBytes per thread; beyond that they go back to the heap. Per thread,
+// not per rank: the simulated world runs every rank's fiber on one thread
+// (they share it, with no order-dependent effect: a block is bytes to be
+// overwritten), Python's simulated world one thread per rank (each its own
+// cache, no locks). A block freed on another thread joins that thread's cache;
+// blocks are plain operator new memory, so any thread may reuse or free them.
+// Off under AddressSanitizer, which must see every free to catch a
+// use-after-free.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kUseBlockCache = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kUseBlockCache = false;
+#else
+constexpr bool kUseBlockCache = true;
+#endif
+#else
+constexpr bool kUseBlockCache = true;
+#endif
+constexpr std::size_t kCacheMaxBytes = 128 * 1024;  // above every inline block
+constexpr std::size_t kSmallMax = 1024;             // 64-byte steps up to here
+// 16 classes of 64 B up to 1 KiB, then 4 per power of two: (1, 2], (2, 4],
+// ... (64, 128] KiB.
+constexpr int kCacheClasses = 16 + 4 * 7;
+constexpr std::size_t kCacheBytes = 1024 * 1024;  // cached bytes per thread, at most
+
+struct FreeBlock {
+  FreeBlock* next;
+};
+// Trivially destructible and constant-initialised: no TLS guard on access,
+// and still usable (disabled) after the reaper below has run at thread exit.
+struct BlockCache {
+  FreeBlock* head[kCacheClasses];
+  std::size_t bytes;
+  bool armed;     // the reaper is registered for this thread
+  bool disabled;  // the thread is exiting: free straight to the heap
+};
+constinit thread_local BlockCache t_cache{};
+
+// Returns the cached blocks to the heap when the thread exits.
+struct CacheReaper {
+  void arm() {}
+  ~CacheReaper() {
+    for (FreeBlock*& h : t_cache.head)
+      while (h != nullptr) {
+        FreeBlock* next = h->next;
+        ::operator delete(static_cast<void*>(h));
+        h = next;
+      }
+    t_cache.bytes = 0;
+    t_cache.disabled = true;
+  }
+};
+thread_local CacheReaper t_reaper;
+
+// Size class of a request n in [1, kCacheMaxBytes]: 64-byte steps up to
+// 1 KiB; above, with 2^(b-1) < n <= 2^b, steps of 2^(b-3), so the rounding
+// wastes < 25 %.
+struct SizeClass {
+  int index;
+  std::size_t bytes;  // n rounded up to the class
+};
+SizeClass size_class(std::size_t n) {
+  if (n <= kSmallMax) {
+    const std::size_t steps = (n + 63) >> 6;  // 1..16
+    return {static_cast<int>(steps) - 1, steps << 6};
+  }
+  const int b = static_cast<int>(std::bit_width(n - 1));
+  const int shift = b - 3;
+  const std::size_t steps = (n + (std::size_t{1} << shift) - 1) >> shift;  // 5..8
+  return {16 + (b - 11) * 4 + static_cast<int>(steps) - 5, steps << shift};
+}
+bool cacheable(std::size_t n) { return kUseBlockCache && n > 0 && n <= kCacheMaxBytes; }
+
+void* block_allocate(std::size_t n) {
+  if (!cacheable(n)) return ::operator new(n);
+  const SizeClass c = size_class(n);
+  FreeBlock*& head = t_cache.head[c.index];
+  if (FreeBlock* b = head) {
+    head = b->next;
+    t_cache.bytes -= c.bytes;
+    return b;
+  }
+  return ::operator new(c.bytes);
+}
+
+void block_free(void* p, std::size_t n) noexcept {
+  if (cacheable(n)) {
+    const SizeClass c = size_class(n);
+    if (!t_cache.disabled && t_cache.bytes + c.bytes <= kCacheBytes) {
+      if (!t_cache.armed) {
+        t_reaper.arm();  // registers the exit drain (first use constructs it)
+        t_cache.armed = true;
+      }
+      FreeBlock*& head = t_cache.head[c.index];
+      head = ::new (p) FreeBlock{head};
+      t_cache.bytes += c.bytes;
+      return;
+    }
+  }
+  ::operator delete(p);
+}
+
 // Allocator for std::allocate_shared that over-allocates the control block
 // by `extra` bytes and reports the 64-byte-aligned address inside that tail
 // through `*data` before the Storage is constructed (allocate_shared
 // allocates, then constructs from the forwarded arguments, which are read
-// then: `data` is passed by reference).
+// then: `data` is passed by reference). The block comes from (and returns
+// to) the per-thread cache above; deallocate is called on a copy of this
+// allocator, so it knows the block's size.
 template <class T>
 struct InlineAlloc {
   using value_type = T;
@@ -125,17 +239,36 @@ struct InlineAlloc {
   InlineAlloc(const InlineAlloc<U>& o) : extra(o.extra), data(o.data) {}  // NOLINT
   T* allocate(std::size_t n) {
     const std::size_t head = n * sizeof(T);
-    char* raw = static_cast<char*>(::operator new(head + extra));
+    char* raw = static_cast<char*>(block_allocate(head + extra));
     const auto tail = reinterpret_cast<std::uintptr_t>(raw + head);
     *data = reinterpret_cast<void*>((tail + 63) & ~std::uintptr_t{63});
     return reinterpret_cast<T*>(raw);
   }
-  void deallocate(T* p, std::size_t) noexcept { ::operator delete(static_cast<void*>(p)); }
+  void deallocate(T* p, std::size_t n) noexcept { block_free(p, n * sizeof(T) + extra); }
   template <class U>
   bool operator==(const InlineAlloc<U>& o) const {
     return extra == o.extra;
   }
 };
+// std::allocate_shared allocator for TensorImpl: the block cache above.
+template <class T>
+struct CachedAlloc {
+  using value_type = T;
+  CachedAlloc() = default;
+  template <class U>
+  CachedAlloc(const CachedAlloc<U>&) {}  // NOLINT
+  T* allocate(std::size_t n) { return static_cast<T*>(block_allocate(n * sizeof(T))); }
+  void deallocate(T* p, std::size_t n) noexcept { block_free(p, n * sizeof(T)); }
+  template <class U>
+  bool operator==(const CachedAlloc<U>&) const {
+    return true;
+  }
+};
+
+// A new, empty TensorImpl (handle state and control block in one cached block).
+std::shared_ptr<TensorImpl> new_impl() {
+  return std::allocate_shared<TensorImpl>(CachedAlloc<TensorImpl>());
+}
 }  // namespace
 
 std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
@@ -174,12 +307,6 @@ std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
 }
 
 // ---------------------------------------------------------------- shapes
-int64_t shape_numel(const Shape& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what) {
@@ -206,34 +333,17 @@ uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what
 // ---------------------------------------------------------------- tensor
 namespace {
 const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
-  if (!impl) throw InvalidArgument("Tensor: use of an undefined tensor");
+  if (!impl) detail::throw_undefined_tensor();
   return *impl;
 }
 }  // namespace
 
-DType Tensor::dtype() const { return checked(impl_).dtype; }
-const Device& Tensor::device() const { return checked(impl_).storage->device(); }
-const Shape& Tensor::shape() const { return checked(impl_).shape; }
-int64_t Tensor::numel() const { return shape_numel(shape()); }
-
-int64_t Tensor::size(int64_t d) const {
-  const int64_t n = dim();
-  const int64_t i = d < 0 ? d + n : d;
-  if (i < 0 || i >= n)
-    throw InvalidArgument(fmt::format("Tensor::size: dim {} out of range for {}", d, str()));
-  return shape()[static_cast<std::size_t>(i)];
+void detail::throw_undefined_tensor() {
+  throw InvalidArgument("Tensor: use of an undefined tensor");
 }
 
-int64_t Tensor::row_numel() const {
-  const Shape& s = shape();
-  int64_t n = 1;
-  for (std::size_t i = 1; i < s.size(); ++i) n *= s[i];
-  return n;
-}
-
-void* Tensor::data_ptr() const {
-  const auto& impl = checked(impl_);
-  return static_cast<char*>(impl.storage->data()) + impl.offset_bytes;
+void Tensor::throw_bad_dim(int64_t d) const {
+  throw InvalidArgument(fmt::format("Tensor::size: dim {} out of range for {}", d, str()));
 }
 
 Tensor Tensor::row_view(int64_t start, int64_t length) const {
@@ -243,7 +353,7 @@ Tensor Tensor::row_view(int64_t start, int64_t length) const {
   if (start < 0 || length < 0 || start + length > rows)
     throw InvalidArgument(fmt::format("row_view: rows [{}, {}) out of range for {} ({} rows)",
                                       start, start + length, str(), rows));
-  auto v = std::make_shared<TensorImpl>();
+  auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
   v->shape = impl.shape;
@@ -260,7 +370,7 @@ Tensor Tensor::view_as_shape(Shape shape) const {
   if (shape_numel(shape) != numel())
     throw InvalidArgument(fmt::format("reshape: cannot view {} as {} ({} vs {} elements)", str(),
                                       shape_str(shape), numel(), shape_numel(shape)));
-  auto v = std::make_shared<TensorImpl>();
+  auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
   v->shape = std::move(shape);
@@ -270,7 +380,7 @@ Tensor Tensor::view_as_shape(Shape shape) const {
 
 Tensor Tensor::detach() const {
   const auto& impl = checked(impl_);
-  auto v = std::make_shared<TensorImpl>();
+  auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
   v->shape = impl.shape;
@@ -337,8 +447,6 @@ Tensor Tensor::to(Device target) const {
   return out;
 }
 
-bool Tensor::requires_grad() const { return checked(impl_).requires_grad || grad_fn() != nullptr; }
-
 Tensor& Tensor::set_requires_grad(bool value) {
   checked(impl_);
   if (value && !is_floating(dtype()))
@@ -367,8 +475,17 @@ std::string Tensor::str() const {
 
 // ---------------------------------------------------------------- factories
 Tensor empty(const Shape& shape, DType dtype, Device device) {
-  const uint64_t nbytes = checked_nbytes(shape, dtype, "empty");
-  auto impl = std::make_shared<TensorImpl>();
+  // The common case without building checked_nbytes' `what` string: dims
+  // that are all positive with a small product (a zero, a negative or a big
+  // dim goes to the full check, which says what is wrong).
+  uint64_t nbytes = element_size(dtype);
+  bool plain = true;
+  for (int64_t d : shape) {
+    plain = plain && d > 0 && d <= (int64_t{1} << 24) && nbytes <= (uint64_t{1} << 24);
+    nbytes *= plain ? static_cast<uint64_t>(d) : 1;
+  }
+  if (!plain) nbytes = checked_nbytes(shape, dtype, "empty");
+  auto impl = new_impl();
   impl->storage = Storage::allocate(static_cast<std::size_t>(nbytes), device);
   impl->shape = shape;
   impl->dtype = dtype;
@@ -416,7 +533,7 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType 
 Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
                  Storage::Deleter deleter) {
   const uint64_t nbytes = checked_nbytes(shape, dtype, "from_blob");
-  auto impl = std::make_shared<TensorImpl>();
+  auto impl = new_impl();
   impl->storage =
       std::make_shared<Storage>(data, static_cast<std::size_t>(nbytes), device, std::move(deleter));
   impl->shape = shape;

@@ -10,6 +10,7 @@
 //  - No ambient per-thread state: there is no grad mode. Backward functions
 //    work on gradient tensors, which never require grad, so they record
 //    nothing; Function<T> hands forward() detached inputs.
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -56,13 +57,17 @@ class Node : public std::enable_shared_from_this<Node> {
 
   /// Creation order; later nodes have larger numbers.
   uint64_t sequence_nr() const { return sequence_nr_; }
-  std::vector<Edge>& next_edges() { return next_edges_; }
-  std::vector<OutputMeta>& outputs() { return outputs_; }
+  // Inline room for the usual one or two inputs and one output: two
+  // allocations fewer per recorded op.
+  using EdgeList = boost::container::small_vector<Edge, 2>;
+  using OutputMetaList = boost::container::small_vector<OutputMeta, 1>;
+  EdgeList& next_edges() { return next_edges_; }
+  OutputMetaList& outputs() { return outputs_; }
 
  private:
   uint64_t sequence_nr_;
-  std::vector<Edge> next_edges_;
-  std::vector<OutputMeta> outputs_;
+  EdgeList next_edges_;
+  OutputMetaList outputs_;
 };
 
 /// The edge a gradient for `t` must flow into: its grad_fn and output number,

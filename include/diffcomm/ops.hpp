@@ -13,6 +13,12 @@ namespace diffcomm {
 
 /// a + b, elementwise (equal shapes). Backward: (g, g).
 Tensor add(const Tensor& a, const Tensor& b);
+namespace detail {
+/// a + b exactly as add() computes it, for the autograd engine's gradient
+/// accumulation: add() itself when either operand requires grad, else the
+/// kernel without Function::apply's argument and result vectors.
+Tensor accumulate_add(const Tensor& a, const Tensor& b);
+}  // namespace detail
 /// a - b. Backward: (g, -g).
 Tensor sub(const Tensor& a, const Tensor& b);
 /// a * b, elementwise. Backward: (g*b, g*a).

@@ -74,12 +74,13 @@ class Tensor {
   const Device& device() const;
   const Shape& shape() const;
   int64_t dim() const { return static_cast<int64_t>(shape().size()); }
-  /// Size of dimension d (negative d counts from the end).
-  int64_t size(int64_t d) const;
+  /// Size of dimension d (negative d counts from the end). Throws
+  /// InvalidArgument when out of range.
+  int64_t size(int64_t d) const;  // inline below
   int64_t numel() const;
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(dtype()); }
   /// Elements per row (product of dims 1..); 1 for 0-d and 1-d tensors.
-  int64_t row_numel() const;
+  int64_t row_numel() const;  // inline below
 
   /// Address of the first element (the storage plus this view's offset).
   void* data_ptr() const;
@@ -109,7 +110,7 @@ class Tensor {
   Tensor to(Device device) const;
 
   // ---- autograd ----
-  bool requires_grad() const;
+  bool requires_grad() const;  // inline below
   /// Marks a leaf as requiring a gradient. Throws InvalidArgument on an
   /// integer dtype or on a non-leaf.
   Tensor& set_requires_grad(bool value = true);
@@ -126,6 +127,8 @@ class Tensor {
   std::string str() const;  ///< "float32[3, 4] on cpu"
 
  private:
+  const TensorImpl& checked_impl() const;  // throws InvalidArgument when undefined
+  [[noreturn]] void throw_bad_dim(int64_t d) const;
   std::shared_ptr<TensorImpl> impl_;
 };
 
@@ -140,8 +143,57 @@ struct TensorImpl {
   Tensor grad;
   std::shared_ptr<Node> grad_fn;
   int output_nr = 0;
-  std::weak_ptr<Node> grad_accumulator;  // cached AccumulateGrad of a leaf
+  // The AccumulateGrad of a leaf, kept for the leaf's lifetime (it refers
+  // back to the leaf weakly, so there is no cycle): re-creating it on every
+  // forward cost three allocations per leaf per step.
+  std::shared_ptr<Node> grad_accumulator;
 };
+
+namespace detail {
+[[noreturn]] void throw_undefined_tensor();
+}  // namespace detail
+
+/// Number of elements of a shape (1 for {}).
+inline int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// The hot accessors are inline: they are called per op (and were per element
+// in loops) on every collective and autograd path, and an out-of-line call
+// each cost more than the access.
+inline const TensorImpl& Tensor::checked_impl() const {
+  if (impl_ == nullptr) [[unlikely]]
+    detail::throw_undefined_tensor();
+  return *impl_;
+}
+inline DType Tensor::dtype() const { return checked_impl().dtype; }
+inline const Device& Tensor::device() const { return checked_impl().storage->device(); }
+inline const Shape& Tensor::shape() const { return checked_impl().shape; }
+inline int64_t Tensor::numel() const { return shape_numel(checked_impl().shape); }
+inline void* Tensor::data_ptr() const {
+  const TensorImpl& impl = checked_impl();
+  return static_cast<char*>(impl.storage->data()) + impl.offset_bytes;
+}
+inline int64_t Tensor::size(int64_t d) const {
+  const Shape& s = checked_impl().shape;
+  const auto n = static_cast<int64_t>(s.size());
+  const int64_t i = d < 0 ? d + n : d;
+  if (i < 0 || i >= n) [[unlikely]]
+    throw_bad_dim(d);
+  return s[static_cast<std::size_t>(i)];
+}
+inline int64_t Tensor::row_numel() const {
+  const Shape& s = checked_impl().shape;
+  int64_t n = 1;
+  for (std::size_t i = 1; i < s.size(); ++i) n *= s[i];
+  return n;
+}
+inline bool Tensor::requires_grad() const {
+  const TensorImpl& impl = checked_impl();
+  return impl.requires_grad || impl.grad_fn != nullptr;
+}
 
 template <class T>
 T* Tensor::data() const {
@@ -149,8 +201,6 @@ T* Tensor::data() const {
   return static_cast<T*>(data_ptr());
 }
 
-/// Number of elements of a shape (1 for {}).
-int64_t shape_numel(const Shape& shape);
 std::string shape_str(const Shape& shape);
 
 /// The most bytes one tensor may hold: 2^48 (256 TiB), more than any

@@ -96,6 +96,24 @@ Tensor nonlinear_grad(ReduceOp op, const ProcessGroup& g, const Tensor& x, const
   return div(mul(total, mask), count);
 }
 
+// True when checked_nbytes(shape, dtype, ...) would not throw: no negative
+// dim and at most kMaxTensorBytes (a zero dim makes any shape fit).
+bool fits_one_tensor(const Shape& shape, DType dtype) {
+  uint64_t bytes = element_size(dtype);
+  bool zero = false;
+  for (int64_t d : shape) {
+    if (d < 0) return false;
+    zero = zero || d == 0;
+  }
+  if (zero) return true;
+  for (int64_t d : shape) {
+    const auto u = static_cast<uint64_t>(d);
+    if (bytes > kMaxTensorBytes / u) return false;
+    bytes *= u;
+  }
+  return true;
+}
+
 // Shape of an output of `x`'s rows allocated from splits, checked before
 // anything is allocated: no negative entry, a row count that does not
 // overflow, and a byte count one tensor can hold (InvalidArgument naming the
@@ -111,9 +129,12 @@ Shape shape_from_splits(const char* op, const ProcessGroup& g, const Splits& spl
   }
   Shape shape = x.shape();
   shape[0] = rows;
-  checked_nbytes(shape, x.dtype(),
-                 fmt::format("nn::{} on group '{}' (rank {} of {}): output from {}", op, g.name(),
-                             g.rank(), g.size(), role));
+  // The message is formatted only for a shape that fails (checked_nbytes then
+  // throws): formatting it up front cost more than the rest of the call.
+  if (!fits_one_tensor(shape, x.dtype()))
+    checked_nbytes(shape, x.dtype(),
+                   fmt::format("nn::{} on group '{}' (rank {} of {}): output from {}", op, g.name(),
+                               g.rank(), g.size(), role));
   return shape;
 }
 
@@ -405,10 +426,13 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
     const Tensor& x = in[0];
     if (x.dim() == 0) fail("all_to_all_single", group, "x is 0-d; it needs rows (dim 0)");
     in_shape = x.shape();
-    const Shape shape =
-        shape_from_splits("all_to_all_single", group,
-                          out_splits.empty() ? Splits{x.size(0)} : out_splits, "output_splits", x);
-    Tensor out = empty(shape, x.dtype(), x.device());
+    // Empty output_splits: even splits, so the output has x's shape (which
+    // already fits a tensor); no temporary splits vector or shape copy.
+    Tensor out =
+        out_splits.empty()
+            ? empty(x.shape(), x.dtype(), x.device())
+            : empty(shape_from_splits("all_to_all_single", group, out_splits, "output_splits", x),
+                    x.dtype(), x.device());
     dist::all_to_all_single(group, out, x, out_splits, in_splits);
     return {out};
   }
