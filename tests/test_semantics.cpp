@@ -474,7 +474,7 @@ TEST(SimLifetime, RunErrorCarriesEveryFailedRank) {
     ASSERT_EQ(all->failures().size(), 2u);
     EXPECT_EQ(all->failures()[0].rank, 1);
     EXPECT_EQ(all->failures()[1].rank, 3);
-    EXPECT_EQ(all->failures()[1].message, "plain error on three");
+    EXPECT_EQ(all->failures()[1].message(), "plain error on three");
     EXPECT_EQ(what_of(all->failures()[1].error), "plain error on three");
   }
 }
@@ -552,11 +552,11 @@ TEST(SimFailures, VictimsNameTheRootCause) {
           continue;
         }
         EXPECT_EQ(f.root_cause, 2) << "seed " << seed << " rank " << f.rank;
-        const auto first = f.message.find("member global rank ");
-        ASSERT_NE(first, std::string::npos) << f.message;
-        EXPECT_EQ(f.message.compare(first, 20, "member global rank 2"), 0)
-            << "seed " << seed << " rank " << f.rank << ": " << f.message;
-        EXPECT_NE(f.message.find("injected fault"), std::string::npos) << f.message;
+        const auto first = f.message().find("member global rank ");
+        ASSERT_NE(first, std::string::npos) << f.message();
+        EXPECT_EQ(f.message().compare(first, 20, "member global rank 2"), 0)
+            << "seed " << seed << " rank " << f.rank << ": " << f.message();
+        EXPECT_NE(f.message().find("injected fault"), std::string::npos) << f.message();
       }
     }
   }

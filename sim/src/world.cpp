@@ -987,7 +987,7 @@ struct RecordingStack {
 [[noreturn]] void rethrow_named(std::shared_ptr<const std::vector<RankError>> failures,
                                 const std::vector<const std::string*>& texts) {
   const RankError& first = failures->front();
-  const std::string& what = first.message;
+  const std::string& what = first.message();
   std::string msg =
       what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", first.rank, what);
   if (failures->size() > 1) {
@@ -999,7 +999,7 @@ struct RecordingStack {
         msg += fmt::format("\n  rank {}: the same report", f.rank);
         continue;
       }
-      const std::string& m = f.message;
+      const std::string& m = f.message();
       msg += fmt::format("\n  rank {}: {}", f.rank, m.substr(0, m.find('\n')));
     }
   }
@@ -1134,7 +1134,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
   failures->reserve(failed.size());
   for (int r : failed) {
     const RankState& rs = w.ranks[static_cast<std::size_t>(r)];
-    failures->push_back({r, rs.error, message_of(rs), rs.cause});
+    failures->push_back({r, rs.error, rs.error_message, rs.cause});
     texts.push_back(rs.error_message.get());
   }
   rethrow_named(std::move(failures), texts);

@@ -1,7 +1,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <boost/container/small_vector.hpp>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 
 #include "detail/device_ops.hpp"
@@ -26,6 +28,36 @@ struct wrap_type<C, true> {
 namespace {
 bool overlap(const char* a, std::size_t na, const char* b, std::size_t nb) {
   return a < b + nb && b < a + na;
+}
+
+// True when writing block b of every output right after reading block b of
+// every input is safe: each output either starts where an input starts (in
+// place: the same bytes, read before written) or overlaps no input, and
+// outputs that overlap each other start at the same byte. Every range is
+// `bytes` long. O((inputs + outputs) log outputs): the simulated all_reduce
+// passes one output per rank, and a pairwise check was O(N^2) per call
+// (8 s per 8-byte all_reduce at 16384 ranks).
+bool blockwise_safe(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
+                    std::size_t bytes) {
+  if (bytes == 0) return true;
+  boost::container::small_vector<const char*, 64> starts;
+  starts.reserve(n_outs);
+  for (std::size_t j = 0; j < n_outs; ++j)
+    starts.push_back(static_cast<const char*>(outs[j].data_ptr()));
+  std::sort(starts.begin(), starts.end(), std::less<>());
+  starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
+  // Distinct output starts closer than `bytes`: two outputs partly overlap.
+  for (std::size_t j = 1; j < starts.size(); ++j)
+    if (overlap(starts[j - 1], bytes, starts[j], bytes)) return false;
+  for (const auto& t : inputs) {
+    const char* ib = static_cast<const char*>(t.data_ptr());
+    // The nearest output starts at or above ib, and below it; any other
+    // output overlapping ib would overlap one of these (checked above).
+    const auto it = std::lower_bound(starts.begin(), starts.end(), ib, std::less<>());
+    if (it != starts.end() && *it != ib && overlap(*it, bytes, ib, bytes)) return false;
+    if (it != starts.begin() && overlap(*(it - 1), bytes, ib, bytes)) return false;
+  }
+  return true;
 }
 
 // The CPU rule, written to outs[0..n_outs) (see reduce_op.hpp).
@@ -61,18 +93,7 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
     // 4 KiB of accumulator: fits any fiber stack, stays in L1, and makes the
     // per-block copies to the other outputs long enough to run at memcpy speed.
     constexpr std::size_t kBlock = 4096 / sizeof(C);
-    bool blockwise = true;
-    for (std::size_t j = 0; j < n_outs && blockwise; ++j) {
-      const char* ob = static_cast<const char*>(outs[j].data_ptr());
-      for (const auto& t : inputs) {
-        const char* ib = static_cast<const char*>(t.data_ptr());
-        if (ib != ob && overlap(ib, bytes, ob, bytes)) blockwise = false;
-      }
-      for (std::size_t k = 0; k < j; ++k) {
-        const char* kb = static_cast<const char*>(outs[k].data_ptr());
-        if (kb != ob && overlap(kb, bytes, ob, bytes)) blockwise = false;
-      }
-    }
+    const bool blockwise = blockwise_safe(outs, n_outs, inputs, bytes);
     alignas(64) C block[kBlock];
     std::vector<C> acc(blockwise ? 0 : n);
     // Writes the finished elements [b, e) of the accumulator `a` to `po`.
