@@ -1,7 +1,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <boost/container/small_vector.hpp>
 #include <cstring>
 #include <functional>
 #include <type_traits>
@@ -40,7 +39,15 @@ bool overlap(const char* a, std::size_t na, const char* b, std::size_t nb) {
 bool blockwise_safe(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
                     std::size_t bytes) {
   if (bytes == 0) return true;
-  boost::container::small_vector<const char*, 64> starts;
+  if (n_outs == 1) {  // one output (reduce_into's usual form): no allocation
+    const char* ob = static_cast<const char*>(outs[0].data_ptr());
+    for (const auto& t : inputs) {
+      const char* ib = static_cast<const char*>(t.data_ptr());
+      if (ib != ob && overlap(ib, bytes, ob, bytes)) return false;
+    }
+    return true;
+  }
+  std::vector<const char*> starts;
   starts.reserve(n_outs);
   for (std::size_t j = 0; j < n_outs; ++j)
     starts.push_back(static_cast<const char*>(outs[j].data_ptr()));
@@ -76,11 +83,12 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
   if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
     throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
                                       dtype_name(out.dtype())));
+  // Decided before the block below is on the stack (it may allocate).
+  const bool blockwise = blockwise_safe(outs, n_outs, inputs, out.nbytes());
   dispatch_dtype(out.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;
     const auto n = static_cast<std::size_t>(out.numel());
-    const std::size_t bytes = n * sizeof(T);
     // Block by block: a block of the accumulator stays in L1 while every
     // input streams through it once, and the result is written straight to
     // every output (no N-sized scratch, no second pass). Safe whenever each
@@ -90,10 +98,10 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
     // the same values). Any other overlap accumulates everything first and
     // then writes the outputs one after the other, as copies from a
     // temporary would. Order of combination per element is unchanged.
-    // 4 KiB of accumulator: fits any fiber stack, stays in L1, and makes the
-    // per-block copies to the other outputs long enough to run at memcpy speed.
-    constexpr std::size_t kBlock = 4096 / sizeof(C);
-    const bool blockwise = blockwise_safe(outs, n_outs, inputs, bytes);
+    // 512 elements (4 KiB of C at most): stays in L1 and fits a fiber stack
+    // (the last rank to arrive runs the reduction on its own stack; a 64 KiB
+    // stack under AddressSanitizer overflowed with a larger block).
+    constexpr std::size_t kBlock = 512;
     alignas(64) C block[kBlock];
     std::vector<C> acc(blockwise ? 0 : n);
     // Writes the finished elements [b, e) of the accumulator `a` to `po`.
