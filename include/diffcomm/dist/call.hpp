@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "diffcomm/dist/reduce_op.hpp"
@@ -144,27 +145,7 @@ class TensorList {
   TensorList(const TensorList& o) { *this = o; }
   TensorList(TensorList&& o) noexcept { *this = std::move(o); }
   TensorList& operator=(const TensorList& o) {
-    if (this == &o) return *this;
-    kind_ = o.kind_;
-    size_ = o.size_;
-    // The storage not in use is emptied: no stale handles kept alive.
-    switch (kind_) {
-      case Kind::Borrowed:
-        data_ = o.data_;
-        one_ = Tensor();
-        many_.clear();
-        break;
-      case Kind::One:
-        one_ = o.one_;
-        data_ = &one_;
-        many_.clear();
-        break;
-      case Kind::Many:
-        many_ = o.many_;
-        data_ = many_.data();
-        one_ = Tensor();
-        break;
-    }
+    if (this != &o) take(o);
     return *this;
   }
   TensorList& operator=(TensorList&& o) noexcept {
@@ -221,6 +202,14 @@ class TensorList {
   // enough to inline into the funnel.
   [[gnu::noinline]] TensorList& move_from(TensorList& o) noexcept {
     if (this == &o) return *this;
+    take(std::move(o));
+    o.clear();
+    return *this;
+  }
+  // Copies (lvalue `o`) or moves (rvalue `o`) o's tensors in; the storage
+  // not in use is emptied, so no stale handles are kept alive.
+  template <class L>
+  void take(L&& o) {
     kind_ = o.kind_;
     size_ = o.size_;
     switch (kind_) {
@@ -230,18 +219,16 @@ class TensorList {
         many_.clear();
         break;
       case Kind::One:
-        one_ = std::move(o.one_);
+        one_ = std::forward<L>(o).one_;
         data_ = &one_;
         many_.clear();
         break;
       case Kind::Many:
-        many_ = std::move(o.many_);
+        many_ = std::forward<L>(o).many_;
         data_ = many_.data();
         one_ = Tensor();
         break;
     }
-    o.clear();
-    return *this;
   }
   void clear() {
     one_ = Tensor();
