@@ -52,7 +52,12 @@ struct Config {
   DType dtype = DType::Float32;
 };
 
-enum class Op { AllReduce, AllGather, AllToAllP2p, AllToAllNative };
+// AllReduce is the default path (composed: all_gather, then a reduction in
+// rank order on the device, bit-identical to the simulated world);
+// AllReduceNative is a group with Options::native_reduction (ncclAllReduce).
+enum class Op { AllReduce, AllReduceNative, AllGather, AllToAllP2p, AllToAllNative };
+
+bool is_reduce(Op op) { return op == Op::AllReduce || op == Op::AllReduceNative; }
 
 struct Row {
   Op op;
@@ -61,7 +66,8 @@ struct Row {
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::AllReduce: return "all_reduce";
+    case Op::AllReduce:
+    case Op::AllReduceNative: return "all_reduce";
     case Op::AllGather: return "all_gather";
     case Op::AllToAllP2p:
     case Op::AllToAllNative: return "all_to_all_single";
@@ -70,7 +76,10 @@ const char* op_name(Op op) {
 }
 const char* path_name(Op op) {
   switch (op) {
-    case Op::AllReduce: return "ncclAllReduce";
+    case Op::AllReduce:
+      return "default: ncclAllGather + reduction in rank order, bit-identical to the sim; "
+             "raw: ncclAllReduce";
+    case Op::AllReduceNative: return "native_reduction: ncclAllReduce";
     case Op::AllGather: return "ncclAllGather";
     case Op::AllToAllP2p: return "send/recv group";
     case Op::AllToAllNative: return "ncclAlltoAll";
@@ -79,7 +88,7 @@ const char* path_name(Op op) {
 }
 double bus_factor(Op op, int n) {
   if (n <= 1) return 0.0;
-  return op == Op::AllReduce ? 2.0 * (n - 1) / n : static_cast<double>(n - 1) / n;
+  return is_reduce(op) ? 2.0 * (n - 1) / n : static_cast<double>(n - 1) / n;
 }
 
 int64_t parse_bytes(const char* s) { return std::strtoll(s, nullptr, 10); }
@@ -87,7 +96,8 @@ int64_t parse_bytes(const char* s) { return std::strtoll(s, nullptr, 10); }
 // Runs op once on rank r's buffers.
 void issue(Op op, const dist::ProcessGroup& g, const Tensor& in, const Tensor& out) {
   switch (op) {
-    case Op::AllReduce: dist::all_reduce(g, in); break;
+    case Op::AllReduce:
+    case Op::AllReduceNative: dist::all_reduce(g, in); break;
     case Op::AllGather: dist::all_gather_single(g, out, in); break;
     case Op::AllToAllP2p:
     case Op::AllToAllNative: dist::all_to_all_single(g, out, in); break;
@@ -107,6 +117,7 @@ void issue_raw(Op op, const dist::ProcessGroup& g, const Tensor& in, const Tenso
   const std::size_t es = element_size(in.dtype());
   switch (op) {
     case Op::AllReduce:
+    case Op::AllReduceNative:
       ok(ncclAllReduce(in.data_ptr(), in.data_ptr(), static_cast<std::size_t>(in.numel()), type,
                        ncclSum, comm, stream),
          "ncclAllReduce");
@@ -144,7 +155,8 @@ void issue_raw(Op op, const dist::ProcessGroup& g, const Tensor& in, const Tenso
 // filled with rank + 1 (all_to_all: block j of rank r holds r + 1).
 double expected(Op op, int n, int64_t block) {
   switch (op) {
-    case Op::AllReduce: return n * (n + 1) / 2.0;
+    case Op::AllReduce:
+    case Op::AllReduceNative: return n * (n + 1) / 2.0;
     case Op::AllGather:
     case Op::AllToAllP2p:
     case Op::AllToAllNative: return static_cast<double>(block + 1);
@@ -207,7 +219,7 @@ int main(int argc, char** argv) {
   const bool native_a2a = nccl::has_native_gather_scatter_all_to_all();
   const int64_t es = static_cast<int64_t>(element_size(cfg.dtype));
 
-  std::vector<Op> ops = {Op::AllReduce, Op::AllGather, Op::AllToAllP2p};
+  std::vector<Op> ops = {Op::AllReduce, Op::AllReduceNative, Op::AllGather, Op::AllToAllP2p};
   if (native_a2a) ops.push_back(Op::AllToAllNative);
   std::vector<int64_t> sizes;
   for (int64_t s = cfg.min_bytes; s <= cfg.max_bytes; s *= 4) {
@@ -229,6 +241,7 @@ int main(int argc, char** argv) {
 
   const ncclUniqueId id = nccl::unique_id();
   const ncclUniqueId id_even = nccl::unique_id();
+  const ncclUniqueId id_native = nccl::unique_id();
   std::barrier sync(n);
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
@@ -238,13 +251,19 @@ int main(int argc, char** argv) {
         nccl::Options even;
         even.even_all_to_all = true;
         const dist::ProcessGroup world_even = nccl::init_rank(id_even, n, r, r, even, "world_even");
+        nccl::Options native;
+        native.native_reduction = true;
+        const dist::ProcessGroup world_native =
+            nccl::init_rank(id_native, n, r, r, native, "world_native");
         const Device dev = Device::cuda(r);
         for (std::size_t k = 0; k < rows.size(); ++k) {
           const Op op = rows[k].op;
           const int64_t total = rows[k].bytes / es;  // elements of S
-          const dist::ProcessGroup& g = op == Op::AllToAllNative ? world_even : world;
+          const dist::ProcessGroup& g = op == Op::AllToAllNative    ? world_even
+                                        : op == Op::AllReduceNative ? world_native
+                                                                    : world;
           Tensor in, out;
-          if (op == Op::AllReduce) {
+          if (is_reduce(op)) {
             in = empty({total}, cfg.dtype, dev);
           } else if (op == Op::AllGather) {
             in = empty({total / n}, cfg.dtype, dev);
@@ -255,11 +274,11 @@ int main(int argc, char** argv) {
           }
           // One checked op first: inputs r + 1 everywhere.
           in.fill_(r + 1.0);
-          issue(op, g, in, op == Op::AllReduce ? in : out);
+          issue(op, g, in, is_reduce(op) ? in : out);
           nccl::synchronize(g);
-          const Tensor& res = op == Op::AllReduce ? in : out;
-          const int64_t block = op == Op::AllReduce ? total : total / n;
-          for (int64_t b = 0; b < (op == Op::AllReduce ? 1 : n); ++b) {
+          const Tensor& res = is_reduce(op) ? in : out;
+          const int64_t block = is_reduce(op) ? total : total / n;
+          for (int64_t b = 0; b < (is_reduce(op) ? 1 : n); ++b) {
             const double got = res.row_view(b * block, 1).to_vector()[0];
             if (got != expected(op, n, b)) bad[k][static_cast<std::size_t>(r)] = 1;
           }
@@ -326,7 +345,7 @@ int main(int argc, char** argv) {
     std::printf(
         "  %12lld %12lld %8s %6s   %10.1f %8.2f %8.2f %6lld   %10.1f %8.2f %8.2f   %+8.1f\n",
         static_cast<long long>(rows[k].bytes), static_cast<long long>(rows[k].bytes / es),
-        dtype_name(cfg.dtype).c_str(), op == Op::AllReduce ? "sum" : "none", t * 1e6, algbw,
+        dtype_name(cfg.dtype).c_str(), is_reduce(op) ? "sum" : "none", t * 1e6, algbw,
         algbw * bus_factor(op, n), static_cast<long long>(wrong), tr * 1e6, raw_algbw,
         raw_algbw * bus_factor(op, n), (t / tr - 1.0) * 100.0);
   }
