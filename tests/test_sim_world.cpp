@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/dist/flight_recorder.hpp"
 #include "diffcomm/dist/mesh.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/world.hpp"
@@ -1190,6 +1191,89 @@ TEST(SimScale, FourThousandRanksBarrierAndAllReduce) {
   });
   EXPECT_EQ(correct, N);
   EXPECT_EQ(w.stats(N - 1).get("world", "all_reduce").calls, 1u);
+}
+
+// ---------------------------------------------------------------- flight recorder
+// The flight recorder of a simulated rank reads the rank's simulated clock:
+// a call starts at the rank's now_us() and ends where the collective leaves
+// the rank's clock, the same on every run of a seed.
+TEST(SimFlightRecorder, TimesAreTheRanksSimulatedClock) {
+  auto run = [] {
+    sim::WorldOptions o;
+    o.ranks = 4;
+    o.seed = 7;
+    std::vector<std::vector<double>> got(4);
+    sim::World world(o);
+    world.run([&](sim::Rank& r) {
+      const auto& g = r.world();
+      r.advance_us(10.0 * (r.rank() + 1));  // ranks arrive at 10, 20, 30, 40 us
+      const double before = r.now_us();
+      Tensor x = full({3}, 1.0, DType::Float32);
+      dist::all_reduce(g, x);
+      const double after = r.now_us();
+      const auto recs = g.flight_recorder().records();
+      ASSERT_EQ(recs.size(), 1u);
+      const dist::FlightRecord& rec = recs[0];
+      EXPECT_EQ(rec.op, dist::OpType::AllReduce);
+      EXPECT_EQ(rec.state, dist::FlightRecord::State::Completed);
+      EXPECT_DOUBLE_EQ(rec.start_s, before * 1e-6);
+      EXPECT_DOUBLE_EQ(rec.start_s + rec.duration_s, after * 1e-6);
+      EXPECT_GE(after, 40.0);  // nobody leaves before the last arrival
+      got[static_cast<std::size_t>(r.rank())] = {rec.start_s, rec.duration_s};
+    });
+    return got;
+  };
+  const auto a = run();
+  EXPECT_EQ(a, run());
+  EXPECT_DOUBLE_EQ(a[0][0], 10e-6);
+  EXPECT_GT(a[0][1], a[3][1]);  // rank 0 waited longest
+}
+
+// A recorder with its own clock records begin/end times from it, keeps the
+// last kCapacity calls oldest first, and dumps one line per call.
+TEST(FlightRecorder, OwnClockRingAndDump) {
+  double t = 1.5;
+  dist::FlightRecorder rec([](const void* c) { return *static_cast<const double*>(c); }, &t);
+  dist::Call call;
+  call.op = dist::OpType::Barrier;
+  call.group = "world";
+  const std::size_t n = dist::FlightRecorder::kCapacity + 3;
+  for (std::size_t i = 0; i < n; ++i) {
+    call.seq = i;
+    const std::size_t slot = rec.begin(call);
+    t += 0.25;
+    rec.end(slot,
+            i + 1 == n ? dist::FlightRecord::State::Failed : dist::FlightRecord::State::Completed);
+  }
+  const auto recs = rec.records();
+  ASSERT_EQ(recs.size(), dist::FlightRecorder::kCapacity);
+  EXPECT_EQ(recs.front().id, 4u);  // the first 3 were overwritten
+  EXPECT_EQ(recs.back().id, n);
+  EXPECT_EQ(recs.back().seq, n - 1);
+  EXPECT_DOUBLE_EQ(recs.back().start_s, 1.5 + 0.25 * static_cast<double>(n - 1));
+  EXPECT_DOUBLE_EQ(recs.back().duration_s, 0.25);
+  EXPECT_EQ(recs.back().state, dist::FlightRecord::State::Failed);
+  const std::string dump = rec.dump();
+  EXPECT_NE(dump.find("last 64 call(s)"), std::string::npos) << dump;
+  EXPECT_NE(dump.find("barrier #66 on 'world'"), std::string::npos) << dump;
+  EXPECT_NE(dump.find("failed (250000.0 us)"), std::string::npos) << dump;
+}
+
+// Without a clock (production backends) the times are wall-clock seconds
+// since the recorder was made: non-negative and ordered.
+TEST(FlightRecorder, DefaultClockIsWallTimeSinceCreation) {
+  dist::FlightRecorder rec;
+  dist::Call call;
+  call.group = "g";
+  const std::size_t a = rec.begin(call);
+  rec.end(a, dist::FlightRecord::State::Completed);
+  const std::size_t b = rec.begin(call);
+  rec.end(b, dist::FlightRecord::State::Completed);
+  const auto recs = rec.records();
+  ASSERT_EQ(recs.size(), 2u);
+  EXPECT_GE(recs[0].start_s, 0.0);
+  EXPECT_GE(recs[0].duration_s, 0.0);
+  EXPECT_GE(recs[1].start_s, recs[0].start_s + recs[0].duration_s);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/dist/flight_recorder.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/error.hpp"
 #include "scheduler.hpp"
@@ -1080,9 +1081,14 @@ void World::run(const std::function<void(Rank&)>& fn) {
           z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
           z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
           z ^= z >> 31;
-          Rank rank(
-              this, r,
-              dist::ProcessGroup(backend, "world", w.ranks[static_cast<std::size_t>(r)].stats), z);
+          // The flight recorder reads the rank's simulated clock, not the
+          // wall clock: deterministic, and free.
+          RankState& state = w.ranks[static_cast<std::size_t>(r)];
+          auto recorder = std::make_shared<dist::FlightRecorder>(
+              [](const void* s) { return static_cast<const RankState*>(s)->clock_us * 1e-6; },
+              &state);
+          Rank rank(this, r, dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)),
+                    z);
           std::exception_ptr error;
           std::shared_ptr<const std::string> message;
           try {

@@ -4,9 +4,6 @@
 
 namespace diffcomm::dist {
 namespace {
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 const char* state_name(FlightRecord::State s) {
   switch (s) {
     case FlightRecord::State::Issued: return "issued, not completed";
@@ -18,6 +15,14 @@ const char* state_name(FlightRecord::State s) {
 }  // namespace
 
 FlightRecorder::FlightRecorder() : ring_(kCapacity), origin_(std::chrono::steady_clock::now()) {}
+
+FlightRecorder::FlightRecorder(Clock clock, const void* context)
+    : ring_(kCapacity), clock_(clock), context_(context) {}
+
+double FlightRecorder::now_s() const {
+  if (clock_ != nullptr) return clock_(context_);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - origin_).count();
+}
 
 std::size_t FlightRecorder::begin(const Call& call) {
   const std::size_t slot = static_cast<std::size_t>((next_id_ - 1) % kCapacity);
@@ -35,7 +40,7 @@ std::size_t FlightRecorder::begin(const Call& call) {
   r.bytes_sent = call.bytes_sent;
   r.bytes_received = call.bytes_received;
   r.state = FlightRecord::State::Issued;
-  r.start_s = seconds_since(origin_);
+  r.start_s = now_s();
   r.duration_s = 0;
   return slot;
 }
@@ -43,7 +48,7 @@ std::size_t FlightRecorder::begin(const Call& call) {
 void FlightRecorder::end(std::size_t slot, FlightRecord::State state) {
   FlightRecord& r = ring_[slot];
   r.state = state;
-  r.duration_s = seconds_since(origin_) - r.start_s;
+  r.duration_s = now_s() - r.start_s;
 }
 
 std::vector<FlightRecord> FlightRecorder::records() const {
