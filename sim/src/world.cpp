@@ -184,19 +184,34 @@ struct World::Impl {
   int live = 0;
   int blocked = 0;
   uint64_t failures = 0;
-  // The trace as recorded: fixed-size events with the op as an enum and the
-  // group name interned, so recording costs no allocation per event (it was
-  // two strings per rank-arrival). trace() expands it to TraceEvents once,
-  // on demand.
-  struct CompactEvent {
+  // The trace as recorded: one fixed-size record per collective (op as an
+  // enum, group name interned, call number, times: the same for every
+  // member) and one small entry per member (rank, bytes), so recording costs
+  // no allocation per event and 24 bytes per rank-arrival (it was two
+  // strings, then 56 bytes). trace() expands it to TraceEvents once, on
+  // demand, in the same order: each collective's members in slot order.
+  struct TraceCall {
     OpType op;
     uint32_t group;  // index into trace_names
-    int rank;
     uint64_t seq;
     double start_us, duration_us;
+    std::size_t first;  // index of its first TraceMember
+  };
+  struct TraceMember {
+    int rank;
     uint64_t bytes_sent, bytes_received;
   };
-  std::vector<CompactEvent> trace;
+  std::vector<TraceCall> trace_calls;
+  std::vector<TraceMember> trace_members;
+  // Calls a TraceEvent-shaped f(call, member) for every recorded event.
+  template <class F>
+  void for_each_trace_event(F&& f) const {
+    for (std::size_t k = 0; k < trace_calls.size(); ++k) {
+      const std::size_t end =
+          k + 1 < trace_calls.size() ? trace_calls[k + 1].first : trace_members.size();
+      for (std::size_t m = trace_calls[k].first; m < end; ++m) f(trace_calls[k], trace_members[m]);
+    }
+  }
   std::vector<std::string> trace_names;
   mutable std::vector<TraceEvent> trace_expanded;
   mutable bool trace_stale = false;
@@ -250,10 +265,11 @@ struct World::Impl {
   const std::vector<TraceEvent>& expanded_trace() const {
     if (trace_stale) {
       trace_expanded.clear();
-      trace_expanded.reserve(trace.size());
-      for (const CompactEvent& e : trace)
-        trace_expanded.push_back({dist::op_cstr(e.op), trace_names[e.group], e.seq, e.rank,
-                                  e.start_us, e.duration_us, e.bytes_sent, e.bytes_received});
+      trace_expanded.reserve(trace_members.size());
+      for_each_trace_event([&](const TraceCall& c, const TraceMember& m) {
+        trace_expanded.push_back({dist::op_cstr(c.op), trace_names[c.group], c.seq, m.rank,
+                                  c.start_us, c.duration_us, m.bytes_sent, m.bytes_received});
+      });
       trace_stale = false;
     }
     return trace_expanded;
@@ -742,12 +758,15 @@ void World::Impl::complete(Rendezvous& rv) {
   hash(rv.calls[0]->seq);
   hash(dist::op_cstr(rv.calls[0]->op));  // same bytes as op_name, no allocation
   for (int slot : rv.arrival_order) hash(static_cast<uint64_t>(slot));
+  if (options.trace) {
+    const Call& c0 = *rv.calls[0];
+    trace_calls.push_back({c0.op, intern_trace_name(*rv.group, c0.group), c0.seq, rv.start_us,
+                           rv.end_us - rv.start_us, trace_members.size()});
+  }
   for (std::size_t i = 0; i < rv.calls.size(); ++i) {
     const Call& c = *rv.calls[i];
     ranks[static_cast<std::size_t>(rv.globals[i])].clock_us = rv.end_us;
-    if (options.trace)
-      trace.push_back({c.op, intern_trace_name(*rv.group, c.group), rv.globals[i], c.seq,
-                       rv.start_us, rv.end_us - rv.start_us, c.bytes_sent, c.bytes_received});
+    if (options.trace) trace_members.push_back({rv.globals[i], c.bytes_sent, c.bytes_received});
   }
   trace_stale = options.trace;
   wake(rv);
@@ -944,19 +963,20 @@ void World::write_trace(const std::string& path) const {
                       {"pid", 0},
                       {"tid", r},
                       {"args", {{"name", fmt::format("rank {}", r)}}}});
-  for (const auto& e : impl_->trace)
-    events.push_back({{"name", dist::op_cstr(e.op)},
-                      {"cat", impl_->trace_names[e.group]},
+  impl_->for_each_trace_event([&](const Impl::TraceCall& c, const Impl::TraceMember& m) {
+    events.push_back({{"name", dist::op_cstr(c.op)},
+                      {"cat", impl_->trace_names[c.group]},
                       {"ph", "X"},
                       {"pid", 0},
-                      {"tid", e.rank},
-                      {"ts", e.start_us},
-                      {"dur", e.duration_us},
+                      {"tid", m.rank},
+                      {"ts", c.start_us},
+                      {"dur", c.duration_us},
                       {"args",
-                       {{"group", impl_->trace_names[e.group]},
-                        {"seq", e.seq},
-                        {"bytes_sent", e.bytes_sent},
-                        {"bytes_received", e.bytes_received}}}});
+                       {{"group", impl_->trace_names[c.group]},
+                        {"seq", c.seq},
+                        {"bytes_sent", m.bytes_sent},
+                        {"bytes_received", m.bytes_received}}}});
+  });
   std::ofstream out(path);
   if (!out) throw InvalidArgument(fmt::format("write_trace: cannot open '{}' for writing", path));
   out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump() << "\n";
@@ -1042,7 +1062,8 @@ void World::run(const std::function<void(Rank&)>& fn) {
   w.groups.clear();
   w.next_group_id = 0;  // group ids enter trace_hash(): same seed, same hash on every run
   w.pending.clear();
-  w.trace.clear();
+  w.trace_calls.clear();
+  w.trace_members.clear();
   w.trace_names.clear();
   w.trace_expanded.clear();
   w.trace_stale = false;
