@@ -625,10 +625,9 @@ TEST(SimFailures, SplitAndNewGroupFingerprintsPrintAsWhatTheyAre) {
 // expected memory is computed here with plain loops over doubles (small
 // integers: every float32 sum is exact).
 TEST(ReduceIntoList, EveryAliasingMatchesTemporaryThenOrderedCopies) {
-  constexpr int64_t kLen = 1500;  // > one 512-element block, not a multiple
   struct Case {
     const char* name;
-    std::vector<int64_t> in_at, out_at;  // element offsets into one buffer
+    std::vector<int64_t> in_at, out_at;  // element offsets for length 1500
   };
   const std::vector<Case> cases = {
       {"distinct", {0, 2000, 4000}, {6000, 8000, 10000}},
@@ -638,24 +637,30 @@ TEST(ReduceIntoList, EveryAliasingMatchesTemporaryThenOrderedCopies) {
       {"output overlaps an input at an offset", {0, 2000, 4000}, {700, 6000, 8000}},
       {"outputs overlap each other at an offset", {0, 2000, 4000}, {6000, 6300, 6900}},
   };
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.name);
-    std::vector<float> buf(12000);
-    for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 97);
-    // Reference: read every input first, then write the outputs in order.
-    std::vector<double> mem(buf.begin(), buf.end());
-    std::vector<double> sum(kLen, 0.0);
-    for (int64_t at : c.in_at)
-      for (int64_t i = 0; i < kLen; ++i) sum[i] += mem[at + i];
-    for (int64_t at : c.out_at)
-      for (int64_t i = 0; i < kLen; ++i) mem[at + i] = sum[i];
-    std::vector<Tensor> ins, outs;
-    for (int64_t at : c.in_at) ins.push_back(from_blob(buf.data() + at, {kLen}, DType::Float32));
-    for (int64_t at : c.out_at) outs.push_back(from_blob(buf.data() + at, {kLen}, DType::Float32));
-    dist::reduce_into(outs, ins, ReduceOp::Sum);
-    for (std::size_t i = 0; i < buf.size(); ++i)
-      ASSERT_EQ(static_cast<double>(buf[i]), mem[i]) << "element " << i;
-  }
+  // 1500: more than one 512-element block, not a multiple; 300: one block
+  // (no overlap check). Offsets scale with the length: the same overlaps.
+  for (const int64_t len : {int64_t{1500}, int64_t{300}})
+    for (const auto& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + ", length " + std::to_string(len));
+      auto at_len = [&](int64_t at) { return at * len / 1500; };
+      std::vector<float> buf(static_cast<std::size_t>(at_len(12000)));
+      for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(i % 97);
+      // Reference: read every input first, then write the outputs in order.
+      std::vector<double> mem(buf.begin(), buf.end());
+      std::vector<double> sum(static_cast<std::size_t>(len), 0.0);
+      for (int64_t at : c.in_at)
+        for (int64_t i = 0; i < len; ++i) sum[i] += mem[at_len(at) + i];
+      for (int64_t at : c.out_at)
+        for (int64_t i = 0; i < len; ++i) mem[at_len(at) + i] = sum[i];
+      std::vector<Tensor> ins, outs;
+      for (int64_t at : c.in_at)
+        ins.push_back(from_blob(buf.data() + at_len(at), {len}, DType::Float32));
+      for (int64_t at : c.out_at)
+        outs.push_back(from_blob(buf.data() + at_len(at), {len}, DType::Float32));
+      dist::reduce_into(outs, ins, ReduceOp::Sum);
+      for (std::size_t i = 0; i < buf.size(); ++i)
+        ASSERT_EQ(static_cast<double>(buf[i]), mem[i]) << "element " << i;
+    }
 }
 
 TEST(ReduceIntoList, AvgAndMismatchedOutputs) {

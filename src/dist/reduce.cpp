@@ -36,6 +36,12 @@ bool overlap(const char* a, std::size_t na, const char* b, std::size_t nb) {
 // `bytes` long. O((inputs + outputs) log outputs): the simulated all_reduce
 // passes one output per rank, and a pairwise check was O(N^2) per call
 // (8 s per 8-byte all_reduce at 16384 ranks).
+// Elements per block of the accumulator: 512 (4 KiB of C at most) stays in
+// L1 and fits a fiber stack (the last rank to arrive runs the reduction on its
+// own stack; a 64 KiB stack under AddressSanitizer overflowed with a larger
+// block).
+constexpr std::size_t kBlock = 512;
+
 bool blockwise_safe(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
                     std::size_t bytes) {
   if (bytes == 0) return true;
@@ -83,8 +89,14 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
   if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
     throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
                                       dtype_name(out.dtype())));
-  // Decided before the block below is on the stack (it may allocate).
-  const bool blockwise = blockwise_safe(outs, n_outs, inputs, out.nbytes());
+  // A tensor of at most kBlock elements is one block: every input is read
+  // into the accumulator before any output is written, and the outputs are
+  // then written from it one after the other, which is the non-blockwise
+  // rule below. No overlap can change that result, so small reductions (an
+  // 8-byte all_reduce over N ranks) skip the O(N log N) check. Otherwise
+  // decided before the block below is on the stack (it may allocate).
+  const bool one_block = static_cast<std::size_t>(out.numel()) <= kBlock;
+  const bool blockwise = one_block || blockwise_safe(outs, n_outs, inputs, out.nbytes());
   dispatch_dtype(out.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     using C = compute_t<T>;
@@ -98,10 +110,6 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
     // the same values). Any other overlap accumulates everything first and
     // then writes the outputs one after the other, as copies from a
     // temporary would. Order of combination per element is unchanged.
-    // 512 elements (4 KiB of C at most): stays in L1 and fits a fiber stack
-    // (the last rank to arrive runs the reduction on its own stack; a 64 KiB
-    // stack under AddressSanitizer overflowed with a larger block).
-    constexpr std::size_t kBlock = 512;
     alignas(64) C block[kBlock];
     std::vector<C> acc(blockwise ? 0 : n);
     // Writes the finished elements [b, e) of the accumulator `a` to `po`.
@@ -117,6 +125,11 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
     // Blockwise: the first output gets the finished block, the others a copy
     // of it (skipped where an output is the same buffer).
     auto write_block = [&](const C* a, std::size_t b, std::size_t e) {
+      if (one_block) {  // every output from the accumulator, in order
+        for (std::size_t j = 0; j < n_outs; ++j)
+          finish(static_cast<T*>(outs[j].data_ptr()), a, b, e);
+        return;
+      }
       T* p0 = static_cast<T*>(outs[0].data_ptr());
       finish(p0, a, b, e);
       for (std::size_t j = 1; j < n_outs; ++j) {
