@@ -73,6 +73,9 @@ struct StepReference {
   std::vector<std::vector<std::vector<double>>> embeddings;
   std::vector<double> encoder_grad;  ///< [in_features * hidden], row-major
   double loss = 0;
+  /// Sum of the magnitudes of the loss's terms (|e.u| and 0.5 y^2): the
+  /// scale float64 rounding of the loss is relative to.
+  double loss_scale = 0;
 };
 StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& per_dp);
 
@@ -80,8 +83,9 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
 struct StepCheck {
   double forward_max_abs_diff = 0;  ///< over every shard row of every rank
   double grad_max_rel_diff = 0;     ///< max |dW - dW_ref| / max |dW_ref|, worst rank
-  double loss_rel_diff = 0;         ///< |sum of rank losses - reference| / |reference|
-  bool passed = false;              ///< within the dtype's tolerance (see tolerance())
+  /// |sum of rank losses - reference| / max(loss_scale, |reference|)
+  double loss_rel_diff = 0;
+  bool passed = false;  ///< within the dtype's tolerance (see tolerance())
 };
 StepCheck check_step(const StepConfig& cfg, const std::vector<Batch>& per_dp,
                      const std::vector<StepRankResult>& ranks, const StepReference& ref);
