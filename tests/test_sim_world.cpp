@@ -745,12 +745,26 @@ TEST(SimStats, CallsAndBytesFollowTheDocumentedClosedForms) {
     EXPECT_EQ(s.total("all_reduce").calls, in_sub ? 2u : 1u);
     EXPECT_EQ(s.total().calls, 15u + (me <= 1 ? 1u : 0u) + (in_sub ? 1u : 0u));
   }
-  // The trace carries the same per-call bytes as the counters.
+  // The trace carries the same per-call bytes as the counters, and each end
+  // of the send/recv pair under its own op.
+  int sends = 0, recvs = 0;
   for (const sim::TraceEvent& e : w.trace()) {
+    if (e.op == "send") {
+      ++sends;
+      EXPECT_EQ(e.rank, 0);
+      EXPECT_EQ(e.bytes_sent, 5u);
+    }
+    if (e.op == "recv") {
+      ++recvs;
+      EXPECT_EQ(e.rank, 1);
+      EXPECT_EQ(e.bytes_received, 5u);
+    }
     if (e.op != "all_reduce" || e.group != "world") continue;
     EXPECT_EQ(e.bytes_sent, 36u);
     EXPECT_EQ(e.bytes_received, 36u);
   }
+  EXPECT_EQ(sends, 1);
+  EXPECT_EQ(recvs, 1);
   EXPECT_THROW(w.stats(N), InvalidArgument);
 }
 

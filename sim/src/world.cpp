@@ -184,10 +184,10 @@ struct World::Impl {
   uint64_t failures = 0;
   // The trace as recorded: one fixed-size record per collective (op as an
   // enum, group name interned, call number, times: the same for every
-  // member) and one small entry per member (rank, bytes), so recording costs
-  // no allocation per event and 24 bytes per rank-arrival (it was two
-  // strings, then 56 bytes). trace() expands it to TraceEvents once, on
-  // demand, in the same order: each collective's members in slot order.
+  // member; a send/recv pair gets one per end) and one small entry per member (rank, bytes), so
+  // recording costs no allocation per event and 24 bytes per rank-arrival (it was two strings, then
+  // 56 bytes). trace() expands it to TraceEvents once, on demand, in the same order: each
+  // collective's members in slot order.
   struct TraceCall {
     OpType op;
     uint32_t group;  // index into trace_names
@@ -759,15 +759,17 @@ void World::Impl::complete(Rendezvous& rv) {
   hash(rv.calls[0]->seq);
   hash(dist::op_cstr(rv.calls[0]->op));  // same bytes as op_name, no allocation
   for (int slot : rv.arrival_order) hash(static_cast<uint64_t>(slot));
-  if (options.trace) {
-    const Call& c0 = *rv.calls[0];
-    trace_calls.push_back({c0.op, intern_trace_name(*rv.group, c0.group), c0.seq, rv.start_us,
-                           rv.end_us - rv.start_us, trace_members.size()});
-  }
   for (std::size_t i = 0; i < rv.calls.size(); ++i) {
     const Call& c = *rv.calls[i];
     ranks[static_cast<std::size_t>(rv.globals[i])].clock_us = rv.end_us;
-    if (options.trace) trace_members.push_back({rv.globals[i], c.bytes_sent, c.bytes_received});
+    if (!options.trace) continue;
+    // A new record where a member's op or call number differs from the one
+    // before (a send/recv pair: "send" and "recv", each its own number).
+    const Call& prev = *rv.calls[i == 0 ? 0 : i - 1];
+    if (i == 0 || c.op != prev.op || c.seq != prev.seq)
+      trace_calls.push_back({c.op, intern_trace_name(*rv.group, c.group), c.seq, rv.start_us,
+                             rv.end_us - rv.start_us, trace_members.size()});
+    trace_members.push_back({rv.globals[i], c.bytes_sent, c.bytes_received});
   }
   trace_stale = options.trace;
   wake(rv);
