@@ -25,6 +25,12 @@ struct wrap_type<C, true> {
 }  // namespace
 
 namespace {
+// Elements per block of the accumulator: 512 (4 KiB of C at most) stays in
+// L1 and fits a fiber stack (the last rank to arrive runs the reduction on its
+// own stack; a 64 KiB stack under AddressSanitizer overflowed with a larger
+// block).
+constexpr std::size_t kBlock = 512;
+
 bool overlap(const char* a, std::size_t na, const char* b, std::size_t nb) {
   return a < b + nb && b < a + na;
 }
@@ -36,12 +42,6 @@ bool overlap(const char* a, std::size_t na, const char* b, std::size_t nb) {
 // `bytes` long. O((inputs + outputs) log outputs): the simulated all_reduce
 // passes one output per rank, and a pairwise check was O(N^2) per call
 // (8 s per 8-byte all_reduce at 16384 ranks).
-// Elements per block of the accumulator: 512 (4 KiB of C at most) stays in
-// L1 and fits a fiber stack (the last rank to arrive runs the reduction on its
-// own stack; a 64 KiB stack under AddressSanitizer overflowed with a larger
-// block).
-constexpr std::size_t kBlock = 512;
-
 bool blockwise_safe(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
                     std::size_t bytes) {
   if (bytes == 0) return true;

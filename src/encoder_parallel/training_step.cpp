@@ -474,12 +474,14 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
         std::fill(y.begin(), y.end(), 0.0);
         accumulate_rows(e, 1, H, A, Fn, y.data(), Fn);  // y = e A
         for (int64_t h = 0; h < H; ++h) {
-          ref.loss += e[h] * u[h];
-          ref.loss_scale += std::abs(e[h] * u[h]);
+          const double term = e[h] * u[h];
+          ref.loss += term;
+          ref.loss_scale += std::abs(term);
         }
         for (int64_t c = 0; c < Fn; ++c) {
-          ref.loss += 0.5 * yy[c] * yy[c];
-          ref.loss_scale += 0.5 * yy[c] * yy[c];
+          const double term = 0.5 * yy[c] * yy[c];
+          ref.loss += term;
+          ref.loss_scale += term;
         }
         if (image_row[static_cast<std::size_t>(t)] == 0) continue;
         std::fill(back.begin(), back.end(), 0.0);
