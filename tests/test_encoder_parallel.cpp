@@ -45,6 +45,7 @@ namespace {
 
 namespace ep = encoder_parallel;
 namespace qw = encoder_parallel::qwen2vl;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 
@@ -1001,6 +1002,16 @@ TEST_F(TempCsv, EmptyAndMissingFiles) {
   EXPECT_THROW(ep::load_image_sizes("/nonexistent/diffcomm/sizes.csv"), InvalidArgument);
   const auto header_only = write("image_id,width,height\n");
   EXPECT_TRUE(ep::load_image_sizes(header_only).empty());
+}
+
+TEST(LoadImageSizes, EndlessDevicesAreRefusedNotRead) {
+  // Found by fuzz_cli (`step --images /dev/full`): reading a device that never
+  // ends filled memory until the fuzzer's 4 GiB limit.
+  for (const char* dev : {"/dev/zero", "/dev/full"}) {
+    EXPECT_THAT(invalid_argument_message([&] { ep::load_image_sizes(dev); }),
+                AllOf(HasSubstr(dev), HasSubstr("larger than 268435456 bytes")))
+        << dev;
+  }
 }
 
 // ============================================================ batches

@@ -10,7 +10,6 @@
 #include <fstream>
 #include <numeric>
 #include <optional>
-#include <sstream>
 
 #include "diffcomm/config.hpp"
 #include "diffcomm/error.hpp"
@@ -146,10 +145,21 @@ std::vector<ImageSize> load_image_sizes(const std::string& path) {
         fmt::format("load_image_sizes: '{}' is a directory, not a CSV file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InvalidArgument(fmt::format("load_image_sizes: cannot open '{}'", path));
-  std::ostringstream text;
-  text << in.rdbuf();
+  // Read in chunks up to a cap, so a path that never ends (/dev/zero, a
+  // character device, a runaway pipe) is an error, not an unbounded allocation.
+  std::string text;
+  std::vector<char> chunk(std::size_t{1} << 16);
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    const auto got = static_cast<std::size_t>(in.gcount());
+    if (text.size() + got > kMaxImageSizesBytes)
+      throw InvalidArgument(fmt::format(
+          "load_image_sizes: '{}' is larger than {} bytes (expected a CSV of image sizes)", path,
+          kMaxImageSizesBytes));
+    text.append(chunk.data(), got);
+  }
   if (in.bad()) throw InvalidArgument(fmt::format("load_image_sizes: cannot read '{}'", path));
-  return parse_image_sizes(text.str(), path);
+  return parse_image_sizes(text, path);
 }
 
 std::string default_image_sizes_path() {
