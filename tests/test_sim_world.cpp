@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -21,6 +22,7 @@
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "diffcomm/tensor.hpp"
+#include "scheduler.hpp"  // sim/src: the seeded scheduling algorithm
 
 namespace diffcomm {
 namespace {
@@ -1290,5 +1292,42 @@ TEST(FlightRecorder, DefaultClockIsWallTimeSinceCreation) {
   EXPECT_GE(recs[1].start_s, recs[0].start_s + recs[0].duration_s);
 }
 
+// The scheduler prefetches the fibers of the next two picks; its guess
+// (next_picks) must name exactly the fibers the pick rule then takes when no
+// fiber wakes up in between. Reference: the rule as documented, on a plain
+// vector (Random: draw % size and swap-remove when more than one is ready,
+// else the front; RoundRobin: the front).
+TEST(SimScheduler, NextPicksNameTheFibersThePickRuleTakes) {
+  std::mt19937_64 draws(20261130);
+  for (int trial = 0; trial < 4000; ++trial) {
+    const bool random = trial % 4 != 0;
+    const std::size_t n = 1 + static_cast<std::size_t>(draws() % 40);
+    std::vector<int> ready(n);
+    for (std::size_t i = 0; i < n; ++i) ready[i] = static_cast<int>(i);
+    const uint64_t d0 = draws(), d1 = draws();
+    const auto guess = sim::detail::next_picks(n, random, d0, d1);
+    std::vector<int> taken;
+    uint64_t next_draw[2] = {d0, d1};
+    int used = 0;
+    for (int pick = 0; pick < 2 && !ready.empty(); ++pick) {
+      std::size_t i = 0;
+      if (random && ready.size() > 1)
+        i = static_cast<std::size_t>(next_draw[used++] % ready.size());
+      taken.push_back(ready[i]);
+      if (random) {
+        ready[i] = ready.back();
+        ready.pop_back();
+      } else {
+        ready.erase(ready.begin());
+      }
+    }
+    ASSERT_EQ(static_cast<int>(guess.first), taken[0]) << "n=" << n << " random=" << random;
+    if (n >= 2) {
+      ASSERT_EQ(static_cast<int>(guess.second), taken[1]) << "n=" << n << " random=" << random;
+    }
+  }
+}
+
 }  // namespace
+
 }  // namespace diffcomm

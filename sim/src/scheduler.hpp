@@ -11,6 +11,7 @@
 // pick_next() on the outgoing stack (Boost's own dispatcher included), so that
 // is where a switch starts; it finishes at the few places a fiber resumes in
 // our code (see on_resumed()).
+#include <array>
 #include <boost/fiber/algo/algorithm.hpp>
 #include <boost/fiber/context.hpp>
 #include <boost/fiber/properties.hpp>
@@ -22,6 +23,10 @@
 #include <deque>
 #include <random>
 #include <thread>
+#include <vector>
+
+#include "diffcomm/dist/flight_recorder.hpp"
+#include "diffcomm/dist/stats.hpp"
 
 // GCC defines __SANITIZE_ADDRESS__ under -fsanitize=address; clang only
 // answers __has_feature(address_sanitizer).
@@ -53,6 +58,38 @@ class FiberProps : public boost::fibers::fiber_properties {
   int rank = -1;
 };
 
+/// Where the next two picks land in a ready set of n fibers if none wakes up
+/// in between, as indices into the set as it is now (`second` is meaningful
+/// only for n >= 2), given the next two draws. The pick rule: Random draws
+/// `draw % size` when more than one fiber is ready and swap-removes it (the
+/// last entry takes its slot); otherwise (RoundRobin, or one ready fiber)
+/// the front is taken without a draw.
+struct NextPicks {
+  std::size_t first = 0;
+  std::size_t second = 1;
+};
+inline NextPicks next_picks(std::size_t n, bool random, uint64_t d0, uint64_t d1) noexcept {
+  NextPicks p;
+  if (!random || n < 2) return p;
+  p.first = static_cast<std::size_t>(d0 % n);
+  if (n == 2) {
+    p.second = 1 - p.first;  // one left: taken without a draw
+  } else {
+    p.second = static_cast<std::size_t>(d1 % (n - 1));
+    if (p.second == p.first) p.second = n - 1;  // the last entry moved into first's slot
+  }
+  return p;
+}
+
+/// The memory a rank's fiber touches first when it resumes inside a
+/// collective, registered by the world while the rank's objects live, so the
+/// scheduler can prefetch it before switching there (see prefetch_ahead()).
+struct RankHints {
+  std::array<const void*, 5> objects{};            ///< two lines each (null: unused)
+  const dist::FlightRecorder* recorder = nullptr;  ///< its next records
+  const dist::Stats* stats = nullptr;              ///< its last entry
+};
+
 class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_properties<FiberProps> {
  public:
   SeededAlgorithm(uint64_t seed, bool random) : rng_(seed), random_(random) {
@@ -69,9 +106,19 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
 #endif
   }
 
-  void awakened(boost::fibers::context* ctx, FiberProps&) noexcept override {
-    ready_.push_back(ctx);
+  void awakened(boost::fibers::context* ctx, FiberProps& props) noexcept override {
+    ready_.push_back(Ready{ctx, props.rank});
   }
+
+  /// Registers (or, with `{}`, withdraws) what rank `rank` touches first when
+  /// resumed. The objects must stay alive until withdrawn: prefetch_ahead()
+  /// reads the recorder and the stats object.
+  void set_hints(int rank, const RankHints& hints) {
+    if (rank >= 0 && static_cast<std::size_t>(rank) < hints_.size())
+      hints_[static_cast<std::size_t>(rank)] = hints;
+  }
+  /// Makes room for the hints of ranks 0..n-1 (none registered).
+  void set_ranks(int n) { hints_.assign(static_cast<std::size_t>(n), RankHints{}); }
 
   boost::fibers::context* pick_next() noexcept override {
     if (ready_.empty()) return nullptr;
@@ -81,16 +128,16 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
       // ready set's order is then not FIFO, which is fine for a random draw
       // and keeps one seed = one interleaving; erasing from the middle was
       // O(N) per switch, O(N^2) per collective at 16384 ranks.
-      const auto i = static_cast<std::size_t>(draw() % ready_.size());
-      drawn_ = false;
-      ctx = ready_[i];
+      const std::size_t i = next_picks(ready_.size(), true, draw(0), 0).first;
+      consume_draw();
+      ctx = ready_[i].ctx;
       ready_[i] = ready_.back();
       ready_.pop_back();
     } else {
-      ctx = ready_.front();
+      ctx = ready_.front().ctx;
       ready_.pop_front();
     }
-    prefetch_next();
+    prefetch_ahead();
 #if DIFFCOMM_SIM_ASAN
     start_switch(ctx);
 #endif
@@ -178,41 +225,72 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
   void* dispatcher_fake_ = nullptr;
 #endif
 
-  /// The next random draw, taken from the generator once and kept until a
-  /// pick consumes it: drawing ahead (for prefetch_next) leaves the sequence
-  /// of draws, hence every interleaving, exactly as drawing on demand.
-  uint64_t draw() noexcept {
-    if (!drawn_) {
-      draw_ = rng_();
-      drawn_ = true;
-    }
-    return draw_;
+  /// The k-th next random draw (k = 0, 1), taken from the generator once and
+  /// kept until a pick consumes it: drawing ahead (for prefetch_ahead) leaves
+  /// the sequence of draws, hence every interleaving, exactly as drawing on
+  /// demand.
+  uint64_t draw(int k) noexcept {
+    while (drawn_ <= k) draws_[drawn_++] = rng_();
+    return draws_[k];
+  }
+  void consume_draw() noexcept {
+    draws_[0] = draws_[1];
+    --drawn_;
   }
 
-  /// Prefetches the context of the fiber the next pick will choose if no
-  /// fiber wakes up before it (the common case: a rendezvous releases every
-  /// member, then they run one after another). Why: with thousands of
-  /// fibers, a switch to a fiber chosen at random lands on cold memory (its
-  /// context object at the top of its stack), a cache and TLB miss that a
-  /// round-robin walk hides from the hardware prefetcher; prefetching it one
-  /// switch ahead overlaps the miss with the current fiber's work. A wrong
-  /// guess costs one wasted prefetch, never a different choice.
-  void prefetch_next() noexcept {
-    if (ready_.empty()) return;
-    const boost::fibers::context* next =
-        (random_ && ready_.size() > 1) ? ready_[static_cast<std::size_t>(draw() % ready_.size())]
-                                       : ready_.front();
-    const char* p = reinterpret_cast<const char*>(next);
+  /// Prefetches what the next two picks will resume, if no fiber wakes up
+  /// before them (the common case: a rendezvous releases every member, then
+  /// they run one after another). Why: with thousands of fibers, a switch to
+  /// a fiber chosen at random lands on cold memory (its context at the top
+  /// of its stack, its group's state and backend, its flight recorder and
+  /// stats), a chain of dependent cache and TLB misses that a round-robin
+  /// walk partly hides from the hardware prefetcher. Two stages, because
+  /// some addresses are only known from objects that are themselves cold:
+  /// two picks ahead, the rank's objects; one pick ahead, its context and
+  /// (the objects now cached) the records and entry the rank writes next.
+  /// A wrong guess costs a few wasted prefetches, never a different choice.
+  void prefetch_ahead() noexcept {
+    const std::size_t n = ready_.size();
+    if (n == 0) return;
+    const NextPicks next = random_ && n > 1 ? next_picks(n, true, draw(0), n > 2 ? draw(1) : 0)
+                                            : next_picks(n, false, 0, 0);
+    const Ready& first = ready_[next.first];
+    const char* c = reinterpret_cast<const char*>(first.ctx);
     for (std::size_t off = 0; off < sizeof(boost::fibers::context); off += 64)
-      __builtin_prefetch(p + off);
-    __builtin_prefetch(p + sizeof(boost::fibers::context) - 1);
+      __builtin_prefetch(c + off);
+    __builtin_prefetch(c + sizeof(boost::fibers::context) - 1);
+    if (const RankHints* h = hints(first.rank)) {
+      prefetch_objects(*h);
+      if (h->recorder != nullptr) h->recorder->prefetch();
+      if (h->stats != nullptr) h->stats->prefetch();
+    }
+    if (n == 1) return;
+    if (const RankHints* h = hints(ready_[next.second].rank)) prefetch_objects(*h);
   }
 
-  std::deque<boost::fibers::context*> ready_;
+  const RankHints* hints(int rank) const noexcept {
+    return rank >= 0 && static_cast<std::size_t>(rank) < hints_.size()
+               ? &hints_[static_cast<std::size_t>(rank)]
+               : nullptr;
+  }
+  static void prefetch_objects(const RankHints& h) noexcept {
+    for (const void* o : h.objects) {
+      if (o == nullptr) continue;
+      __builtin_prefetch(o);
+      __builtin_prefetch(static_cast<const char*>(o) + 64);
+    }
+  }
+
+  struct Ready {
+    boost::fibers::context* ctx;
+    int rank;  // -1: not a rank's fiber
+  };
+  std::deque<Ready> ready_;
+  std::vector<RankHints> hints_;  // by global rank
   std::mt19937_64 rng_;
   bool random_;
-  uint64_t draw_ = 0;
-  bool drawn_ = false;
+  uint64_t draws_[2] = {0, 0};
+  int drawn_ = 0;
 };
 
 }  // namespace diffcomm::sim::detail

@@ -1085,6 +1085,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
 
   w.algo = new detail::SeededAlgorithm(w.options.seed, w.options.schedule == Schedule::Random);
   boost::fibers::context::active()->get_scheduler()->set_algo(w.algo);  // takes ownership
+  w.algo->set_ranks(n);
 
   std::vector<int> all(static_cast<std::size_t>(n));
   std::iota(all.begin(), all.end(), 0);
@@ -1111,8 +1112,21 @@ void World::run(const std::function<void(Rank&)>& fn) {
           auto recorder = std::make_shared<dist::FlightRecorder>(
               [](const void* s) { return static_cast<const RankState*>(s)->clock_us * 1e-6; },
               &state);
+          const dist::FlightRecorder* recorder_ptr = recorder.get();
           Rank rank(this, r, dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)),
                     z);
+          // What this rank touches first when resumed in a world-group call,
+          // for the scheduler to prefetch; withdrawn before these objects die.
+          const auto group_hot = rank.world().hot_addresses();
+          w.algo->set_hints(r,
+                            {{group_hot[0], group_hot[1], recorder_ptr, state.stats.get(), &state},
+                             recorder_ptr,
+                             state.stats.get()});
+          struct WithdrawHints {
+            detail::SeededAlgorithm* algo;
+            int rank;
+            ~WithdrawHints() { algo->set_hints(rank, {}); }
+          } withdraw_hints{w.algo, r};
           std::exception_ptr error;
           std::shared_ptr<const std::string> message;
           try {

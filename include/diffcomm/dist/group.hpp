@@ -5,6 +5,7 @@
 // torch adds `group_src`/`group_dst` for group-local ones); convert with
 // global_rank() and group_rank(). Copies share state (the call sequence
 // number), so pass it by value freely.
+#include <array>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +44,11 @@ class ProcessGroup {
   Stats& stats() const;
   /// The last calls of this rank (shared by all groups of the rank).
   FlightRecorder& flight_recorder() const;
+  /// Where a call on this group first reads: the group's shared state and
+  /// its backend object. For a scheduler that prefetches a fiber's memory
+  /// before resuming it (the simulated world); never null, never to be
+  /// dereferenced by the caller.
+  std::array<const void*, 2> hot_addresses() const noexcept;
   /// Next per-group call number (the funnel numbers every call).
   uint64_t next_seq() const;
   /// Next point-to-point call number. Kept apart from next_seq(), because a
