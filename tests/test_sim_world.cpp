@@ -1209,6 +1209,33 @@ TEST(SimScale, FourThousandRanksBarrierAndAllReduce) {
   EXPECT_EQ(w.stats(N - 1).get("world", "all_reduce").calls, 1u);
 }
 
+// Half of a 1024-rank world fails midway: every failure is reported as on a
+// small world (the leavers' own errors, RankFailure on the ranks they
+// strand). At this size the scheduler prefetches from per-rank hints (from
+// 512 ranks), so under ASan this also runs that path while ranks die.
+TEST(SimScale, AThousandRanksWhereHalfFailMidway) {
+  constexpr int N = 1024;
+  WorldOptions o = options(N, 5);
+  o.stack_size = 64 * 1024;
+  World w(o);
+  std::exception_ptr e = run_catching(w, [](Rank& r) {
+    dist::barrier(r.world());
+    if (r.rank() % 2 == 1) throw std::runtime_error("odd rank leaves");
+    Tensor t = ones({2});
+    dist::all_reduce(r.world(), t);
+  });
+  ASSERT_TRUE(e != nullptr);
+  int left = 0, released = 0;
+  for (int r = 0; r < N; ++r) {
+    const auto& err = w.errors()[static_cast<std::size_t>(r)];
+    if (r % 2 == 1 && holds<std::runtime_error>(err) && !holds<RankFailure>(err)) ++left;
+    if (r % 2 == 0 && holds<RankFailure>(err)) ++released;
+  }
+  EXPECT_EQ(left, N / 2);
+  EXPECT_EQ(released, N / 2);
+  EXPECT_EQ(w.stats(0).get("world", "barrier").calls, 1u);
+}
+
 // ---------------------------------------------------------------- flight recorder
 // The flight recorder of a simulated rank reads the rank's simulated clock:
 // a call starts at the rank's now_us() and ends where the collective leaves

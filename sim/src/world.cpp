@@ -1116,7 +1116,10 @@ void World::run(const std::function<void(Rank&)>& fn) {
           Rank rank(this, r, dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)),
                     z);
           // What this rank touches first when resumed in a world-group call,
-          // for the scheduler to prefetch; withdrawn before these objects die.
+          // for the scheduler to prefetch. The fiber never returns to the
+          // ready set once these objects die (it ends without yielding), so
+          // no stale hint is read; withdrawing them anyway keeps that true
+          // if the exit path ever yields.
           const auto group_hot = rank.world().hot_addresses();
           w.algo->set_hints(r,
                             {{group_hot[0], group_hot[1], recorder_ptr, state.stats.get(), &state},
