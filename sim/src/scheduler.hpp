@@ -89,9 +89,9 @@ inline NextPicks next_picks(std::size_t n, bool random, uint64_t d0, uint64_t d1
 /// collective, registered by the world while the rank's objects live, so the
 /// scheduler can prefetch it before switching there (see prefetch_ahead()).
 struct RankHints {
-  std::array<const void*, 5> objects{};            ///< two lines each (null: unused)
-  const dist::FlightRecorder* recorder = nullptr;  ///< its next records
-  const dist::Stats* stats = nullptr;              ///< its last entry
+  std::array<const void*, 3> objects{};            ///< two lines each (null: unused)
+  const dist::FlightRecorder* recorder = nullptr;  ///< itself, then its next records
+  const dist::Stats* stats = nullptr;              ///< itself, then its last entry
 };
 
 class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_properties<FiberProps> {
@@ -292,7 +292,9 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
                : nullptr;
   }
   static void prefetch_objects(const RankHints& h) noexcept {
-    for (const void* o : h.objects) {
+    const std::array<const void*, 5> all = {h.objects[0], h.objects[1], h.objects[2], h.recorder,
+                                            h.stats};
+    for (const void* o : all) {
       if (o == nullptr) continue;
       __builtin_prefetch(o);
       __builtin_prefetch(static_cast<const char*>(o) + 64);

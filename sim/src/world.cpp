@@ -1121,10 +1121,8 @@ void World::run(const std::function<void(Rank&)>& fn) {
           // no stale hint is read; withdrawing them anyway keeps that true
           // if the exit path ever yields.
           const auto group_hot = rank.world().hot_addresses();
-          w.algo->set_hints(r,
-                            {{group_hot[0], group_hot[1], recorder_ptr, state.stats.get(), &state},
-                             recorder_ptr,
-                             state.stats.get()});
+          w.algo->set_hints(
+              r, {{group_hot[0], group_hot[1], &state}, recorder_ptr, state.stats.get()});
           struct WithdrawHints {
             detail::SeededAlgorithm* algo;
             int rank;
