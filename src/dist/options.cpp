@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -24,13 +25,26 @@ bool Options::resolved_check() const {
 #endif
 }
 
+// A deadline must be a finite number of seconds above zero: NaN compares
+// false with every waited time (the deadline would never expire), and "0 or
+// less waits forever" would turn the promise "nothing hangs" off by a typo.
 double Options::resolved_timeout_s() const {
-  if (timeout_s) return *timeout_s;
+  if (timeout_s) {
+    if (!(std::isfinite(*timeout_s) && *timeout_s > 0))
+      throw InvalidArgument(fmt::format(
+          "Options::timeout_s = {}: expected a finite number of seconds > 0", *timeout_s));
+    return *timeout_s;
+  }
   if (const char* env = std::getenv("DIFFCOMM_TIMEOUT")) {
     char* end = nullptr;
     const double v = std::strtod(env, &end);
     if (end == env || *end != '\0')
       throw InvalidArgument(fmt::format("DIFFCOMM_TIMEOUT='{}': expected seconds", env));
+    if (!(std::isfinite(v) && v > 0))
+      throw InvalidArgument(fmt::format(
+          "DIFFCOMM_TIMEOUT='{}': expected a finite number of seconds > 0 (every wait has a "
+          "deadline)",
+          env));
     return v;
   }
   return 600.0;

@@ -21,14 +21,17 @@ struct Options {
   /// transport's algorithm, so results are NOT bit-identical to the
   /// simulated world. Default false: diffcomm's deterministic composition.
   bool native_reduction = false;
-  /// Seconds any call may wait for its peers before raising Timeout. Unset:
-  /// the environment variable DIFFCOMM_TIMEOUT (seconds), else 600. A value
-  /// <= 0 waits forever.
+  /// Seconds any call (world creation included) may wait for its peers
+  /// before raising Timeout. Unset: the environment variable DIFFCOMM_TIMEOUT
+  /// (seconds), else 600. Must be finite and > 0 (NaN, inf, 0 and negative
+  /// values raise InvalidArgument where the group is created): every wait
+  /// has a deadline.
   std::optional<double> timeout_s;
 
   /// check, resolved as documented above.
   bool resolved_check() const;
-  /// timeout_s, resolved as documented above.
+  /// timeout_s, resolved as documented above. Throws InvalidArgument for a
+  /// value that is not a finite number of seconds > 0.
   double resolved_timeout_s() const;
 };
 
