@@ -113,13 +113,16 @@ void CheckedBackend::check(const Call& call) {
   std::string report = compare(ptrs, globals);
   if (report.empty()) {
     // Only fields compare() does not look at differ (the call number, when
-    // members issued different numbers of calls on this group).
+    // members issued different numbers of calls on this group): name the
+    // first fingerprint field in which a member differs from member 0.
     std::size_t r = 1;
     while (r < prints.size() && prints[r] == prints[0]) ++r;
+    if (r == prints.size()) r = 1;  // only the split sums disagree: name a pair
+    const char* field = fingerprint_field(prints[0], prints[r]);
     report =
-        fmt::format("{} called {} #{} but {} called {} #{}: call number differs",
-                    rank_label(0, globals[0]), signature(calls[0]), calls[0].seq,
-                    rank_label(static_cast<int>(r), globals[r]), signature(calls[r]), calls[r].seq);
+        fmt::format("{} called {} #{} but {} called {} #{}: {} differs", rank_label(0, globals[0]),
+                    signature(calls[0]), calls[0].seq, rank_label(static_cast<int>(r), globals[r]),
+                    signature(calls[r]), calls[r].seq, *field != '\0' ? field : "splits");
   }
   throw CollectiveMismatch(fmt::format("{}: collective mismatch: {}", call.where(), report));
 }

@@ -77,7 +77,10 @@ uint64_t hash_shape(const Shape& s) { return hash_words(s, 0x5ba9e); }
 // members passing different factors disagree.
 int64_t reduce_word(ReduceOp op) {
   if (op != ReduceOp::PremulSum) return static_cast<int64_t>(op.kind());
-  const uint64_t h = mix(std::bit_cast<uint64_t>(op.factor()) ^ op.kind());
+  // Factors compare as numbers (ReduceOp's ==, compare()): +0.0 and -0.0
+  // are one factor, so they must hash alike (their bits differ).
+  const double factor = op.factor() == 0.0 ? 0.0 : op.factor();
+  const uint64_t h = mix(std::bit_cast<uint64_t>(factor) ^ op.kind());
   return static_cast<int64_t>((h << 8) | op.kind());
 }
 uint64_t edge(int from, int to, uint64_t value) {
@@ -327,7 +330,8 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
     const Call& ci = *c[i];
     if (ci.op != c0.op) return false;
     if (c0.op == OpType::NewGroup) {
-      if (ci.members != c0.members) return false;
+      // As compare(): a new_group facing a split with the same list differs.
+      if (ci.members_are_ranks != c0.members_are_ranks || ci.members != c0.members) return false;
       continue;
     }
     if (c0.op == OpType::Barrier) continue;
@@ -494,6 +498,26 @@ Fingerprint fingerprint(const Call& call) {
   f[10] = static_cast<int64_t>(members);
   f[11] = call.group_size;
   return f;
+}
+
+const char* fingerprint_field(const Fingerprint& a, const Fingerprint& b) {
+  // The words fingerprint() fills, in order; the split edges (8, 9) are
+  // per-member sums, so a pair of members cannot disagree on them alone.
+  static constexpr const char* kNames[kFingerprintWords] = {"op",
+                                                            "call number",
+                                                            "dtype",
+                                                            "root",
+                                                            "reduce op",
+                                                            "shape",
+                                                            "row shape",
+                                                            "splits",
+                                                            "outgoing splits",
+                                                            "incoming splits",
+                                                            "member list",
+                                                            "group size"};
+  for (std::size_t k = 0; k < kFingerprintWords; ++k)
+    if (a[k] != b[k]) return kNames[k];
+  return "";
 }
 
 bool fingerprints_agree(const std::vector<Fingerprint>& prints) {

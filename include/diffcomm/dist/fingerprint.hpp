@@ -92,6 +92,11 @@ using Fingerprint = std::array<int64_t, kFingerprintWords>;
 /// The fingerprint of `call` as issued by group rank call.rank.
 Fingerprint fingerprint(const Call& call);
 
+/// The name of the first field in which two fingerprints differ ("op",
+/// "call number", "dtype", "root", "reduce op", "shape", ...), "" when equal.
+/// Names the field when compare() finds nothing to report.
+const char* fingerprint_field(const Fingerprint& a, const Fingerprint& b);
+
 /// Whether the gathered fingerprints (one per member, in group-rank order)
 /// agree under the rules of compare().
 bool fingerprints_agree(const std::vector<Fingerprint>& prints);
