@@ -256,6 +256,7 @@ class Checker {
   // it in the rank's flight recorder and hands it to the backend.
   void dispatch(uint64_t sent, uint64_t received) {
     g_.backend().check_caller(call_);
+    const ProcessGroup::CallSlot slot_guard(g_, call_);  // one thread per group
     const bool p2p = call_.op == OpType::Send || call_.op == OpType::Recv;
     call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
     call_.bytes_sent = sent;

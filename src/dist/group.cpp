@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <sstream>
+#include <thread>
 
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/error.hpp"
@@ -16,6 +19,11 @@ struct ProcessGroup::State {
   std::shared_ptr<FlightRecorder> recorder;
   uint64_t seq = 0;
   uint64_t p2p_seq = 0;
+  // The thread inside a call on this group (id{} when none), and which call:
+  // the funnel's one-thread-per-group check (see CallSlot).
+  std::atomic<std::thread::id> caller{};
+  std::atomic<int> caller_op{0};
+  std::atomic<uint64_t> caller_seq{0};
 };
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Backend> backend, std::string name,
@@ -39,6 +47,35 @@ Stats& ProcessGroup::stats() const { return *state_->stats; }
 FlightRecorder& ProcessGroup::flight_recorder() const { return *state_->recorder; }
 uint64_t ProcessGroup::next_seq() const { return state_->seq++; }
 uint64_t ProcessGroup::next_p2p_seq() const { return state_->p2p_seq++; }
+
+ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, const Call& call)
+    : state_(group.state_.get()) {
+  const std::thread::id me = std::this_thread::get_id();
+  std::thread::id none{};
+  if (state_->caller.compare_exchange_strong(none, me, std::memory_order_acquire)) {
+    claimed_ = true;
+    state_->caller_op.store(static_cast<int>(call.op), std::memory_order_relaxed);
+    state_->caller_seq.store(group.state_->seq, std::memory_order_relaxed);
+    return;
+  }
+  if (none == me) return;  // a call of this thread already holds the group
+  std::ostringstream mine, theirs;
+  mine << me;
+  theirs << none;
+  const auto busy_op = static_cast<OpType>(state_->caller_op.load(std::memory_order_relaxed));
+  throw InvalidArgument(fmt::format(
+      "{} on group '{}' ({} backend, rank {} of {}): called from thread {} while thread {} is "
+      "inside {} #{} on this group; a group takes one call at a time, from one thread at a time "
+      "(as NCCL communicators and c10d process groups): issue a group's calls from one thread, "
+      "or give each thread its own group (new_group)",
+      op_name(call.op), call.group, group.backend().backend_name(), call.rank, call.group_size,
+      mine.str(), theirs.str(), op_name(busy_op),
+      state_->caller_seq.load(std::memory_order_relaxed)));
+}
+
+ProcessGroup::CallSlot::~CallSlot() {
+  if (claimed_) state_->caller.store(std::thread::id{}, std::memory_order_release);
+}
 
 int ProcessGroup::global_rank(int group_rank) const {
   if (group_rank < 0 || group_rank >= size())

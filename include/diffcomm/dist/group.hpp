@@ -18,6 +18,8 @@
 namespace diffcomm::dist {
 
 class ProcessGroup {
+  struct State;  // shared by copies of one handle (defined in group.cpp)
+
  public:
   /// Wraps a backend. Backends' factories (sim::Rank::world(),
   /// mpi::world(), ...) call this; users rarely do.
@@ -49,6 +51,26 @@ class ProcessGroup {
   /// before resuming it (the simulated world); never null, never to be
   /// dereferenced by the caller.
   std::array<const void*, 2> hot_addresses() const noexcept;
+  /// The funnel holds one while a call runs on this group: it claims the
+  /// group for the calling thread, and throws InvalidArgument (naming the
+  /// group, both threads and the call in flight) when another thread is
+  /// inside a call on it. The threading rule of NCCL communicators and c10d
+  /// process groups: one thread issues a group's calls; two threads
+  /// interleaving calls on one communicator mix their messages (wrong sums,
+  /// silently). A nested claim by the same thread is allowed. Cost: one
+  /// compare-and-swap and one store per call.
+  class CallSlot {
+   public:
+    CallSlot(const ProcessGroup& group, const Call& call);
+    ~CallSlot();
+    CallSlot(const CallSlot&) = delete;
+    CallSlot& operator=(const CallSlot&) = delete;
+
+   private:
+    State* state_;
+    bool claimed_ = false;
+  };
+
   /// Next per-group call number (the funnel numbers every call).
   uint64_t next_seq() const;
   /// Next point-to-point call number. Kept apart from next_seq(), because a
@@ -71,7 +93,6 @@ class ProcessGroup {
                                     std::string name) const;
 
  private:
-  struct State;
   std::shared_ptr<State> state_;
 };
 
