@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <boost/fiber/all.hpp>
 #include <cstdint>
 #include <cstring>
@@ -219,6 +220,9 @@ struct World::Impl {
   // True while run() runs; each run makes a new flag, every handle of that
   // run shares it, and it outlives the World (handles check it first).
   std::shared_ptr<bool> running = std::make_shared<bool>(false);
+  // Held by the thread inside run(): a second thread's run() is refused
+  // (`running` is no lock: two threads would both see it false).
+  std::atomic<bool> in_run{false};
 
   std::shared_ptr<SimGroup> make_group(std::vector<int> members) {
     auto g = std::make_shared<SimGroup>();
@@ -988,23 +992,66 @@ void World::write_trace(const std::string& path) const {
 }
 
 namespace {
-// A fiber stack allocator that reports the stack it allocated, so the
-// scheduler can tell AddressSanitizer where each fiber's stack lies.
-struct RecordingStack {
-  boost::fibers::protected_fixedsize_stack inner;
-  boost::context::stack_context* last;
-  boost::context::stack_context allocate() {
-    boost::context::stack_context s = inner.allocate();
-#if DIFFCOMM_SIM_ASAN
-    // Memory of an earlier fiber's stack may come back from mmap with that
-    // fiber's last frames still poisoned in ASan's shadow (a fiber's bottom
-    // frames never return): start every stack clean.
-    __asan_unpoison_memory_region(static_cast<char*>(s.sp) - s.size, s.size);
-#endif
-    *last = s;
-    return s;
+// Every rank's fiber stack, allocated before any fiber exists: running out
+// of memory (or of mappings) then raises BackendError from run() with
+// nothing to unwind, where failing inside the fiber loop destroyed joinable
+// fibers (std::terminate). A stack handed to a fiber is the fiber's; the
+// rest are freed here.
+class Stacks {
+ public:
+  Stacks(int ranks, std::size_t size)
+      : alloc_(size), stacks_(static_cast<std::size_t>(ranks)), taken_(stacks_.size(), true) {
+    for (std::size_t r = 0; r < stacks_.size(); ++r) {
+      try {
+        stacks_[r] = alloc_.allocate();
+      } catch (const std::bad_alloc&) {
+        release_unused();
+        throw BackendError(fmt::format(
+            "sim::World::run: cannot allocate the fiber stack of rank {} of {} ({} bytes each, "
+            "{:.1f} MiB for the world): out of memory or of memory mappings; use fewer ranks or "
+            "a smaller WorldOptions::stack_size (>= 16 KiB)",
+            r, ranks, size, static_cast<double>(size) * ranks / (1 << 20)));
+      }
+      taken_[r] = false;
+    }
   }
-  void deallocate(boost::context::stack_context& s) noexcept { inner.deallocate(s); }
+  ~Stacks() { release_unused(); }
+  Stacks(const Stacks&) = delete;
+  Stacks& operator=(const Stacks&) = delete;
+
+  // The stack allocator of rank r's fiber: it takes r's stack.
+  struct Handout {
+    Stacks* stacks;
+    std::size_t rank;
+    boost::context::stack_context allocate() {
+      stacks->taken_[rank] = true;
+      const boost::context::stack_context s = stacks->stacks_[rank];
+#if DIFFCOMM_SIM_ASAN
+      // Memory of an earlier fiber's stack may come back from mmap with that
+      // fiber's last frames still poisoned in ASan's shadow (a fiber's bottom
+      // frames never return): start every stack clean.
+      __asan_unpoison_memory_region(static_cast<char*>(s.sp) - s.size, s.size);
+#endif
+      return s;
+    }
+    void deallocate(boost::context::stack_context& s) noexcept { stacks->alloc_.deallocate(s); }
+  };
+  Handout handout(int rank) { return {this, static_cast<std::size_t>(rank)}; }
+  const boost::context::stack_context& operator[](int rank) const {
+    return stacks_[static_cast<std::size_t>(rank)];
+  }
+
+ private:
+  void release_unused() {
+    for (std::size_t r = 0; r < stacks_.size(); ++r)
+      if (!taken_[r]) {
+        alloc_.deallocate(stacks_[r]);
+        taken_[r] = true;
+      }
+  }
+  boost::fibers::protected_fixedsize_stack alloc_;
+  std::vector<boost::context::stack_context> stacks_;
+  std::vector<bool> taken_;  // true: handed to a fiber, or never allocated
 };
 
 // Raises the run's failures as a RunError of the first failure's kind, its
@@ -1054,12 +1101,22 @@ void World::run(const std::function<void(Rank&)>& fn) {
   Impl& w = *impl_;
   // Inside a fiber (a rank function of this or another World) Boost.Fiber
   // would abort on the nested scheduler switch: refuse before touching it.
-  if (!boost::fibers::context::active()->is_context(boost::fibers::type::main_context) ||
-      *w.running)
+  if (!boost::fibers::context::active()->is_context(boost::fibers::type::main_context))
     throw InvalidArgument(
         "sim::World::run: called from inside a fiber (a rank function of a running World); "
         "run() must be called from a plain thread, and one World runs one run() at a time");
+  // Claimed before anything of the World is read: a second thread gets here
+  // only while the first is inside run().
+  if (w.in_run.exchange(true))
+    throw InvalidArgument(
+        "sim::World::run: this World is already running on another thread; one World runs one "
+        "run() at a time (give each thread its own World)");
+  struct LeaveRun {
+    std::atomic<bool>& flag;
+    ~LeaveRun() { flag = false; }
+  } leave_run{w.in_run};
   const int n = w.options.ranks;
+  Stacks stacks(n, w.options.stack_size);  // before any state changes: may throw
   w.ranks.assign(static_cast<std::size_t>(n), RankState{});
   for (auto& rs : w.ranks) rs.stats = std::make_shared<dist::Stats>();  // one per rank, not shared
   w.groups.clear();
@@ -1093,65 +1150,58 @@ void World::run(const std::function<void(Rank&)>& fn) {
 
   std::vector<boost::fibers::fiber> fibers;
   fibers.reserve(static_cast<std::size_t>(n));
-  boost::context::stack_context last_stack;
   for (int r = 0; r < n; ++r) {
-    fibers.emplace_back(
-        std::allocator_arg,
-        RecordingStack{boost::fibers::protected_fixedsize_stack(w.options.stack_size), &last_stack},
-        [this, &w, &fn, world_group, r] {
-          w.algo->on_resumed();
-          auto backend = std::make_shared<SimBackend>(&w, world_group, r, w.running);
-          // Per-rank generator seed: a SplitMix64 step over (seed, rank).
-          uint64_t z = w.options.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
-          z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-          z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-          z ^= z >> 31;
-          // The flight recorder reads the rank's simulated clock, not the
-          // wall clock: deterministic, and free.
-          RankState& state = w.ranks[static_cast<std::size_t>(r)];
-          auto recorder = std::make_shared<dist::FlightRecorder>(
-              [](const void* s) { return static_cast<const RankState*>(s)->clock_us * 1e-6; },
-              &state);
-          const dist::FlightRecorder* recorder_ptr = recorder.get();
-          Rank rank(this, r, dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)),
-                    z);
-          // What this rank touches first when resumed in a world-group call,
-          // for the scheduler to prefetch. The fiber never returns to the
-          // ready set once these objects die (it ends without yielding), so
-          // no stale hint is read; withdrawing them anyway keeps that true
-          // if the exit path ever yields.
-          const auto group_hot = rank.world().hot_addresses();
-          w.algo->set_hints(
-              r, {{group_hot[0], group_hot[1], &state}, recorder_ptr, state.stats.get()});
-          struct WithdrawHints {
-            detail::SeededAlgorithm* algo;
-            int rank;
-            ~WithdrawHints() { algo->set_hints(rank, {}); }
-          } withdraw_hints{w.algo, r};
-          std::exception_ptr error;
-          std::shared_ptr<const std::string> message;
-          try {
-            fn(rank);
-          } catch (const SharedDeadlock& e) {
-            error = std::current_exception();
-            message = e.report();  // shared with every other blocked rank
-          } catch (const std::exception& e) {
-            // Never block or yield inside a catch handler (Boost 1.74 loses
-            // the exception state across a fiber switch): record and leave.
-            error = std::current_exception();
-            message = std::make_shared<const std::string>(e.what());
-          } catch (...) {
-            error = std::current_exception();
-            message = std::make_shared<const std::string>("unknown exception");
-          }
-          w.errors[static_cast<std::size_t>(r)] = error;
-          w.on_rank_exit(r, error, std::move(message));
-          static_cast<detail::FiberProps*>(boost::fibers::context::active()->get_properties())
-              ->terminating = true;
-        });
+    fibers.emplace_back(std::allocator_arg, stacks.handout(r), [this, &w, &fn, world_group, r] {
+      w.algo->on_resumed();
+      auto backend = std::make_shared<SimBackend>(&w, world_group, r, w.running);
+      // Per-rank generator seed: a SplitMix64 step over (seed, rank).
+      uint64_t z = w.options.seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      // The flight recorder reads the rank's simulated clock, not the
+      // wall clock: deterministic, and free.
+      RankState& state = w.ranks[static_cast<std::size_t>(r)];
+      auto recorder = std::make_shared<dist::FlightRecorder>(
+          [](const void* s) { return static_cast<const RankState*>(s)->clock_us * 1e-6; }, &state);
+      const dist::FlightRecorder* recorder_ptr = recorder.get();
+      Rank rank(this, r, dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)), z);
+      // What this rank touches first when resumed in a world-group call,
+      // for the scheduler to prefetch. The fiber never returns to the
+      // ready set once these objects die (it ends without yielding), so
+      // no stale hint is read; withdrawing them anyway keeps that true
+      // if the exit path ever yields.
+      const auto group_hot = rank.world().hot_addresses();
+      w.algo->set_hints(r, {{group_hot[0], group_hot[1], &state}, recorder_ptr, state.stats.get()});
+      struct WithdrawHints {
+        detail::SeededAlgorithm* algo;
+        int rank;
+        ~WithdrawHints() { algo->set_hints(rank, {}); }
+      } withdraw_hints{w.algo, r};
+      std::exception_ptr error;
+      std::shared_ptr<const std::string> message;
+      try {
+        fn(rank);
+      } catch (const SharedDeadlock& e) {
+        error = std::current_exception();
+        message = e.report();  // shared with every other blocked rank
+      } catch (const std::exception& e) {
+        // Never block or yield inside a catch handler (Boost 1.74 loses
+        // the exception state across a fiber switch): record and leave.
+        error = std::current_exception();
+        message = std::make_shared<const std::string>(e.what());
+      } catch (...) {
+        error = std::current_exception();
+        message = std::make_shared<const std::string>("unknown exception");
+      }
+      w.errors[static_cast<std::size_t>(r)] = error;
+      w.on_rank_exit(r, error, std::move(message));
+      static_cast<detail::FiberProps*>(boost::fibers::context::active()->get_properties())
+          ->terminating = true;
+    });
     auto& props = fibers.back().properties<detail::FiberProps>();
-    props.stack_bottom = static_cast<char*>(last_stack.sp) - last_stack.size;
-    props.stack_size = last_stack.size;
+    props.stack_bottom = static_cast<char*>(stacks[r].sp) - stacks[r].size;
+    props.stack_size = stacks[r].size;
     props.rank = r;
   }
   for (auto& f : fibers) {

@@ -178,7 +178,10 @@ class World {
   /// Error), its message naming that rank, then every other failed rank;
   /// RunFailures::failures() (and errors()) hold each rank's exception.
   /// Stats and trace are reset per run. Throws InvalidArgument when called
-  /// from inside a fiber (e.g. a rank function of a running World).
+  /// from inside a fiber (e.g. a rank function of a running World) or while
+  /// another thread is inside run() of this World, and BackendError (naming
+  /// the rank count and the stack size) when the fiber stacks cannot be
+  /// allocated; in those cases nothing has run.
   void run(const std::function<void(Rank&)>& fn);
 
   const WorldOptions& options() const;
