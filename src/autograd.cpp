@@ -235,6 +235,34 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
 
 Node::Node() : sequence_nr_(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
 
+// A node owns the nodes its edges point to, so destroying the last of a
+// chain of N nodes destroyed N nested destructors: about 3500 collectives
+// overflowed a 256 KiB fiber stack. Instead (as torch's deleteNode), a dying
+// node moves every node it alone owns onto a local stack, and each of those
+// gives up its saved state and then its edges the same way before it dies,
+// with nothing left to destroy recursively. Saved state goes first: a saved
+// input also owns its producer (through grad_fn), and releasing it while
+// the edge still holds that producer leaves the edge as its only owner.
+Node::~Node() {
+  std::vector<std::shared_ptr<Node>> owned;
+  // One edge at a time: two edges to one node (mul(h, h)) each see two
+  // owners, and clearing both at once would destroy it recursively.
+  auto take_edges = [&owned](EdgeList& edges) {
+    for (Edge& e : edges) {
+      std::shared_ptr<Node> fn = std::move(e.fn);
+      if (fn && fn.use_count() == 1) owned.push_back(std::move(fn));
+    }  // a node someone else still owns just loses this reference
+    edges.clear();
+  };
+  take_edges(next_edges_);
+  while (!owned.empty()) {
+    std::shared_ptr<Node> node = std::move(owned.back());
+    owned.pop_back();
+    node->release();
+    take_edges(node->next_edges_);
+  }  // `node` dies here with no edges
+}
+
 void detail::throw_released(const std::string& name) {
   throw InvalidArgument(fmt::format(
       "backward: {} was already run and its saved state freed; pass retain_graph=true", name));
