@@ -36,7 +36,11 @@
 namespace diffcomm::mpi {
 
 /// Calls MPI_Init_thread (MPI_THREAD_FUNNELED) unless MPI is already
-/// initialised, and MPI_Finalize on destruction if it initialised it.
+/// initialised, and MPI_Finalize on destruction if it initialised it. If any
+/// call of this process timed out, the destructor ends the job instead
+/// (abort_if_timed_out): MPI_Finalize would wait for the timed-out calls'
+/// requests forever, or crash when a late peer completes them into freed
+/// buffers.
 class Environment {
  public:
   Environment(int* argc, char*** argv);
@@ -48,19 +52,38 @@ class Environment {
   bool owns_ = false;
 };
 
-/// The group of every process (MPI_COMM_WORLD, borrowed). Requires MPI to be
-/// initialised (BackendError otherwise). Sub-groups inherit `options`.
+/// The group of every process (MPI_COMM_WORLD, borrowed). Collective over
+/// MPI_COMM_WORLD, with the deadline (Options::timeout_s): the members
+/// exchange their checked-mode flag, and a checked group duplicates the
+/// communicator for its control traffic (MPI_Comm_idup). Throws BackendError
+/// when MPI is not initialised or when members disagree on checked mode
+/// (naming which ranks check), Timeout when a member does not arrive in
+/// time, InvalidArgument for a bad timeout. Sub-groups inherit `options`.
 dist::ProcessGroup world(const dist::Options& options = {});
 
 /// A group over a caller's communicator, borrowed: diffcomm sets
 /// MPI_ERRORS_RETURN on it but never frees it. The caller keeps it valid
-/// while any handle to the group lives.
+/// while any handle to the group lives. Collective over `comm`, as world().
 dist::ProcessGroup from_comm(MPI_Comm comm, std::string name = "mpi",
                              const dist::Options& options = {});
 
-/// MPI_Abort(MPI_COMM_WORLD, code): how a process ends after a Timeout (its
-/// groups have calls in flight, so MPI_Finalize could block).
+/// MPI_Abort(MPI_COMM_WORLD, code): ends every process of the job. The way
+/// to end a job after a Timeout (its groups have calls in flight, so
+/// MPI_Finalize could block), or whenever a rank wants the job gone.
 [[noreturn]] void abort(int code);
+
+/// Exit code of the MPI_Abort that abort_if_timed_out() issues.
+inline constexpr int kTimeoutAbortCode = 124;
+
+/// Whether a call of this process (any group, world creation included) has
+/// raised Timeout.
+bool timed_out();
+
+/// When timed_out(), prints which call timed out to stderr and ends the job
+/// with abort(kTimeoutAbortCode); otherwise (or when MPI is not initialised
+/// or already finalised) returns. Environment's destructor and the Python
+/// package's exit handler call it.
+void abort_if_timed_out();
 
 /// Largest element count passed to one MPI call (default INT_MAX). Tests
 /// lower it to exercise the chunked, large-count paths with small buffers.

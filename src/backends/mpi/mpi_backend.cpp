@@ -7,9 +7,12 @@
 // boundary.
 #include <fmt/format.h>
 
+#include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -29,6 +32,17 @@ using dist::OpType;
 using dist::ReduceOp;
 
 int64_t g_max_count = INT_MAX;
+
+// The first call of this process that timed out (its group has requests in
+// flight from then on): what abort_if_timed_out() reports.
+std::atomic<bool> g_timed_out{false};
+std::mutex g_timed_out_mu;
+std::string g_timed_out_in;
+void note_timeout(const std::string& where) {
+  std::lock_guard lock(g_timed_out_mu);
+  if (!g_timed_out.exchange(true)) g_timed_out_in = where;
+}
+void note_call_timeout(const Call& c) { note_timeout(c.where()); }
 
 std::string mpi_error_string(int code) {
   char buf[MPI_MAX_ERROR_STRING];
@@ -452,12 +466,15 @@ class MpiBackend final : public dist::Backend {
   // Completes an issued call within the deadline (the shared wait loop).
   void wait(const Call& c, Requests& r, MPI_Status* statuses = MPI_STATUSES_IGNORE) {
     if (r.reqs.empty()) return;
-    dist::wait_until_done(c, timeout_s_, [&] {
-      int flag = 0;
-      DIFFCOMM_MPI_CHECK(
-          MPI_Testall(static_cast<int>(r.reqs.size()), r.reqs.data(), &flag, statuses), c);
-      return flag != 0;
-    });
+    dist::wait_until_done(
+        c, timeout_s_,
+        [&] {
+          int flag = 0;
+          DIFFCOMM_MPI_CHECK(
+              MPI_Testall(static_cast<int>(r.reqs.size()), r.reqs.data(), &flag, statuses), c);
+          return flag != 0;
+        },
+        &note_call_timeout);
   }
 
   struct Block {
@@ -597,19 +614,74 @@ Environment::Environment(int* argc, char*** argv) {
 }
 
 Environment::~Environment() {
+  abort_if_timed_out();  // MPI_Finalize would wait on the calls in flight
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (owns_ && !finalized) MPI_Finalize();
 }
 
 namespace {
+
+// A step of group creation, completed with the deadline like every call.
+void wait_setup(MPI_Request& req, const std::string& what, const std::string& name, int rank,
+                int size, double timeout_s) {
+  dist::wait_with_deadline(
+      timeout_s,
+      [&] {
+        int flag = 0;
+        check_plain(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), what.c_str());
+        return flag != 0;
+      },
+      [&](double t) {
+        const std::string where =
+            fmt::format("{} creating group '{}' (rank {} of {})", what, name, rank, size);
+        note_timeout(where);
+        return fmt::format(
+            "timed out after {} s waiting in {}: creating a group is collective over its "
+            "communicator, and a member is late at startup, failed or never created it",
+            t, where);
+      });
+}
+
+// Every member must agree on checked mode: a checked member exchanges a
+// fingerprint before each call and an unchecked one does not, so a mix
+// would pair fingerprints with data (DIFFCOMM_CHECK not exported to a remote
+// node, say). One flag per member, exchanged with the deadline.
+void agree_on_checking(MPI_Comm comm, bool check, const std::string& name, double timeout_s) {
+  int rank = 0, size = 1;
+  check_plain(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check_plain(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  const int mine = check ? 1 : 0;
+  std::vector<int> all(static_cast<std::size_t>(size));
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_plain(MPI_Iallgather(&mine, 1, MPI_INT, all.data(), 1, MPI_INT, comm, &req),
+              "MPI_Iallgather");
+  wait_setup(req, "MPI_Iallgather (checked-mode flags)", name, rank, size, timeout_s);
+  std::vector<int> on, off;
+  for (int r = 0; r < size; ++r) (all[static_cast<std::size_t>(r)] ? on : off).push_back(r);
+  if (!on.empty() && !off.empty())
+    throw BackendError(fmt::format(
+        "mpi group '{}' (rank {} of {}): checked mode differs across ranks: ranks [{}] check, "
+        "ranks [{}] do not; set Options::check or DIFFCOMM_CHECK the same on every rank "
+        "(mpirun -x DIFFCOMM_CHECK exports it to remote nodes)",
+        name, rank, size, fmt::join(on, ","), fmt::join(off, ",")));
+}
+
 // The data backend, wrapped in the cross-rank checker (on a duplicate of the
-// communicator) when checking is on.
-std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const dist::Options& options) {
+// communicator) when checking is on. Collective over `comm`, with the
+// deadline: a member late at startup gives Timeout, never a hang.
+std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const std::string& name,
+                                            const dist::Options& options) {
   auto data = std::make_shared<MpiBackend>(comm, /*owned=*/false, options);
-  if (!options.resolved_check()) return data;
+  const bool check = options.resolved_check();
+  const double timeout_s = options.resolved_timeout_s();
+  agree_on_checking(comm, check, name, timeout_s);
+  if (!check) return data;
   MPI_Comm control = MPI_COMM_NULL;
-  check_plain(MPI_Comm_dup(comm, &control), "MPI_Comm_dup");
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_plain(MPI_Comm_idup(comm, &control, &req), "MPI_Comm_idup");
+  wait_setup(req, "MPI_Comm_idup (checked-mode control communicator)", name, data->rank(),
+             data->size(), timeout_s);
   auto ctl = std::make_shared<MpiBackend>(control, /*owned=*/true, options);
   return std::make_shared<dist::CheckedBackend>(std::move(data), std::move(ctl), Device::cpu());
 }
@@ -617,18 +689,41 @@ std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const dist::Options& 
 
 dist::ProcessGroup world(const dist::Options& options) {
   require_initialised("mpi::world");
-  return dist::ProcessGroup(make_backend(MPI_COMM_WORLD, options), "world", nullptr);
+  return dist::ProcessGroup(make_backend(MPI_COMM_WORLD, "world", options), "world", nullptr);
 }
 
 dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Options& options) {
   require_initialised("mpi::from_comm");
   if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::from_comm: MPI_COMM_NULL");
-  return dist::ProcessGroup(make_backend(comm, options), std::move(name), nullptr);
+  auto backend = make_backend(comm, name, options);
+  return dist::ProcessGroup(std::move(backend), std::move(name), nullptr);
 }
 
 void abort(int code) {
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort does not return; the compiler cannot know
+}
+
+bool timed_out() { return g_timed_out.load(); }
+
+void abort_if_timed_out() {
+  if (!g_timed_out.load()) return;
+  int init = 0, finalized = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&finalized);
+  if (!init || finalized) return;
+  std::string where;
+  {
+    std::lock_guard lock(g_timed_out_mu);
+    where = g_timed_out_in;
+  }
+  std::fprintf(stderr,
+               "diffcomm: ending the MPI job with MPI_Abort (code %d): %s timed out earlier and "
+               "its requests are still in flight, so MPI_Finalize could wait for them forever or "
+               "free buffers MPI still writes into\n",
+               kTimeoutAbortCode, where.c_str());
+  std::fflush(stderr);
+  abort(kTimeoutAbortCode);
 }
 
 int64_t max_count() { return g_max_count; }
