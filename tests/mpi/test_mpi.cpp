@@ -10,9 +10,12 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <string>
+#include <thread>
 
 #include "conformance/backend_fixture.hpp"
 #include "conformance/conformance_suite.hpp"
@@ -268,6 +271,47 @@ TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
                                 dist::ReduceOp::premul_sum(-2.0));
     EXPECT_EQ(out.to_vector()[0], -2.0 * static_cast<double>(n * (n + 1) / 2));
   }
+}
+
+// ---------------------------------------------------------------- fault paths
+// premul_sum(+0.0) on rank 0 and (-0.0) elsewhere is one reduction (the
+// factors compare equal), also to checked mode's fingerprints: no mismatch,
+// and 0 * sum on every rank.
+TEST(MpiFaults, PlusAndMinusZeroPremulFactorsAgreeInCheckedMode) {
+  dist::Options opts;
+  opts.check = true;
+  const auto world = mpi::world(opts);
+  const int r = world.rank();
+  Tensor t = full({3}, r + 1.0, DType::Float64);
+  dist::all_reduce(world, t, dist::ReduceOp::premul_sum(r == 0 ? 0.0 : -0.0));
+  for (double v : t.to_vector()) EXPECT_EQ(v, 0.0);
+}
+
+// Two threads of one process on one group: the second is refused while the
+// first is inside a call (rank 1 arrives late, so rank 0's first thread is
+// still waiting), the refused call takes no call number, and the group goes
+// on working.
+TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
+  const auto world = mpi::world();
+  const int r = world.rank();
+  Tensor t = full({2}, 1.0, DType::Float64);
+  if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  if (r == 0) {
+    std::thread first([&] { dist::all_reduce(world, t); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    try {
+      dist::barrier(world);
+      ADD_FAILURE() << "a second thread entered a busy MPI group";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("is inside all_reduce #"), std::string::npos)
+          << e.what();
+    }
+    first.join();
+  } else {
+    dist::all_reduce(world, t);
+  }
+  for (double v : t.to_vector()) EXPECT_EQ(v, static_cast<double>(world.size()));
+  dist::barrier(world);  // every rank's next call is the same call number
 }
 
 // ---------------------------------------------------------------- encoder-parallel step

@@ -26,6 +26,10 @@ results = {}
 for m in re.finditer(r"^RESULT rank (\d+): (\w[\w-]*): (.*?)(?=^RESULT rank |\Z)", out, re.S | re.M):
     results[int(m.group(1))] = (m.group(2), m.group(3))
 failures = []
+# How each scenario must end beyond the RESULT lines: scenarios whose ranks
+# return from main after a Timeout must end through the Environment's
+# MPI_Abort, promptly and without a crash.
+aborts = scenario.startswith("stall") or scenario == "late-start"
 for r in range(3):
     if r not in results:
         failures.append(f"rank {r} printed no RESULT line")
@@ -34,14 +38,26 @@ for r in range(3):
     if kind != expected:
         failures.append(f"rank {r}: expected {expected}, got {kind}: {what[:300]}")
         continue
-    need = ["on group 'world'", "#"]
-    if expected == "Timeout":
-        need += ["timed out after", "flight recorder", ": failed ("]
+    if scenario == "late-start":
+        need = ["timed out after", "creating group 'world' (rank", "late at startup"]
+    elif scenario == "check-differs":
+        need = ["checked mode differs across ranks: ranks [0,1,2] check, ranks [3] do not",
+                "DIFFCOMM_CHECK"]
+    elif expected == "Timeout":
+        need = ["on group 'world'", "#", "timed out after", "flight recorder", ": failed ("]
     else:
-        need += ["collective mismatch", "op differs"]
+        need = ["on group 'world'", "#", "collective mismatch", "op differs"]
     for n in need:
         if n not in what:
             failures.append(f"rank {r}: report lacks {n!r}: {what[:400]}")
+if aborts:
+    if "ending the MPI job with MPI_Abort (code 124)" not in out:
+        failures.append("no rank ended the job with the timed-out call's MPI_Abort")
+    for crash in ("Segmentation fault", "signal 11", "SIGSEGV", "Signal: 11"):
+        if crash in out:
+            failures.append(f"a process crashed ({crash!r})")
+elif scenario == "check-differs" and proc.returncode != 0:
+    failures.append(f"mpirun exited {proc.returncode}; a refused world must finalize cleanly")
 if elapsed > 60:
     failures.append(f"took {elapsed:.0f} s (the deadline is seconds)")
 print(out)
