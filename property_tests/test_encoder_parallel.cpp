@@ -14,6 +14,11 @@
 //     (no Deadlock) and still match the reference on every rank.
 //  4. unpack_records orders records by (batch_index, decoder_token_start,
 //     item_id), keeps each record's own rows, and is differentiable.
+//  5. ExchangePlan::validate accepts every plan_exchange plan, and refuses
+//     one with a single random corruption (an item's span moved onto another
+//     of its sample, an owner dropped from its destinations, a wrong
+//     item_id, a destination out of range, a span past the sample's end)
+//     with InvalidArgument naming the corrupted item.
 //
 // Batches. Image sizes are drawn from the real COCO val2017 sizes shipped in
 // data/coco_val2017/image_sizes.csv (loaded once), and turned into decoder
@@ -36,6 +41,7 @@
 #include <rapidcheck/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -342,6 +348,142 @@ RC_GTEST_PROP(EncoderParallel, ZeroRowRanksTakePartInBackward, ()) {
     if (r.encoder_grad.to_vector() != ranks.front().encoder_grad.to_vector())
       RC_FAIL(
           fmt::format("rank {} ended with a different encoder gradient [{}]", r.rank, describe(c)));
+}
+
+// ---------------------------------------------------------------- validate
+
+/// Whether `msg` names item `id` as "item <id>" (not "item <id>0").
+bool names_item(const std::string& msg, int64_t id) {
+  const std::string want = fmt::format("item {}", id);
+  for (auto at = msg.find(want); at != std::string::npos; at = msg.find(want, at + 1)) {
+    const auto end = at + want.size();
+    if (end == msg.size() || !std::isdigit(static_cast<unsigned char>(msg[end]))) return true;
+  }
+  return false;
+}
+
+enum class Corruption { Overlap, DropOwner, ItemId, DestinationRange, SpanPastEnd };
+
+const char* corruption_name(Corruption c) {
+  switch (c) {
+    case Corruption::Overlap: return "overlapping span";
+    case Corruption::DropOwner: return "owner left out of destinations";
+    case Corruption::ItemId: return "bad item_id";
+    case Corruption::DestinationRange: return "destination out of range";
+    case Corruption::SpanPastEnd: return "span past the sample's end";
+  }
+  return "?";
+}
+
+/// Moves an item j to a start where it overlaps another item k of its
+/// sample (still inside the sample). Returns false when no sample has two
+/// items.
+bool make_overlap(ep::ExchangePlan& plan, int64_t* j) {
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (j, k), same sample
+  for (const auto& a : plan.items)
+    for (const auto& b : plan.items)
+      if (a.item_id != b.item_id && a.batch_index == b.batch_index)
+        pairs.push_back({a.item_id, b.item_id});
+  if (pairs.empty()) return false;
+  const auto [jj, k] = *rc::gen::elementOf(pairs);
+  auto& it = plan.items[static_cast<std::size_t>(jj)];
+  const auto& other = plan.items[static_cast<std::size_t>(k)];
+  const int64_t len = plan.seq_lens[static_cast<std::size_t>(it.batch_index)];
+  // Both have >= 1 row; any start in [lo, hi] overlaps `other` and fits.
+  const int64_t lo = std::max<int64_t>(0, other.decoder_token_start - it.output_rows + 1);
+  const int64_t hi =
+      std::min(other.decoder_token_start + other.output_rows - 1, len - it.output_rows);
+  it.decoder_token_start = uniform(lo, hi);
+  *j = jj;
+  return true;
+}
+
+/// Applies `kind` to a plan with at least one item; returns the corrupted
+/// item and the text the refusal must contain besides naming it.
+std::pair<int64_t, std::string> corrupt(ep::ExchangePlan& plan, Corruption kind) {
+  const auto n = static_cast<int64_t>(plan.items.size());
+  const int64_t j = uniform<int64_t>(0, n - 1);
+  auto& it = plan.items[static_cast<std::size_t>(j)];
+  auto& dst = plan.destinations[static_cast<std::size_t>(j)];
+  const int64_t len = plan.seq_lens[static_cast<std::size_t>(it.batch_index)];
+  switch (kind) {
+    case Corruption::Overlap: {
+      int64_t moved = -1;
+      make_overlap(plan, &moved);  // the caller checked that it is possible
+      return {moved, "overlap"};
+    }
+    case Corruption::DropOwner: {
+      // plan_exchange's destinations are exactly the owners; >= 1 per item.
+      const auto k = uniform<std::size_t>(0, dst.size() - 1);
+      const int r = dst[k];
+      dst.erase(dst.begin() + static_cast<std::ptrdiff_t>(k));
+      return {j, fmt::format("leaves out exchange rank {},", r)};
+    }
+    case Corruption::ItemId:
+      it.item_id = *rc::gen::distinctFrom(rc::gen::inRange<int64_t>(-3, n + 3), j);
+      return {j, fmt::format("items[{}].item_id is {}", j, it.item_id)};
+    case Corruption::DestinationRange:
+      if (coin()) {
+        dst.insert(dst.begin(), -uniform(1, 3));
+        return {j, fmt::format("destination {} outside", dst.front())};
+      }
+      dst.push_back(plan.exchange_size + uniform(0, 3));
+      return {j, fmt::format("destination {} outside", dst.back())};
+    case Corruption::SpanPastEnd:
+      if (coin())
+        it.output_rows = len - it.decoder_token_start + uniform<int64_t>(1, 3);
+      else
+        it.decoder_token_start = len - it.output_rows + uniform<int64_t>(1, 3);
+      return {j, "outside sample"};
+  }
+  return {j, ""};
+}
+
+RC_GTEST_PROP(EncoderParallel, ValidateRefusesEveryCorruptedPlanNamingTheItem, ()) {
+  // A random valid plan (the meshes and batches above) validates; after one
+  // random corruption validate() throws InvalidArgument naming the item
+  // ("item <id>", or "items[<i>]" for a wrong id) and what is wrong.
+  const ep::StepConfig cfg = gen_config(1, 4, 4);
+  const int64_t divisor = *rc::gen::element<int64_t>(1, 4, 32);
+  const ep::Batch batch = gen_batch(cfg.decoder, 3, 3, divisor);
+  ep::ExchangePlan plan = ep::plan_exchange(batch, cfg.decoder, cfg.encoder);
+  const std::string where =
+      fmt::format("cp={} tp={} sp={} layout={} buckets={} encoder_cp={} |{}", cfg.decoder.cp,
+                  cfg.decoder.tp, cfg.decoder.sp, ep::cp_layout_name(cfg.decoder.layout),
+                  cfg.encoder.buckets, cfg.encoder.encoder_cp, describe_batch(batch));
+  try {
+    plan.validate();
+  } catch (const InvalidArgument& e) {
+    RC_FAIL(fmt::format("plan_exchange's plan does not validate: {} [{}]", e.what(), where));
+  }
+  if (plan.items.empty()) {
+    RC_TAG("no items: nothing to corrupt");
+    return;
+  }
+  std::vector<Corruption> kinds{Corruption::DropOwner, Corruption::ItemId,
+                                Corruption::DestinationRange, Corruption::SpanPastEnd};
+  std::vector<int> per_sample(plan.seq_lens.size(), 0);
+  bool two_in_a_sample = false;  // an overlap needs two items in one sample
+  for (const auto& it : plan.items)
+    two_in_a_sample |= ++per_sample[static_cast<std::size_t>(it.batch_index)] == 2;
+  if (two_in_a_sample) kinds.push_back(Corruption::Overlap);
+  const Corruption kind = *rc::gen::elementOf(kinds);
+  RC_TAG(corruption_name(kind));
+  const auto [item, text] = corrupt(plan, kind);
+  std::string msg;
+  try {
+    plan.validate();
+  } catch (const InvalidArgument& e) {
+    msg = e.what();
+  }
+  const std::string named =
+      kind == Corruption::ItemId ? fmt::format("items[{}]", item) : fmt::format("item {}", item);
+  if (msg.empty() || msg.find(text) == std::string::npos ||
+      (kind != Corruption::ItemId && !names_item(msg, item)))
+    RC_FAIL(
+        fmt::format("{} of item {}: validate() {}; want InvalidArgument naming {} and '{}' [{}]",
+                    corruption_name(kind), item, msg.empty() ? "accepted the plan" : "said: " + msg,
+                    named, text, where));
 }
 
 RC_GTEST_PROP(EncoderParallel, UnpackOrdersByBatchStartItemId, ()) {

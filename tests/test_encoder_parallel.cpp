@@ -1605,6 +1605,74 @@ TEST(PlanValidation, HandBuiltPlansAreRejectedByField) {
   EXPECT_THAT(msg([](auto& p) { p.encoder.encoder_cp = 0; }), HasSubstr("encoder_cp"));
 }
 
+TEST(PlanValidation, OverlappingSpansInASampleAreRejectedNamingBothItems) {
+  // five_images on tp 2 + SP: sample 0 has item 0 at [1,2) and item 1 at
+  // [3,6). Moving item 0 to [3,4) makes both write token 3; its destinations
+  // ({0}, the owner of [0,4)) stay right, so only the overlap is wrong.
+  ep::ExchangePlan p = ep::plan_exchange(five_images(), mesh_of(1, 2, true), encoder_layout(2, 1));
+  p.items[0].decoder_token_start = 3;
+  const std::string m = invalid_argument_message([&] { p.validate(); });
+  EXPECT_THAT(m,
+              HasSubstr("item 0 (tokens [3, 4)) and item 1 (tokens [3, 6)) of sample 0 overlap"));
+  // The same spans in different samples, touching spans and a zero-row item
+  // inside another's span overlap nothing.
+  ep::ExchangePlan other =
+      ep::plan_exchange(five_images(), mesh_of(1, 2, true), encoder_layout(2, 1));
+  other.items[2].decoder_token_start = 3;  // sample 1: [3,5) next to [4,6): overlaps
+  EXPECT_THAT(invalid_argument_message([&] { other.validate(); }),
+              HasSubstr("item 2 (tokens [3, 5)) and item 3 (tokens [4, 6)) of sample 1"));
+  ep::ExchangePlan touching =
+      ep::plan_exchange(five_images(), mesh_of(1, 2, true), encoder_layout(2, 1));
+  touching.items[0].decoder_token_start = 2;  // [2,3) touches [3,6)
+  EXPECT_NO_THROW(touching.validate());
+  touching.items[0].decoder_token_start = 4;
+  touching.items[0].output_rows = 0;  // [4,4) inside [3,6); destinations {0} now an extra
+  EXPECT_NO_THROW(touching.validate());
+}
+
+TEST(PlanValidation, DestinationsMustIncludeEveryOwnerOfTheSpan) {
+  // cp 2, tp 2, no SP: item 1 at [3,6) of sample 0 goes to {0,1,2,3}; CP 1
+  // (ranks 2, 3) owns [4,8), so without rank 2 tokens 4, 5 keep their text.
+  ep::ExchangePlan p = ep::plan_exchange(five_images(), mesh_of(2, 2, false), encoder_layout(4, 1));
+  p.destinations[1] = {0, 1, 3};
+  EXPECT_THAT(invalid_argument_message([&] { p.validate(); }),
+              HasSubstr("item 1 (sample 0, tokens [3, 6)) has destinations [0,1,3] but leaves "
+                        "out exchange rank 2, which owns tokens [4, 6) of it"));
+  // Zigzag cp 2, S = 8 (chunks of 2): rank 0 owns [0,2) ++ [6,8), so of an
+  // image at [1,8) it owns two pieces, both named.
+  ep::Batch b;
+  b.samples.push_back(sample(8, {span(1, 7, 28)}));
+  ep::ExchangePlan z =
+      ep::plan_exchange(b, mesh_of(2, 1, false, ep::CpLayout::Zigzag), encoder_layout(2, 1));
+  ASSERT_EQ(z.destinations, (std::vector<std::vector<int>>{{0, 1}}));
+  z.destinations[0] = {1};
+  EXPECT_THAT(invalid_argument_message([&] { z.validate(); }),
+              HasSubstr("leaves out exchange rank 0, which owns tokens [1, 2) [6, 8) of it"));
+  z.destinations[0] = {};
+  EXPECT_THAT(invalid_argument_message([&] { z.validate(); }),
+              HasSubstr("item 0 (sample 0, tokens [1, 8)) has destinations [] but leaves out "
+                        "exchange rank 0"));
+}
+
+TEST(PlanValidation, AnExtraDestinationIsAllowedAndMergesNothing) {
+  // tp 2 + SP: item 0 at [1,2) is owned by rank 0 only. Sending it to rank 1
+  // as well is valid: rank 1 owns none of its tokens, so the merge writes
+  // none of its rows and its record gets zero gradient there.
+  ep::ExchangePlan p = ep::plan_exchange(five_images(), mesh_of(1, 2, true), encoder_layout(2, 1));
+  p.destinations[0] = {0, 1};
+  EXPECT_NO_THROW(p.validate());
+  const ep::ShardLayout layout(p, 1);  // tokens 4..7 of both samples: 8 rows
+  ASSERT_EQ(layout.rows(), 8);
+  Tensor base = full({8, 2}, -1.0, DType::Float64);
+  Tensor rec = from_vector({9, 9}, {1, 2}, DType::Float64);
+  rec.set_requires_grad(true);
+  base.set_requires_grad(true);
+  const Tensor out = ep::merge_into_decoder(base, {{p.items[0], rec}}, layout);
+  EXPECT_EQ(out.to_vector(), base.to_vector());
+  const auto grads = grad({out}, {rec}, {full({8, 2}, 1.0, DType::Float64)});
+  EXPECT_EQ(grads[0].to_vector(), (std::vector<double>{0, 0}));
+}
+
 TEST(PlanValidation, RouteFeaturesAndStatsRefuseABadPlanOnEveryRank) {
   ep::ExchangePlan plan = small_plan();
   plan.items[0].item_id = 100;  // what the reference Python code would accept, keyed by id

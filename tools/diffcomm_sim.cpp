@@ -10,8 +10,10 @@
 #endif
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <charconv>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -111,6 +113,16 @@ const CLI::Validator kFaultSpec(
     },
     "rank:R:at:K", "Fault");
 
+// A path option given as "": without this check an empty value reads as
+// "not given" (--images "" used the shipped sizes, --trace "" wrote nothing).
+CLI::Validator non_empty_path(const std::string& hint) {
+  return CLI::Validator(
+      [hint](std::string& v) { return v.empty() ? "is empty; " + hint : std::string{}; }, "PATH",
+      "NonEmptyPath");
+}
+const CLI::Validator kImagesPath =
+    non_empty_path("pass a CSV of image sizes, or leave --images out for the shipped COCO sizes");
+
 // Resource limits of one step: the simulated world's size and a memory
 // estimate (see check_budget).
 constexpr int64_t kMaxRanks = 16384;
@@ -165,7 +177,8 @@ void add_step_options(CLI::App& app, StepArgs& a) {
       ->check(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}));
   app.add_option("--seed", a.seed, "seed of the batch, the weights and the interleaving")
       ->check(kSeed);
-  app.add_option("--images", a.images, "CSV of image sizes (default: the shipped COCO val2017)");
+  app.add_option("--images", a.images, "CSV of image sizes (default: the shipped COCO val2017)")
+      ->check(kImagesPath);
   app.add_flag("--json", a.json, "print one JSON object instead of the report");
   app.add_option("--memory-limit", a.memory_limit_gib,
                  "GiB the step's estimate may reach before it is refused (default 4)")
@@ -280,9 +293,23 @@ std::vector<ep::ImageSize> load_images(const std::string& path) {
   }
 }
 
-diffcomm::sim::StepReport run_step_command(StepArgs a) {
-  const ep::StepConfig cfg = make_config(a);
-  const auto fault = parse_fault(a.fault, a.ranks);
+// Opens an output file for writing as the run will, so that a bad path
+// (a missing directory, a directory, no permission) is refused before the
+// run instead of after it. Append mode leaves an existing file as it is; the
+// run rewrites it. Returns whether the file was created here.
+bool check_output_path(const std::string& option, const std::string& path) {
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(path, ec);
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr)
+    throw BadArgs(
+        fmt::format("{} '{}': cannot open for writing: {}", option, path, std::strerror(errno)));
+  std::fclose(f);
+  return !existed;
+}
+
+diffcomm::sim::StepReport run_configured_step(const StepArgs& a, const ep::StepConfig& cfg,
+                                              const std::optional<Fault>& fault) {
   const std::vector<ep::ImageSize> images = load_images(a.images);
   std::vector<ep::Batch> per_dp;
   try {
@@ -302,6 +329,20 @@ diffcomm::sim::StepReport run_step_command(StepArgs a) {
     // /dev/full): bad arguments, exit 2.
     const std::string what = e.what();
     throw BadArgs(what.rfind("write_trace", 0) == 0 ? "--trace: " + what : what);
+  }
+}
+
+diffcomm::sim::StepReport run_step_command(StepArgs a) {
+  const ep::StepConfig cfg = make_config(a);
+  const auto fault = parse_fault(a.fault, a.ranks);
+  const bool created = !a.trace.empty() && check_output_path("--trace", a.trace);
+  try {
+    return run_configured_step(a, cfg, fault);
+  } catch (...) {
+    // No trace was written: leave no empty file behind either.
+    std::error_code ec;
+    if (created) std::filesystem::remove(a.trace, ec);
+    throw;
   }
 }
 
@@ -356,7 +397,8 @@ int run_main(int argc, char** argv) {
       ->add_option("--fault", step.fault,
                    "inject a failure: rank:R:at:K (rank R fails at its K-th call)")
       ->check(kFaultSpec);
-  step_cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file");
+  step_cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file")
+      ->check(non_empty_path("pass a file to write the trace to, or leave --trace out"));
 
   std::string op = "all_reduce", check_dtype = "float64";
   int check_ranks = 4;
@@ -383,8 +425,10 @@ int run_main(int argc, char** argv) {
 
   std::string tokens_images, model = "qwen2vl";
   auto* tokens_cmd = app.add_subcommand("tokens", "image_id,tokens for every image of a CSV");
-  tokens_cmd->add_option("--images", tokens_images,
-                         "CSV of image sizes (default: the shipped COCO val2017)");
+  tokens_cmd
+      ->add_option("--images", tokens_images,
+                   "CSV of image sizes (default: the shipped COCO val2017)")
+      ->check(kImagesPath);
   tokens_cmd->add_option("--model", model, "token rule: qwen2vl, qwen2.5vl or qwen3vl")
       ->check(CLI::IsMember(ep::vision_model_names()));
 

@@ -11,6 +11,80 @@
 namespace diffcomm::encoder_parallel {
 namespace {
 constexpr int64_t kMaxExchangeSize = int64_t{1} << 24;
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+InvalidArgument plan_error(const std::string& what) {
+  return InvalidArgument("ExchangePlan: " + what);
+}
+
+std::string span_text(const EncoderWorkItem& it) {
+  return fmt::format("[{}, {})", it.decoder_token_start, it.decoder_token_start + it.output_rows);
+}
+
+// Two items that write the same tokens: the merge keeps one record's rows and
+// the other still gets gradient for rows that never reach the loss. Sorted by
+// start, any overlap shows up between neighbours; zero-row items write
+// nothing and are skipped.
+void check_no_overlap(const ExchangePlan& plan, int64_t sample, std::vector<int64_t> ids) {
+  const auto& items = plan.items;
+  std::erase_if(ids,
+                [&](int64_t id) { return items[static_cast<std::size_t>(id)].output_rows == 0; });
+  std::sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
+    return std::pair(items[static_cast<std::size_t>(a)].decoder_token_start, a) <
+           std::pair(items[static_cast<std::size_t>(b)].decoder_token_start, b);
+  });
+  for (std::size_t k = 1; k < ids.size(); ++k) {
+    const EncoderWorkItem& prev = items[static_cast<std::size_t>(ids[k - 1])];
+    const EncoderWorkItem& next = items[static_cast<std::size_t>(ids[k])];
+    if (next.decoder_token_start < prev.decoder_token_start + prev.output_rows)
+      throw plan_error(fmt::format(
+          "item {} (tokens {}) and item {} (tokens {}) of sample {} overlap; an image's tokens "
+          "must belong to one item",
+          prev.item_id, span_text(prev), next.item_id, span_text(next), sample));
+  }
+}
+
+// Every owner of an item's tokens must receive it, or its rows in the decoder
+// input silently keep their text embedding. owned[r]: rank r's ranges in this
+// sample, computed once per sample.
+void check_owners_reached(const ExchangePlan& plan, int64_t sample, const std::vector<int64_t>& ids,
+                          const std::vector<Ranges>& owned) {
+  for (int64_t id : ids) {
+    const EncoderWorkItem& it = plan.items[static_cast<std::size_t>(id)];
+    const auto& dst = plan.destinations[static_cast<std::size_t>(id)];
+    const int64_t lo = it.decoder_token_start, hi = lo + it.output_rows;
+    for (int r = 0; r < plan.exchange_size; ++r) {
+      std::vector<std::string> mine;
+      for (const auto& [b, e] : owned[static_cast<std::size_t>(r)])
+        if (std::max(lo, b) < std::min(hi, e))
+          mine.push_back(fmt::format("[{}, {})", std::max(lo, b), std::min(hi, e)));
+      if (!mine.empty() && !std::binary_search(dst.begin(), dst.end(), r))
+        throw plan_error(fmt::format(
+            "item {} (sample {}, tokens {}) has destinations [{}] but leaves out exchange rank "
+            "{}, which owns tokens {} of it",
+            id, sample, span_text(it), fmt::join(dst, ","), r, fmt::join(mine, " ")));
+    }
+  }
+}
+
+// The checks across items of one sample: no overlapping spans, every owner
+// among the destinations. Items are grouped by sample so that each rank's
+// owned ranges are computed once per sample, not once per item.
+void check_samples(const ExchangePlan& plan) {
+  std::vector<std::vector<int64_t>> by_sample(plan.seq_lens.size());
+  for (const auto& it : plan.items)
+    by_sample[static_cast<std::size_t>(it.batch_index)].push_back(it.item_id);
+  std::vector<Ranges> owned(static_cast<std::size_t>(plan.exchange_size));
+  for (std::size_t b = 0; b < by_sample.size(); ++b) {
+    if (by_sample[b].empty()) continue;
+    const auto sample = static_cast<int64_t>(b);
+    check_no_overlap(plan, sample, by_sample[b]);
+    for (int r = 0; r < plan.exchange_size; ++r)
+      owned[static_cast<std::size_t>(r)] = plan.owned(sample, r);
+    check_owners_reached(plan, sample, by_sample[b], owned);
+  }
+}
 }  // namespace
 
 std::string cp_layout_name(CpLayout layout) {
@@ -262,6 +336,7 @@ void ExchangePlan::validate() const {
                               fmt::join(d, ",")));
     }
   }
+  check_samples(*this);
 }
 
 PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {

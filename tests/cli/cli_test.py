@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 # Exit codes documented by diffcomm-sim.
 PASSED, FAILED, BAD_ARGS, FAULT = 0, 1, 2, 3
@@ -443,6 +444,50 @@ def step_trace_with_fault(cli):
         os.remove(path)
     cli.run("step", "--ranks", 4, "--tp", 4, "--fault", "rank:1:at:5", "--trace", path, rc=FAULT)
     validate_trace(path, 4)
+
+
+@scenario
+def empty_path_options(cli):
+    """--images "" (and --trace "") is a given but empty path: exit 2, never the default."""
+    def bad(args, needle, why="is empty"):
+        r = cli.run(*args, rc=BAD_ARGS)
+        lines = r.err.strip().splitlines()
+        expect(len(lines) == 1 and needle in lines[0] and why in lines[0],
+               f"one line naming {needle} ({why}) expected\n{r.describe()}")
+        expect(r.out.strip() == "", f"a bad argument prints no report\n{r.describe()}")
+    for sub in [["step"], ["sweep", "--seeds", "0..0"], ["tokens"]]:
+        bad(sub + ["--images", ""], "--images")
+        bad(sub + ["--images="], "--images", "missing")  # CLI11: no value at all
+    bad(["step", "--trace", ""], "--trace")
+
+
+# A valid step that takes seconds (about 7 s in a Debug build): a bad output
+# path must be refused before it runs, not after.
+SLOW_STEP = ["step", "--ranks", 2048, "--cp", 4, "--tp", 4, "--batch", 2, "--hidden", 8, "--ffn", 8]
+
+
+@scenario
+def step_trace_bad_path_fails_fast(cli):
+    missing = os.path.join(cli.workdir, "no_such_dir", "t.json")
+    for path in [missing, cli.path("")]:  # a missing directory; a directory
+        t0 = time.monotonic()
+        r = cli.run(*SLOW_STEP, "--trace", path, rc=BAD_ARGS)
+        elapsed = time.monotonic() - t0
+        expect(f"--trace '{path}'" in r.err and len(r.err.strip().splitlines()) == 1,
+               f"one line naming --trace and the path expected\n{r.describe()}")
+        expect(r.out.strip() == "", f"the step ran before the path was checked\n{r.describe()}")
+        expect(elapsed < 2.0, f"refused after {elapsed:.1f} s: the step ran first\n{r.describe()}")
+    # An existing file is rewritten, not appended to; a refused step leaves no
+    # empty trace file behind.
+    old = cli.write("old_trace.json", "not a trace\n")
+    cli.run("step", "--ranks", 2, "--tp", 2, "--trace", old, rc=PASSED)
+    validate_trace(old, 2)
+    fresh = cli.path("refused_trace.json")
+    if os.path.exists(fresh):
+        os.remove(fresh)
+    bad_csv = cli.write("bad_sizes.csv", "image_id,width,height\n1,640,x\n")
+    cli.run("step", "--images", bad_csv, "--trace", fresh, rc=BAD_ARGS)
+    expect(not os.path.exists(fresh), f"a refused step left {fresh} behind")
 
 
 # ---------------------------------------------------------------------- check

@@ -116,7 +116,16 @@ struct ExchangePlan {
   /// buckets, every item in exactly one bucket, bucket_of agreeing;
   /// destinations.size() == items.size(), each list ascending, without
   /// duplicates, inside [0, exchange_size); the rows of a bucket sum below
-  /// 2^63. Throws InvalidArgument naming the first field that is wrong.
+  /// 2^63. And that it routes correctly: no two items of a sample have
+  /// overlapping token spans (zero-row items overlap nothing), and every
+  /// exchange rank that owns (owned()) a token of an item's span is among the
+  /// item's destinations. Extra destinations that own none of the span are
+  /// allowed: such a rank receives the rows, merges none of them and gives
+  /// them zero gradient, so they cost only traffic (which stats counts);
+  /// plan_exchange never adds them. Cost: O(n log n) in the items plus
+  /// O(items x exchange_size) for the owners. Throws InvalidArgument naming
+  /// the first field that is wrong; for the last two, both items with their
+  /// spans and sample, or the item, the missing rank and the tokens it owns.
   void validate() const;
 };
 
