@@ -96,6 +96,25 @@ class RunResult:
         return iter(self.results)
 
 
+def _start_rank_threads(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread]) -> None:
+    """Starts one thread per rank; when the OS refuses one (out of memory or
+    of threads), releases the started ones and raises BackendError naming the
+    rank count and the stack size to reduce."""
+    for rank, t in enumerate(threads):
+        try:
+            t.start()
+        except RuntimeError as e:  # "can't start new thread"
+            size = threading.stack_size()
+            stack = f"{size} bytes" if size else "the default size (ulimit -s)"
+            why = (f"diffcomm.sim.run: cannot start the thread of rank {rank} of {len(threads)} "
+                   f"({e}); each rank thread has a stack of {stack}: use fewer ranks or a "
+                   f"smaller threading.stack_size()")
+            world.cancel(why)
+            for started in threads[:rank]:
+                started.join()
+            raise _core.BackendError(why) from e
+
+
 def run(
     world_size: int,
     fn: Callable[[int, "_core.ProcessGroup"], Any],
@@ -147,11 +166,12 @@ def run(
         threading.Thread(target=body, args=(r,), name=f"diffcomm-sim-rank-{r}", daemon=True)
         for r in range(world_size)
     ]
-    for t in threads:
-        t.start()
-    world.run()
-    for t in threads:
-        t.join()
+    _start_rank_threads(world, threads)
+    try:
+        world.run()
+    finally:
+        for t in threads:
+            t.join()
     if order:
         first = errors[order[0]]
         assert first is not None

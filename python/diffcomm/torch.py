@@ -46,6 +46,7 @@ Conventions (differences from torch.distributed.nn.functional):
 """
 from __future__ import annotations
 
+import atexit
 import collections
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -58,7 +59,7 @@ from ._core import encoder_parallel as _ep
 from ._core import nn as _nn
 
 __all__ = [
-    "init_process_group", "destroy_process_group", "get_world", "get_rank", "get_world_size",
+    "init_process_group", "destroy_process_group", "abort", "get_world", "get_rank", "get_world_size",
     "new_group", "to_diffcomm", "from_diffcomm", "premul_sum",
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
@@ -104,6 +105,7 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
             _core.mpi.init()
             pg = _core.mpi.world(check=check, native_reduction=native_reduction,
                                  timeout_s=timeout_s)
+        _end_job_at_exit_after_timeout()
     elif backend == "nccl":
         if not _core.HAVE_NCCL:
             raise _core.BackendError("diffcomm was built without NCCL")
@@ -121,6 +123,45 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
         raise InvalidArgument(f"init_process_group: unknown backend {backend!r} (mpi, nccl)")
     _context.set_process_group(pg)
     return pg
+
+
+_exit_hook_registered = False
+
+
+def _end_job_at_exit_after_timeout() -> None:
+    """At interpreter exit, after a Timeout, end the MPI job (MPI_Abort)
+    instead of letting MPI_Finalize (diffcomm's or mpi4py's) wait for the
+    timed-out calls' requests forever."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_core.mpi.abort_if_timed_out)
+        _exit_hook_registered = True
+
+
+def abort(group: Optional[_core.ProcessGroup] = None, code: int = 1) -> None:
+    """Ends communication for good, for a program that wants to stop now
+    (after a Timeout, say) rather than wait for peers.
+
+    * MPI group: ``MPI_Abort(MPI_COMM_WORLD, code)``: every process of the job
+      ends, this one included; never returns. (MPI cannot abort one
+      communicator alone.)
+    * NCCL group (owned): ``ncclCommAbort`` on its communicator; the process
+      goes on and every later call on the group raises ``BackendError``.
+      InvalidArgument for a communicator borrowed from the caller.
+    * Simulated group: InvalidArgument (a simulated world never waits; raise
+      from the rank function instead).
+
+    ``group=None`` is the default group.
+    """
+    g = _group(group)
+    backend = g.backend_name
+    if backend == "mpi":
+        _core.mpi.abort(code)
+    elif backend == "nccl":
+        _core.nccl.abort(g)
+    else:
+        raise InvalidArgument(f"diffcomm.torch.abort: a {backend!r} group cannot be aborted "
+                              f"(only mpi and nccl groups); raise from the rank function instead")
 
 
 def destroy_process_group() -> None:

@@ -702,6 +702,7 @@ void bind_sim(nb::module_& m) {
       .def("start", &dc::threaded::ThreadedWorld::start, "rank"_a, release())
       .def("finish", &dc::threaded::ThreadedWorld::finish, "rank"_a, "failure"_a, release())
       .def("run", &dc::threaded::ThreadedWorld::run, release())
+      .def("cancel", &dc::threaded::ThreadedWorld::cancel, "why"_a, release())
       .def("size", &dc::threaded::ThreadedWorld::size)
       .def("error_messages", &dc::threaded::ThreadedWorld::error_messages)
       .def("trace_hash",
@@ -742,7 +743,17 @@ void bind_backends(nb::module_& m) {
       "MPI_Init_thread unless MPI is already initialised (e.g. by mpi4py).");
   mpi.def(
       "finalize", [] { g_mpi_env.reset(); },
-      "MPI_Finalize if diffcomm initialised MPI (not when mpi4py did).");
+      "MPI_Finalize if diffcomm initialised MPI (not when mpi4py did). After a Timeout it ends "
+      "the job with MPI_Abort instead (see abort_if_timed_out).");
+  mpi.def(
+      "abort", [](int code) { dc::mpi::abort(code); }, "code"_a = 1,
+      "MPI_Abort(MPI_COMM_WORLD, code): ends every process of the job; never returns.");
+  mpi.def("timed_out", &dc::mpi::timed_out,
+          "Whether a call of this process (any group, group creation included) raised Timeout.");
+  mpi.def("abort_if_timed_out", &dc::mpi::abort_if_timed_out,
+          "After a Timeout: prints which call timed out and ends the job with MPI_Abort (code "
+          "124), since MPI_Finalize could wait for the calls in flight forever; else returns. "
+          "diffcomm.torch registers it to run at interpreter exit.");
   // dist::Options as keyword arguments: check (None: DIFFCOMM_CHECK, else on
   // in Debug builds), native_reduction, timeout_s (None: DIFFCOMM_TIMEOUT,
   // else 600 s).
@@ -799,6 +810,9 @@ void bind_backends(nb::module_& m) {
   nccl.def("set_stream", [](const ProcessGroup& g, uintptr_t stream) {
     dc::nccl::set_stream(g, reinterpret_cast<cudaStream_t>(stream));
   });
+  nccl.def("abort", &dc::nccl::abort, "group"_a, release(),
+           "ncclCommAbort on the group's (owned) communicator: every later call on it raises "
+           "BackendError. InvalidArgument for a borrowed communicator.");
 #endif
 }
 

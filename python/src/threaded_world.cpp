@@ -190,10 +190,19 @@ void ThreadedWorld::run() {
       }
       state->channels[slot]->serve();
     });
-  } catch (const Error&) {
+  } catch (const sim::RunFailures&) {
     // Every rank's error is in error_messages(); the rank threads saw theirs.
+  } catch (const Error& e) {
+    // The world itself could not run (no rank ran: e.g. its fiber stacks
+    // could not be allocated): release the rank threads, then raise.
+    cancel(fmt::format("diffcomm.sim: the world could not run: {}", e.what()));
+    throw;
   }
-  for (auto& ch : state->channels) ch->abort("diffcomm.sim: the world ended before this rank ran");
+  cancel("diffcomm.sim: the world ended before this rank ran");
+}
+
+void ThreadedWorld::cancel(const std::string& why) {
+  for (auto& ch : state_->channels) ch->abort(why);
 }
 
 }  // namespace diffcomm::threaded

@@ -80,7 +80,13 @@ class ThreadedWorld {
   void finish(int rank, std::string failure);
   /// Runs the world (blocks). Returns normally even when ranks failed; see
   /// error_messages(). Any rank thread still waiting afterwards is released.
+  /// Throws what sim::World::run throws when the world cannot run at all
+  /// (BackendError: no fiber stacks; InvalidArgument), after releasing the
+  /// rank threads.
   void run();
+  /// Releases every rank thread still waiting in start() (it raises Error
+  /// with `why`): for a caller that cannot start every rank thread.
+  void cancel(const std::string& why);
 
   int size() const;
   const sim::World& world() const;

@@ -7,7 +7,24 @@ def init() -> None:
     """MPI_Init_thread unless MPI is already initialised (e.g. by mpi4py)."""
 
 def finalize() -> None:
-    """MPI_Finalize if diffcomm initialised MPI (not when mpi4py did)."""
+    """
+    MPI_Finalize if diffcomm initialised MPI (not when mpi4py did). After a Timeout it ends the job with MPI_Abort instead (see abort_if_timed_out).
+    """
+
+def abort(code: int = 1) -> None:
+    """
+    MPI_Abort(MPI_COMM_WORLD, code): ends every process of the job; never returns.
+    """
+
+def timed_out() -> bool:
+    """
+    Whether a call of this process (any group, group creation included) raised Timeout.
+    """
+
+def abort_if_timed_out() -> None:
+    """
+    After a Timeout: prints which call timed out and ends the job with MPI_Abort (code 124), since MPI_Finalize could wait for the calls in flight forever; else returns. diffcomm.torch registers it to run at interpreter exit.
+    """
 
 def world(check: bool | None = None, native_reduction: bool = False, timeout_s: float | None = None) -> diffcomm._core.ProcessGroup:
     """

@@ -245,3 +245,30 @@ def test_mpi4py_communicator():
         del g
     finally:
         comm.Free()
+
+
+def test_second_thread_on_a_busy_group_is_refused():
+    # Rank 1 arrives late, so rank 0's first thread is still inside its
+    # all_reduce when the main thread calls: refused (two threads on one
+    # group mixed their messages: wrong sums, silently), and the group goes
+    # on working with the same call numbers on every rank.
+    import threading
+    import time
+
+    world = dt.get_world()
+    x = torch.ones(2, dtype=f64)
+    if rank() == 1:
+        time.sleep(0.8)
+    if rank() == 0:
+        out = {}
+        first = threading.Thread(target=lambda: out.setdefault("y", dt.all_reduce(x)))
+        first.start()
+        time.sleep(0.2)
+        with pytest.raises(diffcomm.InvalidArgument, match=r"is inside all_reduce #\d+"):
+            world.barrier()
+        first.join()
+        y = out["y"]
+    else:
+        y = dt.all_reduce(x)
+    assert y.tolist() == [float(size())] * 2
+    world.barrier()

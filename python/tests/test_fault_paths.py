@@ -1,0 +1,110 @@
+"""Fault paths of Python programs (issue [7/8]): a job whose rank times out
+ends at interpreter exit instead of hanging in MPI_Finalize; bad deadlines
+are refused; a world whose rank threads or fiber stacks cannot be had raises
+BackendError instead of aborting; one thread per group."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import diffcomm
+import diffcomm.sim as sim
+
+HERE = os.path.dirname(__file__)
+needs_mpi = pytest.mark.skipif(not diffcomm._core.HAVE_MPI or shutil.which("mpirun") is None,
+                               reason="needs diffcomm built with MPI, and mpirun")
+
+
+def mpirun(np, args, env=None, timeout=120):
+    cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root", "--mca", "btl",
+           "self,vader", sys.executable] + args
+    full_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    **(env or {}))
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+@needs_mpi
+def test_interpreter_exit_after_a_timeout_ends_the_job():
+    # Rank 1 never arrives; rank 0 gets Timeout after 2 s and returns from the
+    # program. Without the exit hook MPI_Finalize waited for the barrier's
+    # request (forever: rank 1 sleeps 600 s).
+    proc, out, elapsed = mpirun(2, [os.path.join(HERE, "programs", "exit_after_timeout.py"),
+                                    "stall"])
+    assert "RESULT rank 0: Timeout: timed out after 2 s waiting in barrier #0" in out, out
+    assert "ending the MPI job with MPI_Abort (code 124)" in out, out
+    assert "barrier #0 on group 'world' (rank 0 of 2) timed out earlier" in out, out
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+@needs_mpi
+def test_a_nan_deadline_is_refused():
+    proc, out, _ = mpirun(2, [os.path.join(HERE, "programs", "exit_after_timeout.py"), "nan"],
+                          env={"DIFFCOMM_TIMEOUT": "nan"})
+    for r in (0, 1):
+        assert (f"RESULT rank {r}: InvalidArgument: DIFFCOMM_TIMEOUT='nan': expected a finite "
+                "number of seconds > 0") in out, out
+    assert proc.returncode == 0, out
+
+
+def run_limited(code, timeout=120):
+    """Runs `code` in a fresh interpreter whose address space is limited, after
+    the imports, to what it uses plus LIMIT_MIB (set by the code)."""
+    prelude = textwrap.dedent("""
+        import resource, threading
+        import diffcomm, diffcomm.sim as sim
+        def limit_to(extra_mib):
+            with open("/proc/self/status") as f:
+                vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
+            lim = vm + extra_mib * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+    """)
+    env = dict(os.environ, MALLOC_ARENA_MAX="1")  # no 64 MiB arena reservation per thread
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc: Linux")
+def test_rank_threads_beyond_the_address_space_raise_backend_error():
+    # 4096 rank threads of 8 MiB stacks under +256 MiB: the OS refuses one.
+    proc = run_limited("""
+        limit_to(256)
+        threading.stack_size(8 * 2**20)
+        try:
+            sim.run(4096, lambda rank, group: None)
+            print("RAN")
+        except diffcomm.BackendError as e:
+            print("BACKEND", e)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "BACKEND diffcomm.sim.run: cannot start the thread of rank" in proc.stdout, proc.stdout
+    assert "of 4096" in proc.stdout and "8388608 bytes" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc: Linux")
+def test_fiber_stacks_beyond_the_address_space_raise_backend_error():
+    # The limit is set once the 1024 rank threads run, so what fails is the
+    # world's fiber stacks (1024 x 64 KiB proxy stacks, 68 MiB with guards).
+    proc = run_limited("""
+        threading.stack_size(64 * 1024)
+        start_threads = sim._start_rank_threads
+        def start_then_limit(world, threads):
+            start_threads(world, threads)
+            limit_to(16)
+        sim._start_rank_threads = start_then_limit
+        try:
+            sim.run(1024, lambda rank, group: None)
+            print("RAN")
+        except diffcomm.BackendError as e:
+            print("BACKEND", e)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "BACKEND" in proc.stdout and "cannot allocate the fiber stack of rank" in proc.stdout, (
+        proc.stdout + proc.stderr)
+    assert "of 1024 (65536 bytes each" in proc.stdout, proc.stdout
