@@ -17,7 +17,7 @@ hands the baton to its rank's thread and executes that thread's collectives
 on the world's own backend (rendezvous, fingerprint comparison, data move,
 stats, faults, deadlock report). Cost: each collective call crosses two
 threads per rank (measured in ``python/tests/test_sim_run.py::test_cost``
-and reported in the README: tens of microseconds per rank per call, against
+and reported in docs/python.md: tens of microseconds per rank per call, against
 about a microsecond in the C++ world).
 
 Also here: ``step``, ``check`` and ``sweep`` return the fields of
@@ -253,7 +253,7 @@ def step(
     """``diffcomm-sim step`` as a function: one seeded encoder-parallel training
     step on real image sizes in the simulated world, checked against the
     single-rank reference. Same options and defaults as the CLI; returns the
-    fields of ``--json`` (see the README's table)."""
+    fields of ``--json`` (see the table in docs/cli.md)."""
     dp, buckets = _resolve(ranks, dp, cp, tp, encoder_buckets, encoder_cp, ffn)
     js, text, code = _core.sim.step(
         dp, cp, tp, sp, cp_layout, buckets, encoder_cp, batch, images_per_sample, hidden, ffn,

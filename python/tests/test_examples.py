@@ -1,4 +1,4 @@
-"""The README's Python examples, run as a user runs them."""
+"""The Python examples of docs/python.md, run as a user runs them."""
 import os
 import shutil
 import subprocess

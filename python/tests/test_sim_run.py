@@ -284,7 +284,7 @@ def test_wrong_receiver_convention_fails_the_reference():
 # ------------------------------------------------ cost of the baton
 def test_cost_per_collective(capsys):
     """Measures one 8-byte all_reduce per rank through the thread baton and
-    prints it (README: 'per-collective cost'); bounds it loosely."""
+    prints it (docs/python.md, 'Cost'); bounds it loosely."""
     calls = 200
 
     def fn(rank, world):

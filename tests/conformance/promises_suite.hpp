@@ -1,5 +1,5 @@
 #pragma once
-// The promises every backend keeps (README "Semantics"), written once and run
+// The promises every backend keeps (docs/semantics.md, "Semantics"), written once and run
 // on the simulated world and under mpirun: one reduction (rank order, one
 // rounding for 16-bit types, Avg = sum / N rounded once), one aliasing rule
 // (inputs are read as they were at the call, whatever the outputs share with

@@ -13,7 +13,7 @@
 //  - "rows" means dim 0; splits count rows, may be zero, and must agree
 //    across ranks (input_splits[j] on rank i == output_splits[i] on rank j);
 //
-// One semantics on every backend (README "Semantics"):
+// One semantics on every backend (docs/semantics.md, "Semantics"):
 //  - reductions: dist::reduce_into over the contributions in group-rank
 //    order; bfloat16/float16 accumulate in float32 and round once; Avg is
 //    that sum divided once by N; Max/Min propagate NaN; integers wrap.
