@@ -8,34 +8,17 @@
 #include <algorithm>
 #include <bit>
 
+#include "agreement.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::dist {
 namespace {
 
-bool has_reduce(OpType op) {
-  return op == OpType::AllReduce || op == OpType::Reduce || op == OpType::ReduceScatter ||
-         op == OpType::ReduceScatterSingle || op == OpType::ReduceScatterV;
-}
-bool has_root(OpType op) {
-  return op == OpType::Broadcast || op == OpType::Reduce || op == OpType::Gather ||
-         op == OpType::Scatter;
-}
-// Ops whose members must pass one common shape (shape_of below).
-bool same_shape_op(OpType op) {
-  switch (op) {
-    case OpType::AllReduce:
-    case OpType::Broadcast:
-    case OpType::Reduce:
-    case OpType::AllGather:
-    case OpType::AllGatherSingle:
-    case OpType::Gather:
-    case OpType::Scatter:
-    case OpType::ReduceScatter:
-    case OpType::ReduceScatterSingle: return true;
-    default: return false;
-  }
-}
+using agreement::rule;
+using agreement::Shapes;
+
+bool has_reduce(OpType op) { return rule(op).reduce; }
+bool has_root(OpType op) { return rule(op).root; }
 
 std::string shapes_str(const std::vector<Shape>& shapes) {
   std::vector<std::string> parts;
@@ -44,13 +27,12 @@ std::string shapes_str(const std::vector<Shape>& shapes) {
   return fmt::format("{}", fmt::join(parts, ","));
 }
 
-// The shape every member of a same_shape_op must agree on: the output for
+// The shape every member of a same-shape op must agree on: the output for
 // the ops whose input list is empty off the root or per peer.
 const Shape& shape_of(const CallDesc& c) {
   static const Shape none;
-  if (c.op == OpType::ReduceScatter || c.op == OpType::Scatter)
-    return c.outputs.empty() ? none : c.outputs[0];
-  return c.inputs.empty() ? none : c.inputs[0];
+  const std::vector<Shape>& list = rule(c.op).shapes == Shapes::SameOutput ? c.outputs : c.inputs;
+  return list.empty() ? none : list[0];
 }
 Shape row_shape(const std::vector<Shape>& shapes) {
   if (shapes.empty() || shapes[0].empty()) return {};
@@ -227,32 +209,32 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
     return fmt::format("{} called {} but {} called {}: {} differs", label(a), signature(*c[a]),
                        label(b), signature(*c[b]), field);
   };
+  const agreement::Rule r = rule(c[0]->op);
   for (std::size_t i = 1; i < n; ++i) {
     if (c[i]->op != c[0]->op) return differ(0, i, "op");
-    if (c[0]->op == OpType::NewGroup) {
+    if (r.shapes == Shapes::Members) {
       if (c[i]->members_are_ranks != c[0]->members_are_ranks)
         return differ(0, i, "kind of split (new_group vs split)");
       if (c[i]->members != c[0]->members)
         return differ(0, i, c[0]->members_are_ranks ? "member list" : "fingerprint");
       continue;
     }
-    if (c[0]->op == OpType::Barrier) continue;
+    if (!r.data) continue;
     if (c[i]->dtype != c[0]->dtype) return differ(0, i, "dtype");
-    if (c[i]->root != c[0]->root) return differ(0, i, "root");
-    if (c[i]->reduce_op != c[0]->reduce_op) return differ(0, i, "reduce op");
+    if (r.root && c[i]->root != c[0]->root) return differ(0, i, "root");
+    if (r.reduce && c[i]->reduce_op != c[0]->reduce_op) return differ(0, i, "reduce op");
   }
-  const OpType op = c[0]->op;
-  if (same_shape_op(op)) {
+  if (agreement::same_shape(r)) {
     for (std::size_t i = 1; i < n; ++i)
       if (shape_of(*c[i]) != shape_of(*c[0])) return differ(0, i, "shape");
     return "";
   }
-  switch (op) {
-    case OpType::AllGatherV:
-    case OpType::ReduceScatterV: {
+  switch (r.shapes) {
+    case Shapes::OutputSplits:
+    case Shapes::InputSplits: {
       // The splits every member must agree on: the output's for the gather,
       // the input's for the reduce-scatter.
-      const bool gather = op == OpType::AllGatherV;
+      const bool gather = r.shapes == Shapes::OutputSplits;
       auto splits = [&](std::size_t i) -> const std::vector<int64_t>& {
         return gather ? c[i]->output_splits : c[i]->input_splits;
       };
@@ -262,7 +244,7 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
       }
       break;
     }
-    case OpType::AllToAllSingle:
+    case Shapes::CrossSplits:
       for (std::size_t i = 0; i < n; ++i) {
         if (row_shape(c[i]->inputs) != row_shape(c[0]->inputs)) return differ(0, i, "row shape");
         for (std::size_t j = 0; j < n; ++j)
@@ -274,7 +256,7 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
                 signature(*c[i]), label(j), signature(*c[j]));
       }
       break;
-    case OpType::AllToAll:
+    case Shapes::CrossShapes:
       for (std::size_t i = 0; i < n; ++i)
         for (std::size_t s = 0; s < n; ++s)
           if (c[i]->outputs[s] != c[s]->inputs[i])
@@ -326,20 +308,21 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
   const Call& c0 = *c[0];
   for (std::size_t i = 0; i < n; ++i)
     if (!all_defined(c[i]->inputs) || !all_defined(c[i]->outputs)) return false;
+  const agreement::Rule r = rule(c0.op);
   for (std::size_t i = 1; i < n; ++i) {
     const Call& ci = *c[i];
     if (ci.op != c0.op) return false;
-    if (c0.op == OpType::NewGroup) {
-      // As compare(): a new_group facing a split with the same list differs.
+    if (r.shapes == Shapes::Members) {
       if (ci.members_are_ranks != c0.members_are_ranks || ci.members != c0.members) return false;
       continue;
     }
-    if (c0.op == OpType::Barrier) continue;
-    if (ci.dtype != c0.dtype || ci.root != c0.root || ci.reduce_op != c0.reduce_op) return false;
+    if (!r.data) continue;
+    if (ci.dtype != c0.dtype || (r.root && ci.root != c0.root) ||
+        (r.reduce && ci.reduce_op != c0.reduce_op))
+      return false;
   }
-  const OpType op = c0.op;
-  if (same_shape_op(op)) {
-    const bool outs = op == OpType::ReduceScatter || op == OpType::Scatter;
+  if (agreement::same_shape(r)) {
+    const bool outs = r.shapes == Shapes::SameOutput;
     const Shape& s0 = first_shape(outs ? c0.outputs : c0.inputs);
     // By exact code when the shape has one (no memcmp call per member).
     const uint64_t k0 = shape_code(s0);
@@ -349,10 +332,10 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
     }
     return true;
   }
-  switch (op) {
-    case OpType::AllGatherV:
-    case OpType::ReduceScatterV: {
-      const bool gather = op == OpType::AllGatherV;
+  switch (r.shapes) {
+    case Shapes::OutputSplits:
+    case Shapes::InputSplits: {
+      const bool gather = r.shapes == Shapes::OutputSplits;
       for (std::size_t i = 1; i < n; ++i) {
         if (!(gather ? c[i]->output_splits == c0.output_splits
                      : c[i]->input_splits == c0.input_splits))
@@ -361,7 +344,7 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
       }
       return true;
     }
-    case OpType::AllToAllSingle: {
+    case Shapes::CrossSplits: {
       bool uniform = true;  // every list uniform with one value: agree in O(N)
       const int64_t v = c0.input_splits.uniform_value();
       for (std::size_t i = 0; i < n; ++i) {
@@ -377,7 +360,7 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
           if (c[i]->input_splits[j] != c[j]->output_splits[i]) return false;
       return true;
     }
-    case OpType::AllToAll: {
+    case Shapes::CrossShapes: {
       for (std::size_t i = 0; i < n; ++i)
         if (c[i]->inputs.size() != n || c[i]->outputs.size() != n) return false;
       // Shapes read rank by rank into exact codes (or given so), then
@@ -442,12 +425,12 @@ std::string compare(const std::vector<const Call*>& calls, const std::vector<int
 Fingerprint fingerprint(const Call& call) {
   Fingerprint f{};
   const OpType op = call.op;
-  const bool data = op != OpType::Barrier && op != OpType::NewGroup;
+  const agreement::Rule r = rule(op);
   f[0] = static_cast<int64_t>(op);
   f[1] = static_cast<int64_t>(call.seq);
-  f[2] = data ? static_cast<int64_t>(call.dtype) : -1;
-  f[3] = data ? call.root : -1;
-  f[4] = has_reduce(op) ? reduce_word(call.reduce_op) : -1;
+  f[2] = r.data ? static_cast<int64_t>(call.dtype) : -1;
+  f[3] = r.root ? call.root : -1;
+  f[4] = r.reduce ? reduce_word(call.reduce_op) : -1;
   uint64_t shape = 0, row = 0, splits = 0, out_edges = 0, in_edges = 0, members = 0;
   auto shapes = [](const TensorList& ts) {
     std::vector<Shape> s;
@@ -456,38 +439,36 @@ Fingerprint fingerprint(const Call& call) {
   };
   const int me = call.rank;
   const int n = call.group_size;
-  if (same_shape_op(op)) {
+  if (agreement::same_shape(r)) {
     CallDesc d;
     d.op = op;
     d.inputs = shapes(call.inputs);
     d.outputs = shapes(call.outputs);
     shape = hash_shape(shape_of(d));
   }
-  switch (op) {
-    case OpType::AllGatherV:
+  switch (r.shapes) {
+    case Shapes::OutputSplits:
       row = hash_shape(row_shape(shapes(call.inputs)));
       splits = hash_words(call.output_splits, 1);
       break;
-    case OpType::ReduceScatterV:
+    case Shapes::InputSplits:
       row = hash_shape(row_shape(shapes(call.inputs)));
       splits = hash_words(call.input_splits, 2);
       break;
-    case OpType::AllToAllSingle:
+    case Shapes::CrossSplits:
       row = hash_shape(row_shape(shapes(call.inputs)));
       for (int j = 0; j < n; ++j) {
         out_edges += edge(me, j, static_cast<uint64_t>(call.input_splits[static_cast<size_t>(j)]));
         in_edges += edge(j, me, static_cast<uint64_t>(call.output_splits[static_cast<size_t>(j)]));
       }
       break;
-    case OpType::AllToAll:
+    case Shapes::CrossShapes:
       for (int j = 0; j < n; ++j) {
         out_edges += edge(me, j, hash_shape(call.inputs[static_cast<size_t>(j)].shape()));
         in_edges += edge(j, me, hash_shape(call.outputs[static_cast<size_t>(j)].shape()));
       }
       break;
-    case OpType::NewGroup:
-      members = hash_words(call.members, call.members_are_ranks ? 3 : 4);
-      break;
+    case Shapes::Members: members = hash_words(call.members, call.members_are_ranks ? 3 : 4); break;
     default: break;
   }
   f[5] = static_cast<int64_t>(shape);
@@ -526,8 +507,7 @@ bool fingerprints_agree(const std::vector<Fingerprint>& prints) {
   uint64_t out_edges = 0, in_edges = 0;
   for (const auto& p : prints) {
     if (p[0] != a[0] || p[1] != a[1]) return false;
-    const auto op = static_cast<OpType>(a[0]);
-    if (op != OpType::Barrier && op != OpType::NewGroup)
+    if (rule(static_cast<OpType>(a[0])).data)
       for (std::size_t k = 2; k <= 7; ++k)
         if (p[k] != a[k]) return false;
     if (p[10] != a[10] || p[11] != a[11]) return false;

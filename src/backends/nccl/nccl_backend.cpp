@@ -29,6 +29,7 @@
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/dist/checked_backend.hpp"
 #include "diffcomm/dist/composed.hpp"
+#include "diffcomm/dist/fingerprint.hpp"
 #include "diffcomm/dist/options.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
@@ -143,20 +144,6 @@ ncclDataType_t nccl_type(DType d) {
   return ncclUint8;
 }
 
-// FNV-1a over the fingerprint of a split, so members can compare it cheaply.
-uint64_t fingerprint_hash(const std::vector<int64_t>& values) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xffu;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(values.size());
-  for (int64_t v : values) mix(static_cast<uint64_t>(v));
-  return h;
-}
-
 void validate_members(const std::vector<int>& members, int nranks, const char* what) {
   if (members.empty()) return;
   if (static_cast<int>(members.size()) != nranks)
@@ -248,8 +235,11 @@ class NcclBackend final : public dist::Backend {
     begin(c);
     // 1. Every member's (color, key, fingerprint), all-gathered on the
     //    device: the new groups' global ranks and a fingerprint check.
-    const int64_t mine[3] = {color < 0 ? -1 : color, key,
-                             static_cast<int64_t>(fingerprint_hash(c.members))};
+    // The member-list word of the shared fingerprint (dist/fingerprint.hpp):
+    // it tells new_group from split, as the simulated world and checked
+    // mode do.
+    constexpr std::size_t kMembersWord = 10;
+    const int64_t mine[3] = {color < 0 ? -1 : color, key, dist::fingerprint(c)[kMembersWord]};
     Tensor buf = empty({3 * static_cast<int64_t>(size_)}, DType::Int64, Device::cuda(device_));
     DIFFCOMM_CUDA_CHECK(
         cudaMemcpyAsync(at(buf, 3 * rank_), mine, sizeof mine, cudaMemcpyHostToDevice, stream()),
@@ -271,8 +261,8 @@ class NcclBackend final : public dist::Backend {
         differ += fmt::format("{}{}", differ.empty() ? "" : ", ", s);
     if (!differ.empty())
       throw CollectiveMismatch(fmt::format(
-          "{} [nccl]: members passed different group fingerprints (member lists): member(s) {} "
-          "disagree with member 0; this member passed {}",
+          "{}: collective mismatch: member(s) {} of the group passed another member list or "
+          "split fingerprint than member 0 (this member called {}): member list differs",
           c.where(), differ, c.signature()));
 
     // 3. The split itself; NCCL orders members by (key, parent rank), as
