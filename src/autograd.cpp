@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <boost/container/small_vector.hpp>
 #include <cstdint>
@@ -108,7 +109,8 @@ class NodeTable {
 // One run of the engine over the graph reachable from the roots.
 std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
                                const std::vector<Tensor>& grad_roots, bool retain_graph,
-                               bool accumulate, const std::vector<Edge>& capture_edges) {
+                               bool accumulate, const std::vector<Edge>& capture_edges,
+                               bool participate = true) {
   const char* who = accumulate ? "backward" : "grad";
   if (!grad_roots.empty() && grad_roots.size() != roots.size())
     throw InvalidArgument(
@@ -144,29 +146,42 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
     root_nodes.push_back(e.fn);
   }
 
-  // Count, for every reachable node, the edges that point at it.
+  // Count, for every reachable node, the edges that point at it; then add
+  // the pending members of every cohort a reached node belongs to as roots
+  // of their own (zero cotangents), until no new cohort turns up.
   {
     boost::container::small_vector<Node*, 16> stack;
-    for (auto& n : root_nodes) {
-      NodeState& st = table[n.get()];
-      if (!st.seen) {
-        st.seen = true;
-        stack.push_back(n.get());
-      }
-    }
-    while (!stack.empty()) {
-      Node* n = stack.back();
-      stack.pop_back();
-      for (auto& e : n->next_edges()) {
-        if (!e.valid()) continue;
-        NodeState& st = table[e.fn.get()];
-        ++st.deps;
-        if (!st.seen) {
-          st.seen = true;
-          stack.push_back(e.fn.get());
+    boost::container::small_vector<std::shared_ptr<Cohort>, 2> cohorts;
+    auto visit = [&](Node* n) {
+      NodeState& st = table[n];
+      if (st.seen) return;
+      st.seen = true;
+      stack.push_back(n);
+      std::shared_ptr<Cohort> c = n->cohort();
+      if (c && std::find(cohorts.begin(), cohorts.end(), c) == cohorts.end())
+        cohorts.push_back(std::move(c));
+    };
+    auto count_deps = [&] {
+      while (!stack.empty()) {
+        Node* n = stack.back();
+        stack.pop_back();
+        for (auto& e : n->next_edges()) {
+          if (!e.valid()) continue;
+          ++table[e.fn.get()].deps;
+          visit(e.fn.get());
         }
       }
-    }
+    };
+    for (auto& n : root_nodes) visit(n.get());
+    count_deps();
+    if (!participate) cohorts.clear();
+    for (std::size_t k = 0; k < cohorts.size(); ++k)
+      for (std::shared_ptr<Node>& member : cohorts[k]->pending()) {
+        if (table[member.get()].seen) continue;
+        visit(member.get());
+        count_deps();
+        root_nodes.push_back(std::move(member));
+      }
   }
 
   std::vector<Capture> captures(capture_edges.size());
@@ -309,6 +324,29 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
   }
 }
 
+void Cohort::add(const std::shared_ptr<Cohort>& cohort, const std::shared_ptr<Node>& node) {
+  if (!cohort || !node) return;
+  cohort->nodes_.push_back(node);
+  node->cohort_ = cohort;
+}
+
+std::vector<std::shared_ptr<Node>> Cohort::pending() {
+  std::erase_if(nodes_, [](const std::shared_ptr<Node>& n) { return n->released(); });
+  return nodes_;
+}
+
+void Cohort::backward_pending(bool retain_graph) {
+  std::vector<std::shared_ptr<Node>> members = pending();
+  if (members.empty()) return;
+  // Any one member as the root (with a zero cotangent) brings in the rest.
+  Node& first = *members.front();
+  const OutputMeta& m = first.outputs().at(0);
+  Tensor handle = zeros(m.shape, m.dtype, m.device);
+  handle.impl()->grad_fn = members.front();
+  handle.impl()->output_nr = 0;
+  run_engine({handle}, {zeros(m.shape, m.dtype, m.device)}, retain_graph, /*accumulate=*/true, {});
+}
+
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
               bool retain_graph) {
   run_engine(roots, grad_roots, retain_graph, /*accumulate=*/true, {});
@@ -316,14 +354,14 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_
 
 std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& grad_roots, bool retain_graph,
-                         bool allow_unused) {
+                         bool allow_unused, bool participate) {
   std::vector<Edge> edges;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) throw InvalidArgument(fmt::format("grad: input {} is undefined", i));
     edges.push_back(gradient_edge(inputs[i]));
   }
   std::vector<Tensor> out =
-      run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges);
+      run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges, participate);
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (out[i].defined()) continue;
     if (!allow_unused)

@@ -38,6 +38,8 @@ struct OutputMeta {
   Device device;
 };
 
+class Cohort;
+
 /// A backward function. apply() receives one gradient per forward output (in
 /// the order of outputs) and returns one per forward input (next_edges).
 class Node : public std::enable_shared_from_this<Node> {
@@ -64,11 +66,52 @@ class Node : public std::enable_shared_from_this<Node> {
   using OutputMetaList = boost::container::small_vector<OutputMeta, 1>;
   EdgeList& next_edges() { return next_edges_; }
   OutputMetaList& outputs() { return outputs_; }
+  /// The cohort this node runs with (null: none, or gone); see Cohort.
+  std::shared_ptr<Cohort> cohort() const { return cohort_.lock(); }
 
  private:
+  friend class Cohort;
   uint64_t sequence_nr_;
+  std::weak_ptr<Cohort> cohort_;  // the cohort owns its members, not the reverse
   EdgeList next_edges_;
   OutputMetaList outputs_;
+};
+
+/// Nodes that run their backward together: whenever a backward pass (backward
+/// or grad) runs any node of a cohort, it also runs every member of that
+/// cohort that has not run yet, with zero cotangents where the pass's roots
+/// do not reach it. The cohort of a rank is its differentiable collectives
+/// (nn::, one cohort per rank, ProcessGroup::cohort()): their backward calls
+/// pair across ranks by order, so every rank must run the backward of every
+/// collective it took part in, whatever its own loss reaches, and even when
+/// it dropped the output (the participation rule, docs/semantics.md). The
+/// engine runs ready nodes by descending sequence number, so every rank
+/// issues those backward calls in reverse forward order.
+///
+/// A cohort owns its members until a backward pass without retain_graph has
+/// run them (a member run with retain_graph stays, and runs again in the
+/// next pass, on every rank alike). Code that issues differentiable
+/// collectives on tensors that require grad and never runs their backward
+/// (an evaluation loop) should pass detached tensors, or call discard() on
+/// every rank. Used by one thread at a time (the rank's).
+class Cohort {
+ public:
+  /// Makes `node` a member (its last: creation order). Null is ignored.
+  static void add(const std::shared_ptr<Cohort>& cohort, const std::shared_ptr<Node>& node);
+  /// The members still to run, in creation order (drops the ones that ran).
+  std::vector<std::shared_ptr<Node>> pending();
+  /// Runs the backward of every pending member with zero cotangents (and
+  /// what flows from them): the participation of a rank whose loss reaches
+  /// none of its collectives this step. Accumulates into leaves' .grad()
+  /// like backward().
+  void backward_pending(bool retain_graph = false);
+  /// Forgets every pending member without running it. Every rank of the
+  /// groups concerned must do the same, or their backward calls no longer
+  /// pair (CollectiveMismatch naming the forward calls).
+  void discard() { nodes_.clear(); }
+
+ private:
+  std::vector<std::shared_ptr<Node>> nodes_;
 };
 
 /// The edge a gradient for `t` must flow into: its grad_fn and output number,
@@ -159,16 +202,21 @@ std::vector<Tensor> detail::FunctionNode<T>::apply(std::vector<Tensor> grads) {
 /// retain_graph false the graph's saved state is freed and a second backward
 /// through it throws InvalidArgument.
 /// Throws InvalidArgument on shape/dtype mismatches and released graphs.
+/// Every pending member of a cohort that a reached node belongs to runs too
+/// (see Cohort).
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots = {},
               bool retain_graph = false);
 
 /// Returns d(roots)/d(inputs) contracted with grad_roots, without touching any
-/// .grad(). Every reachable node runs (so every rank issues the same backward
-/// collectives). An input that no gradient reaches gets zeros when
-/// allow_unused, else InvalidArgument.
+/// .grad(). Every reachable node runs, and with `participate` every pending
+/// member of a cohort that a reached node belongs to (see Cohort), so every
+/// rank issues the same backward collectives. `participate = false` runs the
+/// reachable graph only: for a caller that orders the cohort itself (the
+/// Python bridge, where torch decides which nodes run). An input that no
+/// gradient reaches gets zeros when allow_unused, else InvalidArgument.
 std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& grad_roots = {}, bool retain_graph = false,
-                         bool allow_unused = true);
+                         bool allow_unused = true, bool participate = true);
 
 /// Central finite-difference check in float64. fn maps the inputs (float64,
 /// requires_grad) to one tensor; its gradient against a fixed random

@@ -245,7 +245,11 @@ class _Bridge(torch.autograd.Function):
             cotangents.append(to_diffcomm(g.contiguous()))
         wanted = [x for x in ctx.dc_inputs if x.requires_grad]
         result: List[Optional[torch.Tensor]] = [None]
-        got = iter(_core.grad(roots, wanted, cotangents, True) if roots and wanted else [])
+        # participate=False: torch decides which bridges run, so diffcomm's
+        # cohort rule (run every pending collective of the rank) is not
+        # applied here; a mispairing still raises CollectiveMismatch, since
+        # every backward call names its forward call.
+        got = iter(_core.grad(roots, wanted, cotangents, True, False) if roots and wanted else [])
         for x in ctx.dc_inputs:
             result.append(_core.to_torch(next(got)) if x.requires_grad else None)
         return tuple(result)

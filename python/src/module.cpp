@@ -270,9 +270,11 @@ void bind_tensor(nb::module_& m) {
   m.def(
       "grad",
       [](const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-         const std::vector<Tensor>& grad_outputs,
-         bool retain_graph) { return dc::grad(outputs, inputs, grad_outputs, retain_graph, true); },
-      "outputs"_a, "inputs"_a, "grad_outputs"_a, "retain_graph"_a = false, release(),
+         const std::vector<Tensor>& grad_outputs, bool retain_graph, bool participate) {
+        return dc::grad(outputs, inputs, grad_outputs, retain_graph, true, participate);
+      },
+      "outputs"_a, "inputs"_a, "grad_outputs"_a, "retain_graph"_a = false, "participate"_a = true,
+      release(),
       "diffcomm::grad: gradients of outputs w.r.t. inputs contracted with grad_outputs; runs "
       "the backward collectives of the recorded graph. Unused inputs get zeros.");
   m.def(
@@ -320,6 +322,12 @@ void bind_dist(nb::module_& m) {
            "Collective, MPI_Comm_split semantics.")
       .def(
           "barrier", [](const ProcessGroup& g) { dc::dist::barrier(g); }, release())
+      .def(
+          "backward_pending", [](const ProcessGroup& g) { g.cohort()->backward_pending(); },
+          release(),
+          "Runs, with zero cotangents, the backward of every differentiable collective of this "
+          "rank that has not run yet (the participation of a rank whose loss reaches none of "
+          "them; diffcomm.grad/backward do it for the collectives they meet).")
       .def("__repr__", [](const ProcessGroup& g) {
         return "diffcomm.ProcessGroup(name='" + g.name() + "', rank=" + std::to_string(g.rank()) +
                ", size=" + std::to_string(g.size()) + ", backend='" + g.backend().backend_name() +

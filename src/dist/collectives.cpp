@@ -259,6 +259,10 @@ class Checker {
     const ProcessGroup::CallSlot slot_guard(g_, call_);  // one thread per group
     const bool p2p = call_.op == OpType::Send || call_.op == OpType::Recv;
     call_.seq = p2p ? g_.next_p2p_seq() : g_.next_seq();
+    if (!p2p) {
+      call_.backward_of = g_.backward_of();
+      g_.set_last_call({call_.op, call_.seq});
+    }
     call_.bytes_sent = sent;
     call_.bytes_received = received;
     g_.stats().record(g_.name(), op_cstr(call_.op), sent, received);

@@ -94,10 +94,22 @@ CallDesc describe(const Call& call) {
   d.color = call.color;
   d.key = call.key;
   d.members_are_ranks = call.members_are_ranks;
+  d.backward_of = call.backward_of;
   return d;
 }
 
+namespace {
+std::string plain_signature(const CallDesc& c);
+}  // namespace
+
 std::string signature(const CallDesc& c) {
+  if (!c.backward_of) return plain_signature(c);
+  return fmt::format("{} (backward of {} #{})", plain_signature(c), op_name(c.backward_of->op),
+                     c.backward_of->seq);
+}
+
+namespace {
+std::string plain_signature(const CallDesc& c) {
   if (c.op == OpType::NewGroup) {
     // new_group passes its member list (group ranks); ProcessGroup::split
     // (device meshes, encoder CP groups) its caller's fingerprint, which is
@@ -126,6 +138,7 @@ std::string signature(const CallDesc& c) {
     s += fmt::format(", output_splits=[{}]", fmt::join(c.output_splits, ","));
   return s + ")";
 }
+}  // namespace
 
 std::vector<int64_t> serialize(const CallDesc& c) {
   std::vector<int64_t> w = {static_cast<int64_t>(c.op),
@@ -151,6 +164,8 @@ std::vector<int64_t> serialize(const CallDesc& c) {
   put_list(c.input_splits);
   put_list(c.output_splits);
   put_list(c.members);
+  w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->op) : -1);
+  w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->seq) : 0);
   return w;
 }
 
@@ -199,6 +214,11 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   c.input_splits = take_list();
   c.output_splits = take_list();
   c.members = take_list();
+  const int64_t backward_op = take();
+  const auto backward_seq = static_cast<uint64_t>(take());
+  if (backward_op > static_cast<int64_t>(OpType::NewGroup))
+    throw InvalidArgument(fmt::format("deserialize: bad forward op {}", backward_op));
+  if (backward_op >= 0) c.backward_of = CallId{static_cast<OpType>(backward_op), backward_seq};
   return c;
 }
 
@@ -212,6 +232,7 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
   const agreement::Rule r = rule(c[0]->op);
   for (std::size_t i = 1; i < n; ++i) {
     if (c[i]->op != c[0]->op) return differ(0, i, "op");
+    if (c[i]->backward_of != c[0]->backward_of) return differ(0, i, "forward call");
     if (r.shapes == Shapes::Members) {
       if (c[i]->members_are_ranks != c[0]->members_are_ranks)
         return differ(0, i, "kind of split (new_group vs split)");
@@ -311,7 +332,7 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
   const agreement::Rule r = rule(c0.op);
   for (std::size_t i = 1; i < n; ++i) {
     const Call& ci = *c[i];
-    if (ci.op != c0.op) return false;
+    if (ci.op != c0.op || ci.backward_of != c0.backward_of) return false;
     if (r.shapes == Shapes::Members) {
       if (ci.members_are_ranks != c0.members_are_ranks || ci.members != c0.members) return false;
       continue;
@@ -478,6 +499,8 @@ Fingerprint fingerprint(const Call& call) {
   f[9] = static_cast<int64_t>(in_edges);
   f[10] = static_cast<int64_t>(members);
   f[11] = call.group_size;
+  f[12] = call.backward_of ? static_cast<int64_t>(call.backward_of->op) : -1;
+  f[13] = call.backward_of ? static_cast<int64_t>(call.backward_of->seq) : -1;
   return f;
 }
 
@@ -495,7 +518,9 @@ const char* fingerprint_field(const Fingerprint& a, const Fingerprint& b) {
                                                             "outgoing splits",
                                                             "incoming splits",
                                                             "member list",
-                                                            "group size"};
+                                                            "group size",
+                                                            "forward call",
+                                                            "forward call"};
   for (std::size_t k = 0; k < kFingerprintWords; ++k)
     if (a[k] != b[k]) return kNames[k];
   return "";
@@ -510,7 +535,7 @@ bool fingerprints_agree(const std::vector<Fingerprint>& prints) {
     if (rule(static_cast<OpType>(a[0])).data)
       for (std::size_t k = 2; k <= 7; ++k)
         if (p[k] != a[k]) return false;
-    if (p[10] != a[10] || p[11] != a[11]) return false;
+    if (p[10] != a[10] || p[11] != a[11] || p[12] != a[12] || p[13] != a[13]) return false;
     out_edges += static_cast<uint64_t>(p[8]);
     in_edges += static_cast<uint64_t>(p[9]);
   }

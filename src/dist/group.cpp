@@ -17,6 +17,7 @@ struct ProcessGroup::State {
   std::string name;
   std::shared_ptr<Stats> stats;
   std::shared_ptr<FlightRecorder> recorder;
+  std::shared_ptr<Cohort> cohort;
   uint64_t seq = 0;
   uint64_t p2p_seq = 0;
   // The thread inside a call on this group (id{} when none), and which call:
@@ -24,16 +25,20 @@ struct ProcessGroup::State {
   std::atomic<std::thread::id> caller{};
   std::atomic<int> caller_op{0};
   std::atomic<uint64_t> caller_seq{0};
+  std::optional<CallId> last_call;    // the last collective numbered here
+  std::optional<CallId> backward_of;  // set by a live BackwardOf
 };
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Backend> backend, std::string name,
-                           std::shared_ptr<Stats> stats, std::shared_ptr<FlightRecorder> recorder)
+                           std::shared_ptr<Stats> stats, std::shared_ptr<FlightRecorder> recorder,
+                           std::shared_ptr<Cohort> cohort)
     : state_(std::make_shared<State>()) {
   if (!backend) throw InvalidArgument("ProcessGroup: null backend");
   state_->backend = std::move(backend);
   state_->name = std::move(name);
   state_->stats = stats ? std::move(stats) : std::make_shared<Stats>();
   state_->recorder = recorder ? std::move(recorder) : std::make_shared<FlightRecorder>();
+  state_->cohort = cohort ? std::move(cohort) : std::make_shared<Cohort>();
 }
 
 int ProcessGroup::rank() const { return state_->backend->rank(); }
@@ -45,8 +50,25 @@ std::array<const void*, 2> ProcessGroup::hot_addresses() const noexcept {
 }
 Stats& ProcessGroup::stats() const { return *state_->stats; }
 FlightRecorder& ProcessGroup::flight_recorder() const { return *state_->recorder; }
+const std::shared_ptr<Cohort>& ProcessGroup::cohort() const { return state_->cohort; }
 uint64_t ProcessGroup::next_seq() const { return state_->seq++; }
 uint64_t ProcessGroup::next_p2p_seq() const { return state_->p2p_seq++; }
+const std::optional<CallId>& ProcessGroup::backward_of() const { return state_->backward_of; }
+void ProcessGroup::set_last_call(CallId call) const { state_->last_call = call; }
+
+CallId ProcessGroup::last_call() const {
+  if (!state_->last_call)
+    throw InvalidArgument(
+        fmt::format("last_call on group '{}' (rank {} of {}): no collective was issued on it yet",
+                    name(), rank(), size()));
+  return *state_->last_call;
+}
+
+ProcessGroup::BackwardOf::BackwardOf(const ProcessGroup& group, CallId forward)
+    : state_(group.state_.get()), previous_(state_->backward_of) {
+  state_->backward_of = forward;
+}
+ProcessGroup::BackwardOf::~BackwardOf() { state_->backward_of = previous_; }
 
 ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, const Call& call)
     : state_(group.state_.get()) {
@@ -103,7 +125,8 @@ std::optional<ProcessGroup> ProcessGroup::split(int color, int key,
   // Through the funnel like every other call (numbering, stats, recorder).
   std::shared_ptr<Backend> b = detail::split_backend(*this, color, key, fingerprint);
   if (!b) return std::nullopt;
-  return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder);
+  return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder,
+                      state_->cohort);
 }
 
 std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks,
@@ -134,7 +157,8 @@ std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& rank
       detail::split_backend(*this, color, key, std::vector<int64_t>(ranks.begin(), ranks.end()),
                             /*members_are_ranks=*/true);
   if (!b) return std::nullopt;
-  return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder);
+  return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder,
+                      state_->cohort);
 }
 
 }  // namespace diffcomm::dist

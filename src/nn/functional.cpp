@@ -147,6 +147,7 @@ struct AllReduceFn : Function<AllReduceFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::all_reduce(group, out, op);
+    forward_call = group.last_call();
     if (!linear(op)) {
       x = in[0];
       y = out;
@@ -154,11 +155,13 @@ struct AllReduceFn : Function<AllReduceFn> {
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor total = grads[0].copy_data();
     dist::all_reduce(group, total, linear(op) ? op : ReduceOp(ReduceOp::Sum));
     if (linear(op)) return {total};
     return {nonlinear_grad(op, group, x, y, total)};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 // ------------------------------------------------------------------ broadcast
@@ -169,14 +172,17 @@ struct BroadcastFn : Function<BroadcastFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::broadcast(group, out, src);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor total = grads[0].copy_data();
     dist::reduce(group, total, src, ReduceOp::Sum);
     if (group.rank() != src) total.fill_(0.0);
     return {total};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 // ------------------------------------------------------------------ reduce
@@ -189,6 +195,7 @@ struct ReduceFn : Function<ReduceFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::reduce(group, out, dst, op);
+    forward_call = group.last_call();
     if (group.rank() != dst) out.fill_(0.0);  // defined: zeros off the root
     if (!linear(op)) {
       x = in[0];
@@ -197,6 +204,7 @@ struct ReduceFn : Function<ReduceFn> {
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     // Only dst's output depends on x; other ranks' outputs are constants.
     Tensor total = grads[0].copy_data();
     dist::broadcast(group, total, dst);
@@ -205,6 +213,7 @@ struct ReduceFn : Function<ReduceFn> {
     dist::broadcast(group, value, dst);
     return {nonlinear_grad(op, group, x, value, total)};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 // ------------------------------------------------------------------ gathers
@@ -216,14 +225,17 @@ struct AllGatherFn : Function<AllGatherFn> {
     std::vector<Tensor> outs;
     for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(in[0]));
     dist::all_gather(group, outs, in[0]);
+    forward_call = group.last_call();
     return outs;
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     if (mode == GatherGrad::Replicated) return {grads[static_cast<std::size_t>(group.rank())]};
     Tensor dx = empty_like(grads[0]);
     dist::reduce_scatter(group, dx, grads, ReduceOp::Sum);
     return {dx};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct AllGatherSingleFn : Function<AllGatherSingleFn> {
@@ -236,9 +248,11 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
     shape[0] *= group.size();
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
     dist::all_gather_single(group, out, in[0]);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     const int64_t rows = grads[0].size(0) / group.size();
     if (mode == GatherGrad::Replicated)
       return {grads[0].row_view(group.rank() * rows, rows).copy_data()};
@@ -248,6 +262,7 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
     dist::reduce_scatter_single(group, dx, grads[0], ReduceOp::Sum);
     return {dx};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct AllGatherVFn : Function<AllGatherVFn> {
@@ -260,9 +275,11 @@ struct AllGatherVFn : Function<AllGatherVFn> {
     const Shape shape = shape_from_splits("all_gather_v", group, splits, "output_splits", in[0]);
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
     dist::all_gather_v(group, out, in[0], splits);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     const auto r = static_cast<std::size_t>(group.rank());
     Shape shape = grads[0].shape();
     shape[0] = splits[r];
@@ -275,6 +292,7 @@ struct AllGatherVFn : Function<AllGatherVFn> {
     dist::reduce_scatter_v(group, dx, grads[0], splits, ReduceOp::Sum);
     return {dx};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct GatherFn : Function<GatherFn> {
@@ -287,13 +305,16 @@ struct GatherFn : Function<GatherFn> {
     for (int s = 0; s < group.size(); ++s)
       outs.push_back(me ? empty_like(in[0]) : zeros_like(in[0]));
     dist::gather(group, me ? outs : std::vector<Tensor>{}, in[0], dst);
+    forward_call = group.last_call();
     return outs;
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor dx = empty_like(grads[0]);
     dist::scatter(group, dx, group.rank() == dst ? grads : std::vector<Tensor>{}, dst);
     return {dx};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct ScatterFn : Function<ScatterFn> {
@@ -303,15 +324,18 @@ struct ScatterFn : Function<ScatterFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = empty_like(in[0]);
     dist::scatter(group, out, group.rank() == src ? in : std::vector<Tensor>{}, src);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     const auto n = static_cast<std::size_t>(group.size());
     std::vector<Tensor> outs;
     for (std::size_t s = 0; s < n; ++s) outs.push_back(zeros_like(grads[0]));
     dist::gather(group, group.rank() == src ? outs : std::vector<Tensor>{}, grads[0], src);
     return outs;
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 // ------------------------------------------------------------------ reduce-scatters
@@ -323,15 +347,18 @@ struct ReduceScatterFn : Function<ReduceScatterFn> {
     if (in.empty()) fail("reduce_scatter", group, "xs is empty; expected one tensor per member");
     Tensor out = empty_like(in[0]);
     dist::reduce_scatter(group, out, in, op);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     std::vector<Tensor> outs;
     for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(grads[0]));
     dist::all_gather(group, outs, grads[0]);
     for (auto& t : outs) t = scaled(t, op, group.size());
     return outs;
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
@@ -348,15 +375,18 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
     shape[0] /= group.size();
     Tensor out = empty(shape, x.dtype(), x.device());
     dist::reduce_scatter_single(group, out, x, op);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     Shape shape = grads[0].shape();
     shape[0] *= group.size();
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
     dist::all_gather_single(group, dx, grads[0]);
     return {scaled(dx, op, group.size())};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct ReduceScatterVFn : Function<ReduceScatterVFn> {
@@ -375,15 +405,18 @@ struct ReduceScatterVFn : Function<ReduceScatterVFn> {
     if (shape[0] < 0) fail("reduce_scatter_v", group, "negative split");
     Tensor out = empty(shape, x.dtype(), x.device());
     dist::reduce_scatter_v(group, out, x, splits, op);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     Shape shape = grads[0].shape();
     shape[0] = std::accumulate(splits.begin(), splits.end(), int64_t{0});
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
     dist::all_gather_v(group, dx, grads[0], splits);
     return {scaled(dx, op, group.size())};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 // ------------------------------------------------------------------ all-to-alls
@@ -403,9 +436,11 @@ struct AllToAllFn : Function<AllToAllFn> {
     std::vector<Tensor> outs;
     for (const auto& s : out_shapes) outs.push_back(empty(s, in[0].dtype(), in[0].device()));
     dist::all_to_all(group, outs, in);
+    forward_call = group.last_call();
     return outs;
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     // The gradient of xs[j] comes back from member j: the exact reverse route.
     std::vector<Tensor> dxs;
     for (int s = 0; s < group.size(); ++s)
@@ -415,6 +450,7 @@ struct AllToAllFn : Function<AllToAllFn> {
     return dxs;
   }
   std::vector<Shape> in_shapes;
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct AllToAllSingleFn : Function<AllToAllSingleFn> {
@@ -434,13 +470,16 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
             : empty(shape_from_splits("all_to_all_single", group, out_splits, "output_splits", x),
                     x.dtype(), x.device());
     dist::all_to_all_single(group, out, x, out_splits, in_splits);
+    forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor dx = empty(in_shape, grads[0].dtype(), grads[0].device());
     dist::all_to_all_single(group, dx, grads[0], in_splits, out_splits);
     return {dx};
   }
+  dist::CallId forward_call{};  // named by every call backward() makes
 };
 
 struct CopyToTpRegionFn : Function<CopyToTpRegionFn> {
@@ -466,33 +505,41 @@ struct EmptyFromAnchorFn : Function<EmptyFromAnchorFn> {
   }
 };
 
+// Joins the op's autograd node (when one was recorded) to its rank's
+// cohort, so every backward pass of this rank runs its backward, whatever
+// the rank's loss reaches (the participation rule; see Cohort).
+std::vector<Tensor> joined(std::vector<Tensor> outs, const ProcessGroup& group) {
+  if (!outs.empty() && outs[0].defined()) Cohort::add(group.cohort(), outs[0].grad_fn());
+  return outs;
+}
+
 }  // namespace
 
 Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op) {
   check_defined("all_reduce", group, x, "x");
-  return AllReduceFn{{}, group, op, {}, {}}.apply({x})[0];
+  return joined(AllReduceFn{{}, group, op, {}, {}}.apply({x}), group)[0];
 }
 
 Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group) {
   check_defined("broadcast", group, x, "x");
   check_root("broadcast", group, src, "src");
-  return BroadcastFn{{}, group, src}.apply({x})[0];
+  return joined(BroadcastFn{{}, group, src}.apply({x}), group)[0];
 }
 
 Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op) {
   check_defined("reduce", group, x, "x");
   check_root("reduce", group, dst, "dst");
-  return ReduceFn{{}, group, dst, op, {}, {}}.apply({x})[0];
+  return joined(ReduceFn{{}, group, dst, op, {}, {}}.apply({x}), group)[0];
 }
 
 std::vector<Tensor> all_gather(const Tensor& x, const ProcessGroup& group, GatherGrad grad) {
   check_defined("all_gather", group, x, "x");
-  return AllGatherFn{{}, group, grad}.apply({x});
+  return joined(AllGatherFn{{}, group, grad}.apply({x}), group);
 }
 
 Tensor all_gather_single(const Tensor& x, const ProcessGroup& group, GatherGrad grad) {
   check_defined("all_gather_single", group, x, "x");
-  return AllGatherSingleFn{{}, group, grad}.apply({x})[0];
+  return joined(AllGatherSingleFn{{}, group, grad}.apply({x}), group)[0];
 }
 
 Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessGroup& group,
@@ -502,13 +549,13 @@ Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessG
     fail("all_gather_v", group,
          fmt::format("output_splits has {} entries, expected {}", output_splits.size(),
                      group.size()));
-  return AllGatherVFn{{}, group, output_splits, grad}.apply({x})[0];
+  return joined(AllGatherVFn{{}, group, output_splits, grad}.apply({x}), group)[0];
 }
 
 std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group) {
   check_defined("gather", group, x, "x");
   check_root("gather", group, dst, "dst");
-  return GatherFn{{}, group, dst}.apply({x});
+  return joined(GatherFn{{}, group, dst}.apply({x}), group);
 }
 
 Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group) {
@@ -519,26 +566,26 @@ Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group
                      "used on src only)",
                      xs.size(), group.size()));
   for (const auto& t : xs) check_defined("scatter", group, t, "xs[i]");
-  return ScatterFn{{}, group, src}.apply(xs)[0];
+  return joined(ScatterFn{{}, group, src}.apply(xs), group)[0];
 }
 
 Tensor reduce_scatter(const std::vector<Tensor>& xs, const ProcessGroup& group, ReduceOp op) {
   refuse_nonlinear("reduce_scatter", group, op);
   for (const auto& t : xs) check_defined("reduce_scatter", group, t, "xs[i]");
-  return ReduceScatterFn{{}, group, op}.apply(xs)[0];
+  return joined(ReduceScatterFn{{}, group, op}.apply(xs), group)[0];
 }
 
 Tensor reduce_scatter_single(const Tensor& x, const ProcessGroup& group, ReduceOp op) {
   refuse_nonlinear("reduce_scatter_single", group, op);
   check_defined("reduce_scatter_single", group, x, "x");
-  return ReduceScatterSingleFn{{}, group, op}.apply({x})[0];
+  return joined(ReduceScatterSingleFn{{}, group, op}.apply({x}), group)[0];
 }
 
 Tensor reduce_scatter_v(const Tensor& x, const Splits& input_splits, const ProcessGroup& group,
                         ReduceOp op) {
   refuse_nonlinear("reduce_scatter_v", group, op);
   check_defined("reduce_scatter_v", group, x, "x");
-  return ReduceScatterVFn{{}, group, input_splits, op}.apply({x})[0];
+  return joined(ReduceScatterVFn{{}, group, input_splits, op}.apply({x}), group)[0];
 }
 
 std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup& group,
@@ -546,18 +593,18 @@ std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup
   for (const auto& t : xs) check_defined("all_to_all", group, t, "xs[i]");
   AllToAllFn fn{{}, group, output_shapes, {}};
   for (const auto& t : xs) fn.in_shapes.push_back(t.shape());
-  return std::move(fn).apply(xs);
+  return joined(std::move(fn).apply(xs), group);
 }
 
 Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Splits& input_splits,
                          const ProcessGroup& group) {
   check_defined("all_to_all_single", group, x, "x");
-  return AllToAllSingleFn{{}, group, output_splits, input_splits, {}}.apply({x})[0];
+  return joined(AllToAllSingleFn{{}, group, output_splits, input_splits, {}}.apply({x}), group)[0];
 }
 
 Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group) {
   check_defined("copy_to_tp_region", group, x, "x");
-  return CopyToTpRegionFn{{}, group}.apply({x})[0];
+  return joined(CopyToTpRegionFn{{}, group}.apply({x}), group)[0];
 }
 
 Tensor cat_or_empty(const std::vector<Tensor>& rows, const Tensor& anchor, int64_t width) {

@@ -13,9 +13,14 @@
 //   DIFFCOMM_DIFF_NATIVE=1  MPI's native reductions instead (a negative
 //                           control: they are not bit-identical)
 //   DIFFCOMM_DIFF_VERBOSE=1 print every program
+//   DIFFCOMM_DIFF_GRAD_PROGRAMS  then how many random programs of
+//                           differentiable collectives to check against the
+//                           reference gradient (default 100;
+//                           gradient_program.hpp: the participation rule)
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,7 +28,9 @@
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
+#include "diffcomm/error.hpp"
 #include "diffcomm/sim/world.hpp"
+#include "gradient_program.hpp"
 #include "program.hpp"
 
 namespace {
@@ -45,6 +52,44 @@ std::string expected_shape(const differential::Program& p, const differential::O
                        o.failed_step, o.error);
   return "";
 }
+// The participation rule on MPI (issue [4/8], item 4): random programs of
+// differentiable collectives on sub-groups, each rank's loss a random
+// subset of its outputs; every rank's gradient must equal the independent
+// reference of the summed loss. Returns the number of failed programs.
+int run_gradient_programs(int rank, int n, uint64_t count, uint64_t first) {
+  int failed = 0;
+  for (uint64_t seed = first; seed < first + count; ++seed) {
+    const differential::GradProgram p = differential::make_grad_program(n, seed);
+    dist::Options options;
+    options.check = true;
+    std::string why;
+    try {
+      const std::vector<double> got = differential::run_grad_program(p, mpi::world(options));
+      const std::vector<double> want =
+          differential::reference_gradients(p)[static_cast<std::size_t>(rank)];
+      for (std::size_t e = 0; e < want.size() && why.empty(); ++e)
+        if (std::abs(got[e] - want[e]) > 1e-9)
+          why = fmt::format("element {}: {} but the reference is {}", e, got[e], want[e]);
+    } catch (const Error& e) {
+      why = e.what();
+    }
+    int bad = why.empty() ? 0 : 1;
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (!bad) continue;
+    ++failed;
+    if (!why.empty())
+      std::printf("gradient program %llu rank %d: %s\n", static_cast<unsigned long long>(seed),
+                  rank, why.c_str());
+    if (rank == 0) std::printf("%s", differential::describe(p).c_str());
+    std::fflush(stdout);
+  }
+  if (rank == 0)
+    std::printf("gradient programs (participation rule, %d ranks): %llu passed, %d failed\n", n,
+                static_cast<unsigned long long>(count) - static_cast<unsigned long long>(failed),
+                failed);
+  return failed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,11 +143,14 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  const uint64_t grad_count = env_u64("DIFFCOMM_DIFF_GRAD_PROGRAMS", 100);
+  failed += run_gradient_programs(rank, n, grad_count, first);
   if (rank == 0) {
     std::printf("differential (sim vs mpi, %d ranks, seeds %llu..%llu):\n", n,
                 static_cast<unsigned long long>(first),
                 static_cast<unsigned long long>(first + count - 1));
-    std::printf("%llu passed, %d failed\n", static_cast<unsigned long long>(count - failed),
+    std::printf("%llu passed, %d failed\n",
+                static_cast<unsigned long long>(count + grad_count - static_cast<uint64_t>(failed)),
                 failed);
   }
   return failed ? 1 : 0;

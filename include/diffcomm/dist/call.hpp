@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -245,6 +246,14 @@ class TensorList {
   Kind kind_ = Kind::Borrowed;
 };
 
+/// A call on a group, by op and call number: how the backward of a
+/// differentiable collective names the forward call it belongs to.
+struct CallId {
+  OpType op = OpType::Barrier;
+  uint64_t seq = 0;
+  bool operator==(const CallId&) const = default;
+};
+
 struct Call {
   OpType op = OpType::Barrier;
   uint64_t seq = 0;  ///< per-group call number (collectives and send/recv counted apart)
@@ -280,6 +289,12 @@ struct Call {
   /// Set on the transport steps of a composed call (dist/composed.hpp): the
   /// user's op this step belongs to, for messages. Null otherwise.
   const char* part_of = nullptr;
+  /// Set on the calls a differentiable collective's backward makes: its
+  /// forward call on the same group (ProcessGroup::BackwardOf). Members must
+  /// agree on it like on the op, so ranks running the backward of different
+  /// forward calls raise CollectiveMismatch naming both forward calls,
+  /// instead of pairing silently.
+  std::optional<CallId> backward_of;
 
   /// "all_reduce(float32[4], op=sum)" — the fields a fingerprint compares.
   std::string signature() const;

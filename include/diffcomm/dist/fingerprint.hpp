@@ -29,16 +29,18 @@ struct CallDesc {
   std::vector<Shape> outputs;  ///< shapes of Call::outputs
   std::vector<int64_t> input_splits;
   std::vector<int64_t> output_splits;
-  std::vector<int64_t> members;    ///< new_group/split: the fingerprint every member passes
-  int color = -1;                  ///< new_group/split: this member's color (reports only)
-  int key = 0;                     ///< new_group/split: this member's key (reports only)
-  bool members_are_ranks = false;  ///< new_group (members = rank list) vs split (a fingerprint)
+  std::vector<int64_t> members;       ///< new_group/split: the fingerprint every member passes
+  int color = -1;                     ///< new_group/split: this member's color (reports only)
+  int key = 0;                        ///< new_group/split: this member's key (reports only)
+  bool members_are_ranks = false;     ///< new_group (members = rank list) vs split (a fingerprint)
+  std::optional<CallId> backward_of;  ///< Call::backward_of
 };
 
 /// The description of a call (shapes copied, no data).
 CallDesc describe(const Call& call);
 
-/// "all_reduce(float32, in=[4], op=sum)" — the fields a fingerprint compares;
+/// "all_reduce(float32, in=[4], op=sum)" — the fields a fingerprint compares
+/// (a backward call adds " (backward of all_reduce #0)");
 /// "new_group(ranks=[0,2])" for new_group, "split(color=0, key=1,
 /// fingerprint=[1,2,4,-2])" for ProcessGroup::split.
 std::string signature(const CallDesc& call);
@@ -57,7 +59,8 @@ CallDesc deserialize(const int64_t* words, std::size_t count);
 /// ops; all_to_all_single: input_splits[j] on rank i == output_splits[i] on
 /// rank j; all_to_all: outputs[s] on i has the shape of inputs[i] on s;
 /// new_group: equal member lists; split: equal fingerprints; equal reduce op
-/// includes PremulSum's factor.
+/// includes PremulSum's factor; equal forward call for backward calls
+/// ("forward call differs").
 std::string compare(const std::vector<const CallDesc*>& calls, const std::vector<int>& globals);
 /// The same comparison straight from the members' Calls (the simulated
 /// world's case): agreement is checked in place, without building
@@ -86,7 +89,7 @@ std::string compare(const std::vector<const Call*>& calls, const std::vector<int
 /// where compare() needs equality; split ops carry hashes whose sums over the
 /// members agree exactly when the cross-rank split rule holds (64-bit hashes:
 /// a false "agree" needs a hash collision).
-inline constexpr std::size_t kFingerprintWords = 12;
+inline constexpr std::size_t kFingerprintWords = 14;
 using Fingerprint = std::array<int64_t, kFingerprintWords>;
 
 /// The fingerprint of `call` as issued by group rank call.rank.

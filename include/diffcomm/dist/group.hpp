@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "diffcomm/autograd.hpp"
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/dist/flight_recorder.hpp"
 #include "diffcomm/dist/stats.hpp"
@@ -25,8 +26,11 @@ class ProcessGroup {
   /// mpi::world(), ...) call this; users rarely do.
   /// `stats` and `recorder` are shared by every group of one rank (null:
   /// fresh ones).
+  /// `cohort` (null: a fresh one) is the rank's cohort of differentiable
+  /// collectives, shared by every group of one rank like `stats`.
   ProcessGroup(std::shared_ptr<Backend> backend, std::string name, std::shared_ptr<Stats> stats,
-               std::shared_ptr<FlightRecorder> recorder = nullptr);
+               std::shared_ptr<FlightRecorder> recorder = nullptr,
+               std::shared_ptr<Cohort> cohort = nullptr);
 
   /// This process's group-local rank, in [0, size()).
   int rank() const;
@@ -46,6 +50,11 @@ class ProcessGroup {
   Stats& stats() const;
   /// The last calls of this rank (shared by all groups of the rank).
   FlightRecorder& flight_recorder() const;
+  /// This rank's differentiable collectives (shared by all groups of the
+  /// rank): nn:: ops join their autograd nodes to it, so a backward pass
+  /// runs the backward of every one of them (the participation rule; see
+  /// Cohort in autograd.hpp).
+  const std::shared_ptr<Cohort>& cohort() const;
   /// Where a call on this group first reads: the group's shared state and
   /// its backend object. For a scheduler that prefetches a fiber's memory
   /// before resuming it (the simulated world); never null, never to be
@@ -71,12 +80,39 @@ class ProcessGroup {
     bool claimed_ = false;
   };
 
+  /// The collective this rank last issued on this group (op and call
+  /// number; send/recv not counted). A differentiable collective reads it
+  /// right after its forward call, to name that call in its backward.
+  /// Throws InvalidArgument when no collective was issued yet.
+  CallId last_call() const;
+
+  /// While one lives, every call this rank makes on this group is marked as
+  /// the backward of `forward` (Call::backward_of): members must agree on
+  /// it, so ranks running the backward of different forward calls get
+  /// CollectiveMismatch ("forward call differs") instead of a silent
+  /// mispairing. nn:: ops hold one around their backward's calls.
+  class BackwardOf {
+   public:
+    BackwardOf(const ProcessGroup& group, CallId forward);
+    ~BackwardOf();
+    BackwardOf(const BackwardOf&) = delete;
+    BackwardOf& operator=(const BackwardOf&) = delete;
+
+   private:
+    State* state_;
+    std::optional<CallId> previous_;
+  };
+
   /// Next per-group call number (the funnel numbers every call).
   uint64_t next_seq() const;
   /// Next point-to-point call number. Kept apart from next_seq(), because a
   /// send/recv involves two members only and must not shift the numbering of
   /// the group's collectives.
   uint64_t next_p2p_seq() const;
+  /// What the funnel marks this rank's next call with (see BackwardOf).
+  const std::optional<CallId>& backward_of() const;
+  /// The funnel records each numbered collective (see last_call()).
+  void set_last_call(CallId call) const;
 
   /// Creates the sub-group of the members with group-local ranks `ranks`, in
   /// that order (new rank i = ranks[i]). Collective over this group: every
