@@ -324,6 +324,17 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
   }
 }
 
+const Tensor& SavedTensor::get(const char* node) const {
+  if (t_.defined() && t_.version() != version_)
+    throw InvalidArgument(fmt::format(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        "operation: [{}] saved tensor {}, {}, is at version {}; expected version {} instead "
+        "(an in-place write after the forward use, e.g. a broadcast into a buffer the forward "
+        "read; write into a copy, or write before the forward use)",
+        node, index_, t_.str(), t_.version(), version_));
+  return t_;
+}
+
 void Cohort::add(const std::shared_ptr<Cohort>& cohort, const std::shared_ptr<Node>& node) {
   if (!cohort || !node) return;
   cohort->nodes_.push_back(node);

@@ -343,28 +343,28 @@ struct AddFn : Function<AddFn> {
 
 struct MulFn : Function<MulFn> {
   static constexpr const char* kName = "MulBackward";
-  Tensor a, b;
+  SavedTensor a, b;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    a = in[0];
-    b = in[1];
-    return {raw_mul(a, b)};
+    a = SavedTensor(in[0], 0);
+    b = SavedTensor(in[1], 1);
+    return {raw_mul(in[0], in[1])};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
-    return {raw_mul(g[0], b), raw_mul(g[0], a)};
+    return {raw_mul(g[0], b.get(kName)), raw_mul(g[0], a.get(kName))};
   }
 };
 
 struct DivFn : Function<DivFn> {
   static constexpr const char* kName = "DivBackward";
-  Tensor a, b;
+  SavedTensor a, b;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    a = in[0];
-    b = in[1];
-    return {binary_cpu("div", a, b, [](auto x, auto y) { return x / y; })};
+    a = SavedTensor(in[0], 0);
+    b = SavedTensor(in[1], 1);
+    return {binary_cpu("div", in[0], in[1], [](auto x, auto y) { return x / y; })};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
-    Tensor ga = binary_cpu("div", g[0], b, [](auto x, auto y) { return x / y; });
-    Tensor q = binary_cpu("div", a, b, [](auto x, auto y) { return x / y; });
+    Tensor ga = binary_cpu("div", g[0], b.get(kName), [](auto x, auto y) { return x / y; });
+    Tensor q = binary_cpu("div", a.get(kName), b.get(kName), [](auto x, auto y) { return x / y; });
     Tensor gb = raw_scale(raw_mul(ga, q), -1.0);
     return {ga, gb};
   }
@@ -391,28 +391,29 @@ struct SumFn : Function<SumFn> {
 
 struct DotFn : Function<DotFn> {
   static constexpr const char* kName = "DotBackward";
-  Tensor a, b;
+  SavedTensor a, b;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    a = in[0];
-    b = in[1];
-    return {raw_dot(a, b)};
+    a = SavedTensor(in[0], 0);
+    b = SavedTensor(in[1], 1);
+    return {raw_dot(in[0], in[1])};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
     const double s = g[0].item();
-    return {raw_scale(b, s), raw_scale(a, s)};
+    return {raw_scale(b.get(kName), s), raw_scale(a.get(kName), s)};
   }
 };
 
 struct MatmulFn : Function<MatmulFn> {
   static constexpr const char* kName = "MatmulBackward";
-  Tensor a, b;
+  SavedTensor a, b;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    a = in[0];
-    b = in[1];
-    return {raw_matmul(a, b)};
+    a = SavedTensor(in[0], 0);
+    b = SavedTensor(in[1], 1);
+    return {raw_matmul(in[0], in[1])};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
-    return {raw_matmul(g[0], raw_transpose(b)), raw_matmul(raw_transpose(a), g[0])};
+    return {raw_matmul(g[0], raw_transpose(b.get(kName))),
+            raw_matmul(raw_transpose(a.get(kName)), g[0])};
   }
 };
 

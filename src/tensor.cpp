@@ -394,7 +394,13 @@ Tensor Tensor::copy_data() const {
   return out;
 }
 
+uint64_t Tensor::version() const { return defined() ? impl_->storage->version() : 0; }
+void Tensor::bump_version() const {
+  if (defined()) impl_->storage->bump_version();
+}
+
 Tensor& Tensor::fill_(double value) {
+  bump_version();
   if (device().is_cuda()) {
     detail::cuda_fill(*this, value);
     return *this;
@@ -414,6 +420,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   if (src.numel() != numel())
     throw InvalidArgument(fmt::format("Tensor::copy_: {} elements into {} elements ({} <- {})",
                                       src.numel(), numel(), str(), src.str()));
+  bump_version();
   if (nbytes() == 0 || src.data_ptr() == data_ptr()) return *this;
   if (device().is_cpu() && src.device().is_cpu())
     std::memmove(data_ptr(), src.data_ptr(), nbytes());

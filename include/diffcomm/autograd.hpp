@@ -114,6 +114,29 @@ class Cohort {
   std::vector<std::shared_ptr<Node>> nodes_;
 };
 
+/// A tensor a node saves for its backward, with its storage's version at
+/// saving time (torch's SavedVariable): get() raises when an in-place write
+/// (fill_, copy_, an in-place collective such as a buffer broadcast) changed
+/// it since, instead of computing the gradient from the new values. A write
+/// before the tensor is saved is fine.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  /// `index` names it in the message (torch: "saved tensor 0").
+  SavedTensor(Tensor t, int index) : t_(std::move(t)), version_(t_.version()), index_(index) {}
+  /// The saved tensor. Throws InvalidArgument ("one of the variables needed
+  /// for gradient computation has been modified by an inplace operation:
+  /// [MulBackward] saved tensor 1, float64[1], is at version 1; expected
+  /// version 0 instead") when it changed.
+  const Tensor& get(const char* node) const;
+  bool defined() const { return t_.defined(); }
+
+ private:
+  Tensor t_;
+  uint64_t version_ = 0;
+  int index_ = 0;
+};
+
 /// The edge a gradient for `t` must flow into: its grad_fn and output number,
 /// the leaf's accumulator when it requires grad, else an empty edge.
 Edge gradient_edge(const Tensor& t);

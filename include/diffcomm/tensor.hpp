@@ -51,8 +51,15 @@ class Storage {
   void* data() const { return data_; }
   std::size_t nbytes() const { return nbytes_; }
   const Device& device() const { return device_; }
+  /// Bumped by every in-place write (fill_, copy_, a collective's outputs),
+  /// as torch's version counter: a node that saved a tensor for backward
+  /// compares it (SavedTensor in autograd.hpp). Writes through data_ptr()
+  /// or a DLPack peer are not seen.
+  uint64_t version() const { return version_; }
+  void bump_version() { ++version_; }
 
  private:
+  uint64_t version_ = 0;
   void* data_;
   std::size_t nbytes_;
   Device device_;
@@ -99,9 +106,16 @@ class Tensor {
   /// A deep copy of the data (no autograd history).
   Tensor copy_data() const;
   /// Fills every element with value, converted to dtype(). Returns *this.
+  /// An in-place write: bumps the storage's version.
   Tensor& fill_(double value);
-  /// Copies src's elements into this tensor (same dtype and numel; any devices).
+  /// Copies src's elements into this tensor (same dtype and numel; any
+  /// devices). An in-place write: bumps the storage's version.
   Tensor& copy_(const Tensor& src);
+  /// The storage's version (see Storage::version); 0 when undefined.
+  uint64_t version() const;
+  /// Marks an in-place write done through data_ptr() (as the collectives'
+  /// outputs are): bumps the storage's version.
+  void bump_version() const;
   /// The single element of a 1-element tensor, converted to double (CPU only).
   double item() const;
   /// All elements converted to double (copies from CUDA when needed).

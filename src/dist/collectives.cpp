@@ -281,6 +281,7 @@ class Checker {
       throw;
     }
     recorder.end(slot, FlightRecord::State::Completed);
+    for (const Tensor& t : call_.outputs) t.bump_version();  // written in place
   }
 
   std::shared_ptr<Backend> split_result;

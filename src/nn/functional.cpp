@@ -143,23 +143,27 @@ struct AllReduceFn : Function<AllReduceFn> {
   static constexpr const char* kName = "AllReduceBackward";
   ProcessGroup group;
   ReduceOp op;
-  Tensor x, y;
+  SavedTensor x, y;  // for Max/Min/Product
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::all_reduce(group, out, op);
     forward_call = group.last_call();
     if (!linear(op)) {
-      x = in[0];
-      y = out;
+      x = SavedTensor(in[0], 0);
+      y = SavedTensor(out, 1);
     }
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
+    if (!linear(op)) {  // before any collective: a changed saved tensor fails here
+      (void)x.get(kName);
+      (void)y.get(kName);
+    }
     Tensor total = grads[0].copy_data();
     dist::all_reduce(group, total, linear(op) ? op : ReduceOp(ReduceOp::Sum));
     if (linear(op)) return {total};
-    return {nonlinear_grad(op, group, x, y, total)};
+    return {nonlinear_grad(op, group, x.get(kName), y.get(kName), total)};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
 };
@@ -191,27 +195,31 @@ struct ReduceFn : Function<ReduceFn> {
   ProcessGroup group;
   int dst;
   ReduceOp op;
-  Tensor x, y;
+  SavedTensor x, y;  // for Max/Min/Product
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::reduce(group, out, dst, op);
     forward_call = group.last_call();
     if (group.rank() != dst) out.fill_(0.0);  // defined: zeros off the root
     if (!linear(op)) {
-      x = in[0];
-      y = out;
+      x = SavedTensor(in[0], 0);
+      y = SavedTensor(out, 1);
     }
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
+    if (!linear(op)) {  // before any collective: a changed saved tensor fails here
+      (void)x.get(kName);
+      (void)y.get(kName);
+    }
     // Only dst's output depends on x; other ranks' outputs are constants.
     Tensor total = grads[0].copy_data();
     dist::broadcast(group, total, dst);
     if (linear(op)) return {scaled(total, op, group.size())};
-    Tensor value = y.copy_data();
+    Tensor value = y.get(kName).copy_data();
     dist::broadcast(group, value, dst);
-    return {nonlinear_grad(op, group, x, value, total)};
+    return {nonlinear_grad(op, group, x.get(kName), value, total)};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
 };

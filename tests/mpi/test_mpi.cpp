@@ -20,10 +20,13 @@
 #include "conformance/backend_fixture.hpp"
 #include "conformance/conformance_suite.hpp"
 #include "conformance/promises_suite.hpp"
+#include "diffcomm/autograd.hpp"
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/error.hpp"
+#include "diffcomm/nn/functional.hpp"
+#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/world.hpp"
 
@@ -312,6 +315,47 @@ TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
   }
   for (double v : t.to_vector()) EXPECT_EQ(v, static_cast<double>(world.size()));
   dist::barrier(world);  // every rank's next call is the same call number
+}
+
+// ---------------------------------------------------------------- gradients across ranks
+// Issue [4/8]'s cases on MPI, on the pair {0, 1}: the participation rule
+// (dx = 3 on both ranks, was 2 and 4) and in-place writes to saved tensors
+// after their forward use (the documented error, raised before any
+// backward collective).
+TEST(MpiGradients, EachRanksLossReachesADifferentCollective) {
+  const auto world = mpi::world();
+  const auto pair = world.new_group({0, 1});
+  if (!pair) return;
+  Tensor x = full({1}, 1.0, DType::Float64);
+  x.set_requires_grad(true);
+  Tensor y1 = nn::all_reduce(x, *pair);
+  Tensor y2 = nn::all_reduce(scale(x, 2.0), *pair);
+  backward({sum(pair->rank() == 0 ? y1 : y2)});
+  EXPECT_EQ(x.grad().item(), 3.0);
+}
+
+TEST(MpiGradients, InPlaceWritesAfterTheForwardUseRaise) {
+  const auto world = mpi::world();
+  const auto pair = world.new_group({0, 1});
+  if (!pair) return;
+  const int r = pair->rank();
+  {  // the DDP buffer sync: x = 2 / 3, buf = 5 / 7, loss = sum(x * buf), broadcast(buf)
+    Tensor x = full({1}, r == 0 ? 2.0 : 3.0, DType::Float64);
+    x.set_requires_grad(true);
+    Tensor buf = full({1}, r == 0 ? 5.0 : 7.0, DType::Float64);
+    Tensor loss = sum(mul(x, buf));
+    dist::broadcast(*pair, buf, 0);
+    EXPECT_THROW(backward({loss}), InvalidArgument);
+  }
+  for (dist::ReduceOp op : {dist::ReduceOp::Product, dist::ReduceOp::Max}) {
+    Tensor x = full({1}, r == 0 ? 2.0 : 3.0, DType::Float64);
+    x.set_requires_grad(true);
+    Tensor y = nn::all_reduce(x, *pair, op);
+    dist::all_reduce(*pair, x);
+    EXPECT_THROW(backward({sum(y)}), InvalidArgument) << dist::reduce_op_name(op);
+    pair->cohort()->discard();  // the refused backward left its collective pending
+  }
+  dist::barrier(*pair);
 }
 
 // ---------------------------------------------------------------- encoder-parallel step
