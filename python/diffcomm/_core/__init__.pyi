@@ -91,7 +91,7 @@ def from_list(values: Sequence[float], shape: Sequence[int], dtype: str = 'float
 
 def zeros(shape: Sequence[int], dtype: str = 'float64') -> Tensor: ...
 
-def grad(outputs: Sequence[Tensor], inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], retain_graph: bool = False) -> list[Tensor]:
+def grad(outputs: Sequence[Tensor], inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], retain_graph: bool = False, participate: bool = True) -> list[Tensor]:
     """
     diffcomm::grad: gradients of outputs w.r.t. inputs contracted with grad_outputs; runs the backward collectives of the recorded graph. Unused inputs get zeros.
     """
@@ -149,6 +149,11 @@ class ProcessGroup:
         """Collective, MPI_Comm_split semantics."""
 
     def barrier(self) -> None: ...
+
+    def backward_pending(self) -> None:
+        """
+        Runs, with zero cotangents, the backward of every differentiable collective of this rank that has not run yet (the participation of a rank whose loss reaches none of them; diffcomm.grad/backward do it for the collectives they meet).
+        """
 
     def __repr__(self) -> str: ...
 
