@@ -47,9 +47,25 @@ struct World::Impl {
   // rank as std::set had). The rare paths that walk it sort a copy by
   // address, the order the std::set gave, so wake order is unchanged.
   std::vector<Rendezvous*> pending;
+  // The rendezvous ranks wait in, in an order that depends on the program
+  // and the seed only: (group id, op and call number of the first arrival,
+  // members). Sorting by address made the order in which a deadlock or a
+  // failure wakes the waiting ranks (and so the rest of the interleaving and
+  // which failure leads the report) depend on the heap layout of the build.
   std::vector<Rendezvous*> pending_sorted() const {
     std::vector<Rendezvous*> all(pending);
-    std::sort(all.begin(), all.end(), std::less<Rendezvous*>());
+    auto key = [](const Rendezvous* rv) {
+      const dist::Call* first =
+          rv->arrival_order.empty()
+              ? nullptr
+              : rv->calls[static_cast<std::size_t>(rv->arrival_order.front())];
+      return std::tuple<uint64_t, int, uint64_t, const std::vector<int>&>(
+          rv->group != nullptr ? rv->group->id : UINT64_MAX,
+          first != nullptr ? static_cast<int>(first->op) : -1, first != nullptr ? first->seq : 0,
+          rv->globals);
+    };
+    std::sort(all.begin(), all.end(),
+              [&](const Rendezvous* a, const Rendezvous* b) { return key(a) < key(b); });
     return all;
   }
   uint64_t next_group_id = 0;
