@@ -93,7 +93,10 @@ class Node : public std::enable_shared_from_this<Node> {
 /// next pass, on every rank alike). Code that issues differentiable
 /// collectives on tensors that require grad and never runs their backward
 /// (an evaluation loop) should pass detached tensors, or call discard() on
-/// every rank. Used by one thread at a time (the rank's).
+/// every rank. A member holds its group, whose state holds the cohort: a
+/// member that never runs keeps both alive until discard() (sim::World
+/// discards a rank's cohort when its rank function returns). Used by one
+/// thread at a time (the rank's).
 class Cohort {
  public:
   /// Makes `node` a member (its last: creation order). Null is ignored.

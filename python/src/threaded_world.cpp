@@ -170,6 +170,14 @@ void ThreadedWorld::finish(int rank, std::string failure) {
   if (rank < 0 || rank >= size())
     throw InvalidArgument(
         fmt::format("ThreadedWorld::finish: rank {} outside [0, {})", rank, size()));
+  {
+    // As sim::World does when a rank function returns: its pending
+    // differentiable collectives can never run (kept, they would hold their
+    // group, whose state holds the cohort: a cycle).
+    std::lock_guard lock(state_->mutex);
+    auto& group = state_->groups[static_cast<std::size_t>(rank)];
+    if (group) group->cohort()->discard();
+  }
   state_->channels[static_cast<std::size_t>(rank)]->finish(std::move(failure));
 }
 

@@ -138,6 +138,10 @@ RankExit call_rank_function(const std::function<void(Rank&)>& fn, Rank& rank) {
     exit.error = std::current_exception();
     exit.message = std::make_shared<const std::string>("unknown exception");
   }
+  // The rank's pending differentiable collectives (a failed or forward-only
+  // rank) can never run now: forget them. Each holds its group, whose state
+  // holds the cohort, so kept they would form a cycle and leak.
+  rank.world().cohort()->discard();
   return exit;
 }
 
