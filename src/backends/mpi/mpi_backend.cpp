@@ -7,12 +7,9 @@
 // boundary.
 #include <fmt/format.h>
 
-#include <atomic>
 #include <climits>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -23,6 +20,7 @@
 #include "diffcomm/dist/wait.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
+#include "timeouts.hpp"
 
 namespace diffcomm::mpi {
 namespace {
@@ -33,16 +31,7 @@ using dist::ReduceOp;
 
 int64_t g_max_count = INT_MAX;
 
-// The first call of this process that timed out (its group has requests in
-// flight from then on): what abort_if_timed_out() reports.
-std::atomic<bool> g_timed_out{false};
-std::mutex g_timed_out_mu;
-std::string g_timed_out_in;
-void note_timeout(const std::string& where) {
-  std::lock_guard lock(g_timed_out_mu);
-  if (!g_timed_out.exchange(true)) g_timed_out_in = where;
-}
-void note_call_timeout(const Call& c) { note_timeout(c.where()); }
+void note_call_timeout(const Call& c) { detail::note_timeout(c.where()); }
 
 std::string mpi_error_string(int code) {
   char buf[MPI_MAX_ERROR_STRING];
@@ -635,7 +624,7 @@ void wait_setup(MPI_Request& req, const std::string& what, const std::string& na
       [&](double t) {
         const std::string where =
             fmt::format("{} creating group '{}' (rank {} of {})", what, name, rank, size);
-        note_timeout(where);
+        detail::note_timeout(where);
         return fmt::format(
             "timed out after {} s waiting in {}: creating a group is collective over its "
             "communicator, and a member is late at startup, failed or never created it",
@@ -697,33 +686,6 @@ dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Option
   if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::from_comm: MPI_COMM_NULL");
   auto backend = make_backend(comm, name, options);
   return dist::ProcessGroup(std::move(backend), std::move(name), nullptr);
-}
-
-void abort(int code) {
-  MPI_Abort(MPI_COMM_WORLD, code);
-  std::_Exit(code);  // MPI_Abort does not return; the compiler cannot know
-}
-
-bool timed_out() { return g_timed_out.load(); }
-
-void abort_if_timed_out() {
-  if (!g_timed_out.load()) return;
-  int init = 0, finalized = 0;
-  MPI_Initialized(&init);
-  MPI_Finalized(&finalized);
-  if (!init || finalized) return;
-  std::string where;
-  {
-    std::lock_guard lock(g_timed_out_mu);
-    where = g_timed_out_in;
-  }
-  std::fprintf(stderr,
-               "diffcomm: ending the MPI job with MPI_Abort (code %d): %s timed out earlier and "
-               "its requests are still in flight, so MPI_Finalize could wait for them forever or "
-               "free buffers MPI still writes into\n",
-               kTimeoutAbortCode, where.c_str());
-  std::fflush(stderr);
-  abort(kTimeoutAbortCode);
 }
 
 int64_t max_count() { return g_max_count; }

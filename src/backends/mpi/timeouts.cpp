@@ -1,0 +1,54 @@
+// Ending the job: abort(), and after a Timeout the record of the first
+// timed-out call and abort_if_timed_out()
+// (see timeouts.hpp and backends/mpi.hpp).
+#include "timeouts.hpp"
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
+#include "diffcomm/backends/mpi.hpp"
+
+namespace diffcomm::mpi {
+namespace {
+std::atomic<bool> g_timed_out{false};
+std::mutex g_timed_out_mu;
+std::string g_timed_out_in;
+}  // namespace
+
+void detail::note_timeout(const std::string& where) {
+  std::lock_guard lock(g_timed_out_mu);
+  if (!g_timed_out.exchange(true)) g_timed_out_in = where;
+}
+
+void abort(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; the compiler cannot know
+}
+
+bool timed_out() { return g_timed_out.load(); }
+
+void abort_if_timed_out() {
+  if (!g_timed_out.load()) return;
+  int init = 0, finalized = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&finalized);
+  if (!init || finalized) return;
+  std::string where;
+  {
+    std::lock_guard lock(g_timed_out_mu);
+    where = g_timed_out_in;
+  }
+  std::fprintf(stderr,
+               "diffcomm: ending the MPI job with MPI_Abort (code %d): %s timed out earlier and "
+               "its requests are still in flight, so MPI_Finalize could wait for them forever or "
+               "free buffers MPI still writes into\n",
+               kTimeoutAbortCode, where.c_str());
+  std::fflush(stderr);
+  abort(kTimeoutAbortCode);
+}
+
+}  // namespace diffcomm::mpi

@@ -1,0 +1,14 @@
+#pragma once
+// What the MPI backend remembers of a Timeout: the first call of this process
+// that timed out (its group keeps requests in flight from then on), so the
+// process can end the job instead of waiting in MPI_Finalize
+// (abort_if_timed_out in backends/mpi.hpp).
+#include <string>
+
+namespace diffcomm::mpi::detail {
+
+/// Records `where` ("barrier #0 on group 'world' (rank 0 of 2)") if no call
+/// timed out before. Thread-safe.
+void note_timeout(const std::string& where);
+
+}  // namespace diffcomm::mpi::detail
