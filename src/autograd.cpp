@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <queue>
 #include <typeinfo>
+#include <unordered_set>
 
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
@@ -109,8 +110,7 @@ class NodeTable {
 // One run of the engine over the graph reachable from the roots.
 std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
                                const std::vector<Tensor>& grad_roots, bool retain_graph,
-                               bool accumulate, const std::vector<Edge>& capture_edges,
-                               bool participate = true) {
+                               bool accumulate, const std::vector<Edge>& capture_edges) {
   const char* who = accumulate ? "backward" : "grad";
   if (!grad_roots.empty() && grad_roots.size() != roots.size())
     throw InvalidArgument(
@@ -174,7 +174,6 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
     };
     for (auto& n : root_nodes) visit(n.get());
     count_deps();
-    if (!participate) cohorts.clear();
     for (std::size_t k = 0; k < cohorts.size(); ++k)
       for (std::shared_ptr<Node>& member : cohorts[k]->pending()) {
         if (table[member.get()].seen) continue;
@@ -346,6 +345,40 @@ std::vector<std::shared_ptr<Node>> Cohort::pending() {
   return nodes_;
 }
 
+void Cohort::remove(const Node* node) {
+  // The member handed off is almost always the newest: search from the back.
+  const auto it = std::find_if(nodes_.rbegin(), nodes_.rend(),
+                               [&](const std::shared_ptr<Node>& n) { return n.get() == node; });
+  if (it == nodes_.rend()) return;
+  (*it)->cohort_.reset();
+  nodes_.erase(std::next(it).base());
+}
+
+HandOff hand_off(const std::vector<Tensor>& outputs) {
+  HandOff found;
+  std::vector<Node*> stack;
+  std::unordered_set<Node*> seen;
+  auto visit = [&](Node* n) {
+    if (n != nullptr && seen.insert(n).second) stack.push_back(n);
+  };
+  for (const Tensor& t : outputs)
+    if (t.defined()) visit(t.impl()->grad_fn.get());
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    if (const std::shared_ptr<Cohort> c = n->cohort()) {
+      c->remove(n);
+      ++found.collectives;
+    }
+    for (Tensor& s : n->saved_tensors())
+      if (s.defined() && std::none_of(found.saved.begin(), found.saved.end(),
+                                      [&](const Tensor& k) { return k.same(s); }))
+        found.saved.push_back(std::move(s));
+    for (const Edge& e : n->next_edges()) visit(e.fn.get());
+  }
+  return found;
+}
+
 void Cohort::backward_pending(bool retain_graph) {
   std::vector<std::shared_ptr<Node>> members = pending();
   if (members.empty()) return;
@@ -365,14 +398,14 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_
 
 std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& grad_roots, bool retain_graph,
-                         bool allow_unused, bool participate) {
+                         bool allow_unused) {
   std::vector<Edge> edges;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) throw InvalidArgument(fmt::format("grad: input {} is undefined", i));
     edges.push_back(gradient_edge(inputs[i]));
   }
   std::vector<Tensor> out =
-      run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges, participate);
+      run_engine(roots, grad_roots, retain_graph, /*accumulate=*/false, edges);
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (out[i].defined()) continue;
     if (!allow_unused)

@@ -344,6 +344,7 @@ struct AddFn : Function<AddFn> {
 struct MulFn : Function<MulFn> {
   static constexpr const char* kName = "MulBackward";
   SavedTensor a, b;
+  std::vector<Tensor> saved() const { return {a.peek(), b.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     a = SavedTensor(in[0], 0);
     b = SavedTensor(in[1], 1);
@@ -357,6 +358,7 @@ struct MulFn : Function<MulFn> {
 struct DivFn : Function<DivFn> {
   static constexpr const char* kName = "DivBackward";
   SavedTensor a, b;
+  std::vector<Tensor> saved() const { return {a.peek(), b.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     a = SavedTensor(in[0], 0);
     b = SavedTensor(in[1], 1);
@@ -392,6 +394,7 @@ struct SumFn : Function<SumFn> {
 struct DotFn : Function<DotFn> {
   static constexpr const char* kName = "DotBackward";
   SavedTensor a, b;
+  std::vector<Tensor> saved() const { return {a.peek(), b.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     a = SavedTensor(in[0], 0);
     b = SavedTensor(in[1], 1);
@@ -406,6 +409,7 @@ struct DotFn : Function<DotFn> {
 struct MatmulFn : Function<MatmulFn> {
   static constexpr const char* kName = "MatmulBackward";
   SavedTensor a, b;
+  std::vector<Tensor> saved() const { return {a.peek(), b.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     a = SavedTensor(in[0], 0);
     b = SavedTensor(in[1], 1);

@@ -161,6 +161,32 @@ TEST(Participation, RanksThatCannotPairGetAMismatchNamingForwardCalls) {
   }
 }
 
+// hand_off (the Python bridge's call): the graph behind the outputs leaves
+// the cohort, so a later backward of another output no longer runs it, and
+// the tensors its nodes saved come back (Max all_reduce: its input and
+// output; Sum: none).
+TEST(Participation, HandOffTakesTheGraphOutOfTheCohortAndNamesSavedTensors) {
+  sim::World world = world_of(2, 17);
+  world.run([&](sim::Rank& rk) {
+    Tensor x = one_leaf();
+    Tensor y_max = nn::all_reduce(x, rk.world(), dist::ReduceOp::Max);
+    Tensor y_sum = nn::all_reduce(x, rk.world());
+    const HandOff max_graph = hand_off({y_max});
+    EXPECT_EQ(max_graph.collectives, 1);
+    ASSERT_EQ(max_graph.saved.size(), 2u);
+    EXPECT_EQ(max_graph.saved[1].data_ptr(), y_max.data_ptr());
+    const HandOff sum_graph = hand_off({y_sum});
+    EXPECT_EQ(sum_graph.collectives, 1);
+    EXPECT_TRUE(sum_graph.saved.empty());
+    EXPECT_EQ(hand_off({y_sum}).collectives, 0);  // already handed off
+    EXPECT_TRUE(rk.world().cohort()->pending().empty());
+    backward({sum(y_sum)});  // runs y_sum's backward only
+    EXPECT_EQ(x.grad().item(), 2.0);
+  });
+  // 2 forward calls + 1 backward call per rank: y_max's backward never ran.
+  EXPECT_EQ(world.stats(0).get("world", "all_reduce").calls, 3u);
+}
+
 }  // namespace
 }  // namespace diffcomm
 

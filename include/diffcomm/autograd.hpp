@@ -57,6 +57,9 @@ class Node : public std::enable_shared_from_this<Node> {
   /// Frees saved state after a backward without retain_graph.
   virtual void release() {}
   virtual bool released() const { return false; }
+  /// The tensors saved for backward (SavedTensor) while not released; see
+  /// hand_off().
+  virtual std::vector<Tensor> saved_tensors() const { return {}; }
 
   /// Creation order; later nodes have larger numbers.
   uint64_t sequence_nr() const { return sequence_nr_; }
@@ -112,6 +115,8 @@ class Cohort {
   /// groups concerned must do the same, or their backward calls no longer
   /// pair (CollectiveMismatch naming the forward calls).
   void discard() { nodes_.clear(); }
+  /// Forgets one member without running it (hand_off()).
+  void remove(const Node* node);
 
  private:
   std::vector<std::shared_ptr<Node>> nodes_;
@@ -133,6 +138,8 @@ class SavedTensor {
   /// version 0 instead") when it changed.
   const Tensor& get(const char* node) const;
   bool defined() const { return t_.defined(); }
+  /// The saved tensor, unchecked (for hand_off()).
+  const Tensor& peek() const { return t_; }
 
  private:
   Tensor t_;
@@ -183,6 +190,12 @@ class FunctionNode final : public Node {
   std::vector<Tensor> apply(std::vector<Tensor> grads) override;
   void release() override { fn_.reset(); }
   bool released() const override { return !fn_.has_value(); }
+  /// T's `saved()`, when it declares one (the ops holding a SavedTensor).
+  std::vector<Tensor> saved_tensors() const override {
+    if constexpr (requires(const T& t) { t.saved(); })
+      if (fn_) return fn_->saved();
+    return {};
+  }
 
  private:
   std::optional<T> fn_;
@@ -234,15 +247,28 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_
               bool retain_graph = false);
 
 /// Returns d(roots)/d(inputs) contracted with grad_roots, without touching any
-/// .grad(). Every reachable node runs, and with `participate` every pending
-/// member of a cohort that a reached node belongs to (see Cohort), so every
-/// rank issues the same backward collectives. `participate = false` runs the
-/// reachable graph only: for a caller that orders the cohort itself (the
-/// Python bridge, where torch decides which nodes run). An input that no
-/// gradient reaches gets zeros when allow_unused, else InvalidArgument.
+/// .grad(). Every reachable node runs, and every pending member of a cohort
+/// that a reached node belongs to (see Cohort), so every rank issues the same
+/// backward collectives. An input that no gradient reaches gets zeros when
+/// allow_unused, else InvalidArgument.
 std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& inputs,
                          const std::vector<Tensor>& grad_roots = {}, bool retain_graph = false,
-                         bool allow_unused = true, bool participate = true);
+                         bool allow_unused = true);
+
+/// What hand_off() found in a graph.
+struct HandOff {
+  std::vector<Tensor> saved;  ///< tensors its nodes saved for backward (each once)
+  int collectives = 0;        ///< nodes that were cohort members (differentiable collectives)
+};
+
+/// Hands the graph reachable from `outputs` over to another autograd engine
+/// that will decide when its backward runs (the Python bridge: torch's engine
+/// runs diffcomm's graph as one node of its own). Every node of that graph
+/// leaves its cohort, since the other engine now orders those backward calls
+/// across ranks (diffcomm.torch keeps the participation rule in torch's
+/// terms); the saved tensors are returned so the other engine can version
+/// them too (torch's save_for_backward). Cost: one visit per node.
+HandOff hand_off(const std::vector<Tensor>& outputs);
 
 /// Central finite-difference check in float64. fn maps the inputs (float64,
 /// requires_grad) to one tensor; its gradient against a fixed random

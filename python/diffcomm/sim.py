@@ -31,7 +31,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _context, _core
+from . import _context, _core, _participation
 from ._core import encoder_parallel as _ep
 
 # The planner and the token rules.
@@ -154,10 +154,12 @@ def run(
             errors[rank] = e
             order.append(rank)
             msg = f"rank {rank}: {type(e).__name__}: {e}"
+            _participation.discard(group._cohort_id)
             del group
             _context.set_thread_group(None)
             world.finish(rank, msg)
             return
+        _participation.discard(group._cohort_id)  # as sim::World discards the rank's cohort
         del group
         _context.set_thread_group(None)
         world.finish(rank, "")

@@ -42,7 +42,11 @@ Conventions (differences from torch.distributed.nn.functional):
   storage and never copies silently); incoming gradients are made contiguous.
 * Every member must call every op, and, as in torch.distributed.nn, inputs
   must agree across ranks on requires_grad so every rank runs the backward
-  collective.
+  collective. ``backward(loss)`` (instead of ``loss.backward()``) runs the
+  backward of every collective of the rank, whatever its loss reaches
+  (diffcomm's participation rule, docs/semantics.md).
+* Tensors an op saves for backward are saved through torch: a torch in-place
+  write to one afterwards raises torch's "modified by an inplace operation".
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _context, _core
+from . import _context, _core, _participation
 from ._core import InvalidArgument
 from ._core import encoder_parallel as _ep
 from ._core import nn as _nn
@@ -61,6 +65,7 @@ from ._core import nn as _nn
 __all__ = [
     "init_process_group", "destroy_process_group", "abort", "get_world", "get_rank", "get_world_size",
     "new_group", "to_diffcomm", "from_diffcomm", "premul_sum",
+    "backward", "backward_pending", "discard_pending",
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
     "all_to_all", "all_to_all_single", "copy_to_tp_region",
@@ -167,6 +172,7 @@ def abort(group: Optional[_core.ProcessGroup] = None, code: int = 1) -> None:
 def destroy_process_group() -> None:
     """Forgets the default group (and finalises MPI if diffcomm initialised it)."""
     _context.set_process_group(None)
+    _participation.discard_all()
     if _core.HAVE_MPI:
         _core.mpi.finalize()
 
@@ -213,28 +219,44 @@ def from_diffcomm(t: _core.Tensor) -> torch.Tensor:
 class _Bridge(torch.autograd.Function):
     """The one bridge between torch autograd and diffcomm autograd.
 
-    forward(run, *xs): xs become diffcomm leaves (requires_grad where torch
-    needs their gradient), ``run`` applies diffcomm ops to them and returns
-    diffcomm tensors, recorded in diffcomm's graph. backward: diffcomm::grad
-    of those outputs w.r.t. those leaves, with torch's output gradients.
+    forward(run, cohort, *xs): xs become diffcomm leaves (requires_grad where
+    torch needs their gradient), ``run`` applies diffcomm ops to them and
+    returns diffcomm tensors, recorded in diffcomm's graph. That graph is
+    handed off to torch: it leaves diffcomm's cohort (a bridge with
+    collectives registers its outputs as pending for ``backward`` instead),
+    and the tensors it saved for backward are saved through torch too, so a
+    torch in-place write to one raises torch's "modified by an inplace
+    operation". backward: diffcomm::grad of those outputs w.r.t. those
+    leaves, with torch's output gradients.
     """
 
     @staticmethod
-    def forward(ctx, run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.Tensor):
-        needs = ctx.needs_input_grad[1:]
+    def forward(ctx, run: Callable[[List[_core.Tensor]], List[_core.Tensor]],
+                cohort: Optional[int], *xs: torch.Tensor):
+        needs = ctx.needs_input_grad[2:]
         ins = [to_diffcomm(x, bool(n)) for x, n in zip(xs, needs)]
         outs = run(ins)
+        saved, collectives = _core.hand_off(outs)
         ctx.dc_inputs = ins
         ctx.dc_outputs = outs
         result = tuple(_core.to_torch(o) for o in outs)
         frozen = [r for r, o in zip(result, outs) if not o.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
+        ctx.save_for_backward(*_torch_peers(saved, list(zip(ins, xs)) + list(zip(outs, result))))
+        ctx.pending = None
+        if collectives:
+            assert cohort is not None, "a bridge with collectives needs its rank's cohort"
+            differentiable = tuple(r for r, o in zip(result, outs) if o.requires_grad)
+            ctx.pending = (cohort, _participation.add(cohort, differentiable))
         return result
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: torch.Tensor):
+        if ctx.pending is not None:  # ran (or failed): no longer pending either way
+            _participation.ran(*ctx.pending)
+        ctx.saved_tensors  # noqa: B018 -- torch's version check, before any collective
         roots, cotangents = [], []
         for out, g in zip(ctx.dc_outputs, grads):
             if not out.requires_grad:
@@ -244,23 +266,96 @@ class _Bridge(torch.autograd.Function):
             roots.append(out)
             cotangents.append(to_diffcomm(g.contiguous()))
         wanted = [x for x in ctx.dc_inputs if x.requires_grad]
-        result: List[Optional[torch.Tensor]] = [None]
-        # participate=False: torch decides which bridges run, so diffcomm's
-        # cohort rule (run every pending collective of the rank) is not
-        # applied here; a mispairing still raises CollectiveMismatch, since
-        # every backward call names its forward call.
-        got = iter(_core.grad(roots, wanted, cotangents, True, False) if roots and wanted else [])
+        result: List[Optional[torch.Tensor]] = [None, None]
+        # retain_graph: torch owns the graph's lifetime (a retained torch
+        # graph may run this node again).
+        got = iter(_core.grad(roots, wanted, cotangents, True) if roots and wanted else [])
         for x in ctx.dc_inputs:
             result.append(_core.to_torch(next(got)) if x.requires_grad else None)
         return tuple(result)
 
 
-def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]],
-           *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def _torch_peers(saved: Sequence[_core.Tensor],
+                 pairs: Sequence[Tuple[_core.Tensor, torch.Tensor]]) -> List[torch.Tensor]:
+    """The torch tensors (bridge inputs and outputs) whose storage diffcomm
+    saved for backward. A tensor diffcomm made inside the op has no torch
+    peer: no torch op can write to it."""
+    peers = []
+    for s in saved:
+        for dc, t in pairs:
+            if s.numel() > 0 and dc.data_ptr == s.data_ptr and all(p is not t for p in peers):
+                peers.append(t)
+                break
+    return peers
+
+
+def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.Tensor,
+           group: Optional[_core.ProcessGroup] = None) -> Tuple[torch.Tensor, ...]:
+    """Runs ``run`` through the bridge; ``group``: any group of this rank when
+    ``run`` issues collectives (their backward joins the rank's pending ones)."""
     for x in xs:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"diffcomm.torch: expected torch.Tensor inputs, got {type(x).__name__}")
-    return _Bridge.apply(run, *xs)
+    return _Bridge.apply(run, group._cohort_id if group is not None else None, *xs)
+
+
+# ----------------------------------------------------------------- backward
+def backward(tensors: Any, grad_tensors: Any = None, retain_graph: Optional[bool] = None,
+             group: Optional[_core.ProcessGroup] = None) -> None:
+    """``torch.autograd.backward`` under diffcomm's participation rule: besides
+    ``tensors``, every differentiable diffcomm collective of this rank whose
+    backward has not run yet becomes a root with a zero gradient, so every
+    rank runs the backward of every collective it took part in, whatever its
+    own loss reaches, and in the same order (torch's engine runs ready nodes
+    by descending sequence number: reverse forward order). World 2, x = 1:
+    ``y1 = all_reduce(x)``, ``y2 = all_reduce(2 * x)``, rank 0's loss
+    ``y1.sum()``, rank 1's ``y2.sum()``: ``backward(loss)`` gives dx = 3 on
+    both ranks, where ``loss.backward()`` raises CollectiveMismatch
+    ("forward call differs").
+
+    ``tensors``/``grad_tensors`` as torch's (None: ones for one-element
+    roots); ``[]`` for a rank with no loss term. ``group``: any group of
+    this rank (default: the default group); the pending collectives are the
+    rank's, over all its groups. With ``retain_graph`` they stay pending and
+    run again in the next pass (on every rank alike). Pending outputs are held
+    until their backward runs (``discard_pending`` forgets them). The order
+    holds when this rank's bridges run on one device (torch runs each
+    device's nodes in its own thread). Raises InvalidArgument when
+    grad_tensors and tensors differ in length.
+    """
+    cohort = _group(group)._cohort_id
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if grad_tensors is None:
+        grads: List[Optional[torch.Tensor]] = [None] * len(roots)
+    else:
+        grads = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+    if len(grads) != len(roots):
+        raise InvalidArgument(f"diffcomm.torch.backward: {len(roots)} tensors but "
+                              f"{len(grads)} grad_tensors")
+    entries = _participation.pending(cohort)
+    for _, outputs in entries:
+        for y in outputs:
+            roots.append(y)
+            grads.append(torch.zeros_like(y))
+    if not roots:
+        return
+    try:
+        torch.autograd.backward(roots, grads, retain_graph=retain_graph)
+    finally:
+        if retain_graph:
+            _participation.restore(cohort, entries)
+
+
+def backward_pending(group: Optional[_core.ProcessGroup] = None) -> None:
+    """The participation of a rank with no loss term: ``backward([])``."""
+    backward([], group=group)
+
+
+def discard_pending(group: Optional[_core.ProcessGroup] = None) -> None:
+    """Forgets this rank's pending collectives without running their backward
+    (an evaluation step on tensors that require grad). Every rank of the
+    groups concerned must do the same, or backward calls no longer pair."""
+    _participation.discard(_group(group)._cohort_id)
 
 
 _OPS = {"sum": "sum", "avg": "avg", "product": "product", "min": "min", "max": "max",
@@ -313,7 +408,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = "sum",
     Max/Min: gradient to the extremum holders, split among ties.
     Product: dx_r = G * prod_{s != r} x_s."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.all_reduce(i[0], g, o)], tensor)[0]
+    return _apply(lambda i: [_nn.all_reduce(i[0], g, o)], tensor, group=g)[0]
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
@@ -322,7 +417,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
     """y = tensor of src on every rank; dx = sum of the gradients on src, zeros elsewhere."""
     g = _group(group)
     s = _root(g, src, group_src, "src")
-    return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor)[0]
+    return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor, group=g)[0]
 
 
 def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
@@ -331,21 +426,21 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
     """y = reduce of tensor on dst; zeros on other ranks. dx: dst's gradient on every rank."""
     g, o = _group(group), _op(op)
     d = _root(g, dst, group_dst, "dst")
-    return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor)[0]
+    return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor, group=g)[0]
 
 
 def all_gather(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
                grad: str = "partial") -> Tuple[torch.Tensor, ...]:
     """y[s] = tensor of member s. Backward: one reduce_scatter (partial) or own slice (replicated)."""
     g = _group(group)
-    return _apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor)
+    return _apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor, group=g)
 
 
 def all_gather_single(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
                       grad: str = "partial") -> torch.Tensor:
     """Rows of every member concatenated along dim 0 (torch's all_gather_into_tensor)."""
     g = _group(group)
-    return _apply(lambda i: [_nn.all_gather_single(i[0], g, grad)], tensor)[0]
+    return _apply(lambda i: [_nn.all_gather_single(i[0], g, grad)], tensor, group=g)[0]
 
 
 def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
@@ -353,7 +448,7 @@ def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
                  grad: str = "partial") -> torch.Tensor:
     """Concatenation of the members' tensors, member s having output_split_sizes[s] rows."""
     g, splits = _group(group), list(output_split_sizes)
-    return _apply(lambda i: [_nn.all_gather_v(i[0], splits, g, grad)], tensor)[0]
+    return _apply(lambda i: [_nn.all_gather_v(i[0], splits, g, grad)], tensor, group=g)[0]
 
 
 def gather(tensor: torch.Tensor, dst: Optional[int] = None,
@@ -362,7 +457,7 @@ def gather(tensor: torch.Tensor, dst: Optional[int] = None,
     """On dst y[s] = tensor of member s; zeros elsewhere. dst defaults to group rank 0 as in torch."""
     g = _group(group)
     d = _root(g, dst, group_dst if (group_dst is not None or dst is not None) else 0, "dst")
-    return _apply(lambda i: list(_nn.gather(i[0], d, g)), tensor)
+    return _apply(lambda i: list(_nn.gather(i[0], d, g)), tensor, group=g)
 
 
 def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
@@ -372,28 +467,28 @@ def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
     (values ignored off src). src defaults to group rank 0."""
     g = _group(group)
     s = _root(g, src, group_src if (group_src is not None or src is not None) else 0, "src")
-    return _apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors)[0]
+    return _apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors, group=g)[0]
 
 
 def reduce_scatter(input_list: Sequence[torch.Tensor], op: Any = "sum",
                    group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """y = reduce over members s of input_list[rank] of s (no output argument)."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list)[0]
+    return _apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list, group=g)[0]
 
 
 def reduce_scatter_single(tensor: torch.Tensor, op: Any = "sum",
                           group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[size*R, ...] -> [R, ...] (torch's reduce_scatter_tensor)."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.reduce_scatter_single(i[0], g, o)], tensor)[0]
+    return _apply(lambda i: [_nn.reduce_scatter_single(i[0], g, o)], tensor, group=g)[0]
 
 
 def reduce_scatter_v(tensor: torch.Tensor, input_split_sizes: Sequence[int], op: Any = "sum",
                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[sum(input_split_sizes), ...] -> [input_split_sizes[rank], ...]."""
     g, o, splits = _group(group), _op(op), list(input_split_sizes)
-    return _apply(lambda i: [_nn.reduce_scatter_v(i[0], splits, g, o)], tensor)[0]
+    return _apply(lambda i: [_nn.reduce_scatter_v(i[0], splits, g, o)], tensor, group=g)[0]
 
 
 def all_to_all(input_tensor_list: Sequence[torch.Tensor],
@@ -403,7 +498,7 @@ def all_to_all(input_tensor_list: Sequence[torch.Tensor],
     (default: the shape of input_tensor_list[s] here)."""
     g = _group(group)
     shapes = [list(s) for s in output_shapes] if output_shapes is not None else []
-    return _apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list)
+    return _apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list, group=g)
 
 
 def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence[int]] = None,
@@ -413,14 +508,14 @@ def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence
     g = _group(group)
     out = list(output_split_sizes) if output_split_sizes is not None else []
     inp = list(input_split_sizes) if input_split_sizes is not None else []
-    return _apply(lambda i: [_nn.all_to_all_single(i[0], out, inp, g)], input)[0]
+    return _apply(lambda i: [_nn.all_to_all_single(i[0], out, inp, g)], input, group=g)[0]
 
 
 def copy_to_tp_region(tensor: torch.Tensor,
                       group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """Megatron's copy to the TP region: identity forward, all_reduce of the gradient."""
     g = _group(group)
-    return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor)[0]
+    return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor, group=g)[0]
 
 
 # ----------------------------------------------------------------- exchange
@@ -457,7 +552,7 @@ def route_features(producer_records: Sequence[Tuple[Any, torch.Tensor]], prototy
         received.extend(routed.items)
         return [routed.rows]
 
-    rows = _apply(run, prototype, *[r[1] for r in producer_records])[0]
+    rows = _apply(run, prototype, *[r[1] for r in producer_records], group=g)[0]
     return rows, received
 
 

@@ -270,13 +270,20 @@ void bind_tensor(nb::module_& m) {
   m.def(
       "grad",
       [](const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
-         const std::vector<Tensor>& grad_outputs, bool retain_graph, bool participate) {
-        return dc::grad(outputs, inputs, grad_outputs, retain_graph, true, participate);
-      },
-      "outputs"_a, "inputs"_a, "grad_outputs"_a, "retain_graph"_a = false, "participate"_a = true,
-      release(),
+         const std::vector<Tensor>& grad_outputs,
+         bool retain_graph) { return dc::grad(outputs, inputs, grad_outputs, retain_graph, true); },
+      "outputs"_a, "inputs"_a, "grad_outputs"_a, "retain_graph"_a = false, release(),
       "diffcomm::grad: gradients of outputs w.r.t. inputs contracted with grad_outputs; runs "
       "the backward collectives of the recorded graph. Unused inputs get zeros.");
+  m.def(
+      "hand_off",
+      [](const std::vector<Tensor>& outputs) {
+        dc::HandOff h = dc::hand_off(outputs);
+        return nb::make_tuple(h.saved, h.collectives);
+      },
+      "outputs"_a,
+      "diffcomm::hand_off: the graph behind outputs leaves its cohorts (torch's engine orders "
+      "its backward now); returns (saved tensors, number of collectives).");
   m.def(
       "backward",
       [](const std::vector<Tensor>& roots, const std::vector<Tensor>& grads) {
@@ -328,6 +335,11 @@ void bind_dist(nb::module_& m) {
           "Runs, with zero cotangents, the backward of every differentiable collective of this "
           "rank that has not run yet (the participation of a rank whose loss reaches none of "
           "them; diffcomm.grad/backward do it for the collectives they meet).")
+      .def_prop_ro(
+          "_cohort_id",
+          [](const ProcessGroup& g) { return reinterpret_cast<std::uintptr_t>(g.cohort().get()); },
+          "Identifies this rank's cohort (shared by all its groups): diffcomm.torch keys its "
+          "pending bridges by it.")
       .def("__repr__", [](const ProcessGroup& g) {
         return "diffcomm.ProcessGroup(name='" + g.name() + "', rank=" + std::to_string(g.rank()) +
                ", size=" + std::to_string(g.size()) + ", backend='" + g.backend().backend_name() +

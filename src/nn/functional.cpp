@@ -144,6 +144,7 @@ struct AllReduceFn : Function<AllReduceFn> {
   ProcessGroup group;
   ReduceOp op;
   SavedTensor x, y;  // for Max/Min/Product
+  std::vector<Tensor> saved() const { return {x.peek(), y.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::all_reduce(group, out, op);
@@ -196,6 +197,7 @@ struct ReduceFn : Function<ReduceFn> {
   int dst;
   ReduceOp op;
   SavedTensor x, y;  // for Max/Min/Product
+  std::vector<Tensor> saved() const { return {x.peek(), y.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
     dist::reduce(group, out, dst, op);

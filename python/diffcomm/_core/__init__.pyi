@@ -91,9 +91,14 @@ def from_list(values: Sequence[float], shape: Sequence[int], dtype: str = 'float
 
 def zeros(shape: Sequence[int], dtype: str = 'float64') -> Tensor: ...
 
-def grad(outputs: Sequence[Tensor], inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], retain_graph: bool = False, participate: bool = True) -> list[Tensor]:
+def grad(outputs: Sequence[Tensor], inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], retain_graph: bool = False) -> list[Tensor]:
     """
     diffcomm::grad: gradients of outputs w.r.t. inputs contracted with grad_outputs; runs the backward collectives of the recorded graph. Unused inputs get zeros.
+    """
+
+def hand_off(outputs: Sequence[Tensor]) -> tuple:
+    """
+    diffcomm::hand_off: the graph behind outputs leaves its cohorts (torch's engine orders its backward now); returns (saved tensors, number of collectives).
     """
 
 def backward(roots: Sequence[Tensor], grad_roots: Sequence[Tensor] = []) -> None: ...

@@ -272,3 +272,34 @@ def test_second_thread_on_a_busy_group_is_refused():
         y = dt.all_reduce(x)
     assert y.tolist() == [float(size())] * 2
     world.barrier()
+
+
+def test_participation_rule_when_losses_reach_different_collectives():
+    # y1 = all_reduce(x), y2 = all_reduce(2x), x = 1; even ranks' loss y1,
+    # odd ranks' y2: total = 2 * sum(x) + 2 * 2 * sum(x) at np 4, dx = 6 (the
+    # issue's program at world 2 gives 3). A rank's plain loss.backward()
+    # would run one bridge and pair y1's backward with y2's.
+    x = torch.ones(1, dtype=f64, requires_grad=True)
+    y1 = dt.all_reduce(x)
+    y2 = dt.all_reduce(x * 2)
+    dt.backward((y1 if rank() % 2 == 0 else y2).sum())
+    evens, odds = (size() + 1) // 2, size() // 2
+    assert x.grad.item() == float(evens + 2 * odds)
+
+
+def test_a_rank_with_no_loss_joins_with_backward_pending():
+    x = torch.tensor([float(rank() + 1)], dtype=f64, requires_grad=True)
+    y = dt.all_reduce(x)
+    if rank() == 0:
+        dt.backward((y * 5).sum())
+    else:
+        dt.backward_pending()
+    assert x.grad.item() == 5.0
+
+
+def test_in_place_write_to_a_saved_reduction_input_raises_torchs_error():
+    h = torch.tensor([float(rank() + 2)], dtype=f64, requires_grad=True) * 1.0
+    y = dt.all_reduce(h, op="product")
+    h.copy_(dt.all_reduce(h.detach()))  # the input rewritten after its forward use
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()  # on every rank, before any backward collective
