@@ -145,9 +145,9 @@ MediaTokens video_tokens(const VisionModel& model, int64_t frames, int64_t heigh
 /// One temporal group of a video block (or the whole of an image or of an
 /// untimestamped video).
 struct VideoGroup {
-  int64_t offset = 0;            ///< first decoder token of the group, from the block's start
-  int64_t tokens = 0;            ///< decoder tokens: grid_h * grid_w / merge_size^2
-  int64_t patches = 0;           ///< encoder patches: grid_h * grid_w
+  int64_t offset = 0;  ///< first decoder token of the group, from the block's start
+  int64_t tokens = 0;  ///< decoder tokens: grid_h * grid_w / merge_size^2 (one group: media.tokens)
+  int64_t patches = 0;           ///< encoder patches: grid_h * grid_w (one group: media.patches)
   int64_t timestamp_tokens = 0;  ///< text tokens of "<t seconds>" before it (0 untimestamped)
   double seconds = 0;            ///< t: the group's timestamp (0 untimestamped)
 };
@@ -181,7 +181,8 @@ struct VideoLayout {
 ///    sum_g (ts_g + 2 + tokens_g). Qwen3-VL, 4 frames of 256 x 256: t = 0.25,
 ///    1.25 -> "<0.2 seconds>", "<1.2 seconds>" (6 tokens each); groups at 7
 ///    and 79 of 64 tokens each, block 144.
-/// Throws as video_tokens.
+/// Throws as video_tokens, and InvalidArgument for a block of 2^63 tokens or
+/// more.
 VideoLayout video_layout(const VisionModel& model, int64_t frames, int64_t height, int64_t width);
 
 }  // namespace diffcomm::encoder_parallel
