@@ -5,13 +5,17 @@
 // [min_pixels, max_pixels], except that a side clamped to the factor may
 // leave them above max_pixels, up to 2 f sqrt(200 max_pixels) (the
 // documented exception); tokens * merge^2 == patches; videos have
-// ceil(frames / temporal) times an image's patches.
+// ceil(frames / temporal) times an image's patches (per-frame rule); video
+// layouts (VideoLayout.*): Qwen3-VL groups ascend without overlap and sum to
+// the clip, Qwen2-VL clips stay one span.
 #include <gtest/gtest.h>
 #include <rapidcheck.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 
 #include "diffcomm/encoder_parallel/tokens.hpp"
 #include "diffcomm/error.hpp"
@@ -124,4 +128,64 @@ RC_GTEST_PROP(TokenRule, InvalidBoundsAndSizesAreRefused, ()) {
     }
   }
   RC_ASSERT_THROWS_AS(ep::smart_resize(m, 100, 100), diffcomm::InvalidArgument);
+}
+
+// video_layout (issue 23): for Qwen3-VL (timestamped blocks) at any frame
+// rate, the groups ascend without overlap, one per temporal group, each after
+// its "<t seconds>" (5 + integer digits tokens) and <|vision_start|>; their
+// tokens and patches sum to video_tokens'; the block is sum (ts + 2 + tokens).
+// Qwen2-VL / Qwen2.5-VL: one group at 0 filling the block.
+RC_GTEST_PROP(VideoLayout, GroupsAscendAndSumToTheClip, ()) {
+  const auto [h, w] = random_size();
+  const int64_t frames = *rc::gen::inRange<int64_t>(1, 2000);
+  ep::VisionModel q3 = ep::qwen3vl_model();
+  q3.video_fps = *rc::gen::element(2.0, 1.0, 0.5, 24.0, 29.97, 0.001);
+  ep::VideoLayout l;
+  ep::MediaTokens t;
+  try {
+    l = ep::video_layout(q3, frames, h, w);
+    t = ep::video_tokens(q3, frames, h, w);
+  } catch (const diffcomm::InvalidArgument&) {
+    // Only the clip rule's upscaling of a side below the factor can push the
+    // aspect ratio past 200.
+    RC_ASSERT(frames > 1 && std::min(h, w) < q3.factor());
+    return;
+  }
+  RC_ASSERT(l.media.tokens == t.tokens);
+  RC_ASSERT(l.groups.size() == static_cast<std::size_t>(frames == 1 ? 1 : t.grid_t));
+  int64_t pos = 0, tokens = 0, patches = 0;
+  for (const auto& g : l.groups) {
+    if (frames == 1) {
+      RC_ASSERT(g.offset == 0 && g.timestamp_tokens == 0);
+    } else {
+      char buf[64];
+      const int n = std::snprintf(buf, sizeof buf, "%.1f", g.seconds);
+      RC_ASSERT(g.timestamp_tokens == 5 + (n - 2));
+      RC_ASSERT(g.offset == pos + g.timestamp_tokens + 1);
+    }
+    RC_ASSERT(g.offset >= pos);
+    RC_ASSERT(g.tokens > 0);
+    RC_ASSERT(g.tokens * q3.merge_size * q3.merge_size == g.patches);
+    pos = g.offset + g.tokens + (frames == 1 ? 0 : 1);
+    tokens += g.tokens;
+    patches += g.patches;
+  }
+  RC_ASSERT(pos == l.block_tokens);
+  RC_ASSERT(tokens == t.tokens);
+  RC_ASSERT(patches == t.patches);
+  // The clip rule's sides are positive multiples of the factor too.
+  RC_ASSERT(t.grid_h * q3.patch_size % q3.factor() == 0 && t.grid_h > 0);
+  RC_ASSERT(t.grid_w * q3.patch_size % q3.factor() == 0 && t.grid_w > 0);
+
+  for (const auto& m : {ep::qwen2vl_model(), ep::qwen25vl_model()}) {
+    const ep::VideoLayout one = ep::video_layout(m, frames, h, w);
+    const ep::MediaTokens mt = ep::video_tokens(m, frames, h, w);
+    RC_ASSERT(one.groups.size() == 1u);
+    RC_ASSERT(one.groups[0].offset == 0);
+    RC_ASSERT(one.groups[0].tokens == mt.tokens);
+    RC_ASSERT(one.groups[0].patches == mt.patches);
+    RC_ASSERT(one.block_tokens == mt.tokens);
+    // The per-frame rule: an image's tokens per temporal group.
+    RC_ASSERT(mt.tokens == mt.grid_t * ep::image_tokens(m, h, w).tokens);
+  }
 }

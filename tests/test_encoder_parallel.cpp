@@ -1506,12 +1506,20 @@ TEST(BuildBatches, MixesImagesAndVideos) {
   EXPECT_EQ(by_id.at(2), (std::pair<int64_t, int64_t>{4, 16}));
   const auto plan = ep::plan_exchange(batches[0], mesh_of(1, 2, true), encoder_layout(2, 1));
   EXPECT_EQ(plan.items.size(), 2u);
-  // Qwen3-VL on the same clip: 56 -> 256 per frame, 2 x 16 x 16 = 512
-  // patches, 128 tokens.
+  // Qwen3-VL on the same clip: the clip rule (Qwen3VLVideoProcessor) rounds
+  // 56 -> 64, 4 (padded frames) x 64 x 64 = 16384 lies in [4096, 25165824]:
+  // grid 2 x 4 x 4 = 32 patches, 8 tokens, written as two timestamped groups
+  // of 4 tokens (16 patches) each: "<0.2 seconds>" (6 tokens), start, 4,
+  // end, "<1.0 seconds>", start, 4, end -> spans at 7 and 19 of a 24-token block.
   o.model = ep::qwen3vl_model();
+  o.images_per_sample = 1;
   const auto q3 = ep::build_batches({{1, 56, 56, 3}}, 1, o);
-  EXPECT_EQ(q3[0].samples[0].images[0].patches, 512);
-  EXPECT_EQ(q3[0].samples[0].images[0].tokens, 128);
+  ASSERT_EQ(q3[0].samples[0].images.size(), 2u);
+  EXPECT_EQ(q3[0].samples[0].images[0].patches, 16);
+  EXPECT_EQ(q3[0].samples[0].images[0].tokens, 4);
+  EXPECT_EQ(q3[0].samples[0].images[0].token_start, 7);
+  EXPECT_EQ(q3[0].samples[0].images[1].token_start, 19);
+  EXPECT_EQ(q3[0].samples[0].seq_len, 24);
   // An entry the model refuses is named by its id.
   EXPECT_THAT(invalid_argument_message([&] {
                 ep::build_batches({{42, 1, 500, 1}}, 1, o);

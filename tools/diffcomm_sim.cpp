@@ -431,6 +431,10 @@ int run_main(int argc, char** argv) {
       ->check(kImagesPath);
   tokens_cmd->add_option("--model", model, "token rule: qwen2vl, qwen2.5vl or qwen3vl")
       ->check(CLI::IsMember(ep::vision_model_names()));
+  bool tokens_layout = false;
+  tokens_cmd->add_flag("--layout", tokens_layout,
+                       "also print block_tokens and the spans (offset:tokens in the block; a "
+                       "Qwen3-VL video has one per temporal group)");
 
   // CLI11 reports a first word that is no subcommand as "A subcommand is
   // required": name it instead.
@@ -520,16 +524,25 @@ int run_main(int argc, char** argv) {
         throw BadArgs(fmt::format("--images: {}", e.what()));
       }
       const ep::VisionModel vm = ep::vision_model(model);
-      std::string out = "image_id,tokens\n";
+      std::string out =
+          tokens_layout ? "image_id,tokens,block_tokens,spans\n" : "image_id,tokens\n";
       for (const auto& im : images) {
-        int64_t tokens = 0;
+        ep::VideoLayout layout;
         try {
-          tokens = ep::video_tokens(vm, im.frames, im.height, im.width).tokens;
+          layout = ep::video_layout(vm, im.frames, im.height, im.width);
         } catch (const diffcomm::InvalidArgument& e) {
           throw BadArgs(
               fmt::format("--images {}: image {}: {}", tokens_images, im.image_id, e.what()));
         }
-        out += fmt::format("{},{}\n", im.image_id, tokens);
+        if (!tokens_layout) {
+          out += fmt::format("{},{}\n", im.image_id, layout.media.tokens);
+          continue;
+        }
+        std::vector<std::string> spans;
+        for (const auto& g : layout.groups)
+          spans.push_back(fmt::format("{}:{}", g.offset, g.tokens));
+        out += fmt::format("{},{},{},{}\n", im.image_id, layout.media.tokens, layout.block_tokens,
+                           fmt::join(spans, " "));
       }
       std::cout << out;
       return kPassed;

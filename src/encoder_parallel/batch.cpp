@@ -219,20 +219,28 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
       for (int k = 0; k < o.images_per_sample; ++k) {
         pos += text();
         const ImageSize& im = images[order[cursor++ % order.size()]];
-        MediaTokens t;
+        VideoLayout layout;
         try {
-          t = video_tokens(o.model, im.frames, im.height, im.width);
+          layout = video_layout(o.model, im.frames, im.height, im.width);
         } catch (const InvalidArgument& e) {
           throw InvalidArgument(fmt::format("build_batches: image {} ({}x{}, {} frame(s)): {}",
                                             im.image_id, im.height, im.width, im.frames, e.what()));
         }
-        ImageSpan span;
-        span.token_start = pos;
-        span.tokens = t.tokens;
-        span.patches = t.patches;
-        span.source_id = im.image_id;
-        sample.images.push_back(span);
-        if (__builtin_add_overflow(pos, span.tokens, &pos) || pos > kMaxSeqLen) throw too_long();
+        int64_t end = 0;
+        if (__builtin_add_overflow(pos, layout.block_tokens, &end) || end > kMaxSeqLen)
+          throw too_long();
+        // One span per group: an image or an untimestamped video is one group
+        // at offset 0 filling its block; a Qwen3-VL video is one per temporal
+        // group, its separator tokens text inside the block.
+        for (const VideoGroup& g : layout.groups) {
+          ImageSpan span;
+          span.token_start = pos + g.offset;  // offset < block_tokens: no overflow
+          span.tokens = g.tokens;
+          span.patches = g.patches;
+          span.source_id = im.image_id;
+          sample.images.push_back(span);
+        }
+        pos = end;
       }
       pos += text();
       if (pos > kMaxSeqLen) throw too_long();

@@ -690,7 +690,8 @@ def tokens_models_and_videos(cli):
     # Hand-computed (see tests/test_encoder_parallel.cpp, issue 13):
     #   qwen2vl 56x56 image: 2 x 2 = 4; a 3-frame 56x56 video: 2 temporal
     #   groups of 2 x 2 = 8; qwen3vl (factor 32, >= 65536 px) 56x56 -> 256x256:
-    #   8 x 8 = 64 tokens, the video 2 x 64 = 128; 480x640: 15 x 20 = 300.
+    #   8 x 8 = 64 tokens; its video processor bounds the clip (issue 23): 3
+    #   frames 56x56 -> 64x64, 2 groups of 2 x 2 = 8; 480x640: 15 x 20 = 300.
     path = cli.write("media.csv", "image_id,width,height,frames\n"
                      "1,56,56,1\n2,56,56,3\n3,640,480,1\n")
     q2 = parse_tokens(cli.run("tokens", "--images", path, rc=PASSED))
@@ -698,7 +699,7 @@ def tokens_models_and_videos(cli):
     q25 = parse_tokens(cli.run("tokens", "--model", "qwen2.5vl", "--images", path, rc=PASSED))
     expect(q25 == q2, f"qwen2.5vl has qwen2vl's rule: {q25}")
     q3 = parse_tokens(cli.run("tokens", "--model", "qwen3vl", "--images", path, rc=PASSED))
-    expect(q3 == [(1, 64), (2, 128), (3, 300)], f"qwen3vl tokens {q3}")
+    expect(q3 == [(1, 64), (2, 8), (3, 300)], f"qwen3vl tokens {q3}")
     # A quoted file name with a comma does not shift the columns.
     quoted = cli.write("quoted.csv", 'image_id,file_name,width,height\n9,"a,b.jpg",640,480\n')
     expect(parse_tokens(cli.run("tokens", "--images", quoted, rc=PASSED)) == [(9, 391)],
@@ -711,6 +712,42 @@ def tokens_models_and_videos(cli):
         r = cli.run("step", "--images", path, "--model", model, "--ranks", 4, "--cp", 2, "--tp", 2,
                     "--sp", "--json", rc=PASSED)
         expect(json.loads(r.out)["check"]["passed"], r.describe())
+
+
+@scenario
+def qwen3vl_video_layout(cli):
+    """Issue 23 item 3: a Qwen3-VL video is one span per temporal group with
+    its timestamp and vision start/end tokens between them; the step plans
+    and checks it."""
+    # 4 frames of 256x256: two groups of 8 x 8 = 64 tokens, each after
+    # "<0.2 seconds>" / "<1.2 seconds>" (6 tokens) and <|vision_start|>, then
+    # <|vision_end|>: spans at 7 and 79 of a 144-token block. 3 frames of
+    # 56x56: 64x64, groups of 4 at 7 and 19 of 24. An image: one span.
+    path = cli.write("clips.csv", "image_id,width,height,frames\n"
+                     "1,256,256,4\n2,56,56,3\n3,640,480,1\n")
+    r = cli.run("tokens", "--model", "qwen3vl", "--layout", "--images", path, rc=PASSED)
+    want = ["image_id,tokens,block_tokens,spans", "1,128,144,7:64 79:64", "2,8,24,7:4 19:4",
+            "3,300,300,0:300"]
+    expect(r.out.splitlines() == want, f"qwen3vl layout\n{r.describe()}")
+    r = cli.run("tokens", "--layout", "--images", path, rc=PASSED)
+    want = ["image_id,tokens,block_tokens,spans", "1,162,162,0:162", "2,8,8,0:8",
+            "3,391,391,0:391"]
+    expect(r.out.splitlines() == want, f"qwen2vl layout: one span per clip\n{r.describe()}")
+    # The step on videos only (the 4-frame clip, one per sample): every
+    # sample holds two spans of 64 tokens; the reference check passes on
+    # every exchange mode.
+    one = cli.write("one_clip.csv", "image_id,width,height,frames\n1,256,256,4\n")
+    for ranks, cp, tp, sp, layout in [(1, 1, 1, False, "contiguous"), (4, 1, 4, True, "contiguous"),
+                                      (4, 2, 2, True, "zigzag"), (8, 2, 2, False, "contiguous")]:
+        j = step_case(cli, ranks, cp, tp, sp, layout,
+                      extra=["--images", one, "--model", "qwen3vl", "--batch", 2,
+                             "--images-per-sample", 1])
+        dp = ranks // (cp * tp)
+        expect(j["images"] == 2 * dp * 2, f"two spans per clip: images {j['images']}")
+        expect(j["image_tokens"] == 128 * dp * 2, f"image_tokens {j['image_tokens']}")
+    # Seeds change the text, not the layout inside a block: a sweep passes.
+    r = cli.run("sweep", "--seeds", "0..3", "--images", path, "--model", "qwen3vl", "--ranks", 4,
+                "--cp", 2, "--tp", 2, "--sp", rc=PASSED)
 
 
 @scenario

@@ -69,7 +69,13 @@ struct BatchOptions {
 /// image, ..., text, padded with text to seq_multiple. An entry with
 /// frames > 1 is a video: its tokens and patches follow video_tokens, an
 /// image's image_tokens, both with options.model (ImageSpan::patches = encoder
-/// patches, ImageSpan::tokens = decoder tokens).
+/// patches, ImageSpan::tokens = decoder tokens). Each entry occupies the block
+/// of video_layout and gives one ImageSpan (one encoder work item) per group:
+/// an image or a Qwen2-VL / Qwen2.5-VL video one span filling its block; a
+/// Qwen3-VL video (VisionModel::video_timestamps) one span per temporal group,
+/// at the group's offset in the block, the timestamp and vision start/end
+/// tokens between them counted as text. All spans of an entry carry its
+/// image_id as source_id.
 /// Throws InvalidArgument on empty image lists (when images are needed),
 /// negative options, sequence lengths above 2^62, or an entry the model
 /// refuses (its image_id named).
