@@ -22,6 +22,7 @@ from ._core import (
     InvalidArgument,
     ProcessGroup,
     RankFailure,
+    ReduceOp,
     Tensor,
     Timeout,
     __version__,
@@ -31,7 +32,7 @@ from ._core import (
     to_numpy,
     to_torch,
 )
-from ._core import encoder_parallel, nn
+from . import encoder_parallel, nn
 
 __all__ = [
     "HAVE_CUDA",
@@ -46,6 +47,7 @@ __all__ = [
     "ProcessGroup",
     "Timeout",
     "RankFailure",
+    "ReduceOp",
     "Tensor",
     "__version__",
     "backward",

@@ -362,14 +362,16 @@ _OPS = {"sum": "sum", "avg": "avg", "product": "product", "min": "min", "max": "
         "prod": "product", "mean": "avg"}
 
 
-def premul_sum(factor: float) -> str:
+def premul_sum(factor: float) -> _core.ReduceOp:
     """The PREMUL_SUM reduce op (torch/NCCL): factor * sum of the inputs; its
     adjoint is the same scaled adjoint. Pass it as ``op=``."""
-    return f"premul_sum:{float(factor)!r}"
+    return _core.ReduceOp.premul_sum(float(factor))
 
 
-def _op(op: Any) -> str:
-    if isinstance(op, str) and op.startswith("premul_sum:"):
+def _op(op: Any) -> _core.ReduceOp:
+    """diffcomm.ReduceOp from a diffcomm.ReduceOp, a torch.distributed.ReduceOp
+    or a name ("sum", "avg", "product"/"prod", "min", "max", "mean")."""
+    if isinstance(op, _core.ReduceOp):
         return op
     if isinstance(op, str):
         key = op.lower()
@@ -387,8 +389,8 @@ def _op(op: Any) -> str:
                 pass
     if key not in _OPS:
         raise InvalidArgument(f"diffcomm.torch: unknown reduce op {op!r} (sum, avg, product, "
-                              "min, max or torch.distributed.ReduceOp)")
-    return _OPS[key]
+                              "min, max, diffcomm.ReduceOp or torch.distributed.ReduceOp)")
+    return _core.ReduceOp(_OPS[key])
 
 
 def _root(g: _core.ProcessGroup, rank: Optional[int], group_rank: Optional[int], what: str) -> int:

@@ -1,0 +1,192 @@
+// diffcomm._core: errors, tensors (DLPack in and out), autograd and the
+// differentiable local ops.
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "bind.hpp"
+#include "diffcomm/autograd.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/ops.hpp"
+
+namespace diffcomm_python {
+
+// ---------------------------------------------------------------- DLPack
+dc::DType dtype_from_dl(const nb::dlpack::dtype& d) {
+  using C = nb::dlpack::dtype_code;
+  const auto code = static_cast<C>(d.code);
+  if (d.lanes == 1) {
+    if (code == C::Float && d.bits == 64) return dc::DType::Float64;
+    if (code == C::Float && d.bits == 32) return dc::DType::Float32;
+    if (code == C::Float && d.bits == 16) return dc::DType::Float16;
+    if (code == C::Bfloat && d.bits == 16) return dc::DType::BFloat16;
+    if (code == C::Int && d.bits == 64) return dc::DType::Int64;
+    if (code == C::Int && d.bits == 32) return dc::DType::Int32;
+    if (code == C::UInt && d.bits == 8) return dc::DType::UInt8;
+  }
+  throw dc::InvalidArgument(
+      "diffcomm: unsupported tensor dtype (DLPack code " + std::to_string(d.code) + ", " +
+      std::to_string(d.bits) +
+      " bits); supported: float64, float32, bfloat16, float16, int64, int32, uint8");
+}
+
+nb::dlpack::dtype dl_from_dtype(dc::DType t) {
+  using C = nb::dlpack::dtype_code;
+  auto make = [](C code, int bits) {
+    nb::dlpack::dtype d;
+    d.code = static_cast<uint8_t>(code);
+    d.bits = static_cast<uint8_t>(bits);
+    d.lanes = 1;
+    return d;
+  };
+  switch (t) {
+    case dc::DType::Float64: return make(C::Float, 64);
+    case dc::DType::Float32: return make(C::Float, 32);
+    case dc::DType::Float16: return make(C::Float, 16);
+    case dc::DType::BFloat16: return make(C::Bfloat, 16);
+    case dc::DType::Int64: return make(C::Int, 64);
+    case dc::DType::Int32: return make(C::Int, 32);
+    case dc::DType::UInt8: return make(C::UInt, 8);
+  }
+  throw dc::InvalidArgument("diffcomm: unknown dtype");
+}
+
+/// Borrows a DLPack tensor (torch, numpy, ...) as a diffcomm Tensor sharing
+/// its storage. Refuses non-contiguous layouts: diffcomm tensors are dense
+/// row-major and a silent copy would break the zero-copy promise.
+Tensor tensor_from_dlpack(nb::ndarray<> a, bool requires_grad) {
+  dc::Shape shape(a.ndim());
+  for (std::size_t i = 0; i < a.ndim(); ++i) shape[i] = static_cast<int64_t>(a.shape(i));
+  const int64_t numel = dc::shape_numel(shape);
+  if (numel > 0 && a.stride_ptr() != nullptr) {
+    int64_t expected = 1;
+    for (std::size_t k = a.ndim(); k-- > 0;) {
+      if (shape[k] != 1 && a.stride(k) != expected) {
+        std::string strides;
+        for (std::size_t i = 0; i < a.ndim(); ++i)
+          strides += (i ? ", " : "") + std::to_string(a.stride(i));
+        throw dc::InvalidArgument(
+            "diffcomm: tensor of shape " + dc::shape_str(shape) + " with strides (" + strides +
+            ") is not contiguous; diffcomm borrows storage without copying and needs a dense "
+            "row-major tensor: call .contiguous() first");
+      }
+      expected *= shape[k];
+    }
+  }
+  dc::Device device;
+  if (a.device_type() == nb::device::cpu::value) {
+    device = dc::Device::cpu();
+  } else if (a.device_type() == nb::device::cuda::value) {
+    device = dc::Device::cuda(a.device_id());
+  } else {
+    throw dc::InvalidArgument("diffcomm: only CPU and CUDA tensors are supported (DLPack device " +
+                              std::to_string(a.device_type()) + ")");
+  }
+  const dc::DType dtype = dtype_from_dl(a.dtype());
+  auto keep = std::make_shared<nb::ndarray<>>(a);  // releases the producer's buffer last
+  Tensor t = dc::from_blob(a.data(), shape, dtype, device, [keep](void*) mutable { keep.reset(); });
+  if (requires_grad) t.set_requires_grad(true);
+  return t;
+}
+
+void bind_errors(nb::module_& m) {
+  static nb::exception<dc::Error> error(m, "Error");
+  static nb::exception<dc::InvalidArgument> invalid(m, "InvalidArgument", error);
+  static nb::exception<dc::CollectiveMismatch> mismatch(m, "CollectiveMismatch", error);
+  static nb::exception<dc::Deadlock> deadlock(m, "Deadlock", error);
+  static nb::exception<dc::RankFailure> failure(m, "RankFailure", error);
+  static nb::exception<dc::Timeout> timeout(m, "Timeout", error);
+  static nb::exception<dc::BackendError> backend(m, "BackendError", error);
+}
+
+void bind_tensor(nb::module_& m) {
+  nb::class_<Tensor>(m, "Tensor",
+                     "A diffcomm tensor: a handle to shared, dense, row-major storage with "
+                     "diffcomm's own autograd state. Copies share data (like torch.Tensor).")
+      .def_prop_ro(
+          "shape",
+          [](const Tensor& t) { return std::vector<int64_t>(t.shape().begin(), t.shape().end()); })
+      .def_prop_ro("dtype", [](const Tensor& t) { return dc::dtype_name(t.dtype()); })
+      .def_prop_ro("device", [](const Tensor& t) { return t.device().str(); })
+      .def_prop_ro("requires_grad", &Tensor::requires_grad)
+      .def_prop_ro("is_leaf", &Tensor::is_leaf)
+      .def_prop_ro("data_ptr",
+                   [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); })
+      .def("numel", &Tensor::numel)
+      .def(
+          "set_requires_grad",
+          [](Tensor& t, bool v) {
+            t.set_requires_grad(v);
+            return t;
+          },
+          "value"_a = true)
+      .def_prop_ro("grad",
+                   [](const Tensor& t) -> std::optional<Tensor> {
+                     Tensor g = t.grad();
+                     if (!g.defined()) return std::nullopt;
+                     return g;
+                   })
+      .def("detach", &Tensor::detach)
+      .def("tolist", &Tensor::to_vector, "Values as a flat list of floats (row-major).")
+      .def("__repr__", [](const Tensor& t) { return "diffcomm.Tensor(" + t.str() + ")"; });
+
+  m.def("from_dlpack", &tensor_from_dlpack, "array"_a, "requires_grad"_a = false,
+        "Borrows a DLPack-capable array (torch.Tensor, numpy.ndarray, ...) as a diffcomm "
+        "Tensor sharing its storage (no copy). Raises InvalidArgument for non-contiguous "
+        "arrays.");
+  m.def("to_torch", &tensor_to_ndarray<nb::pytorch>, "tensor"_a,
+        "A torch.Tensor sharing the diffcomm tensor's storage (no copy, no autograd).");
+  m.def("to_numpy", &tensor_to_ndarray<nb::numpy>, "tensor"_a,
+        "A numpy array sharing the diffcomm tensor's storage (no copy).");
+  m.def(
+      "from_list",
+      [](const std::vector<double>& v, const std::vector<int64_t>& shape, const std::string& d) {
+        return dc::from_vector(v, shape, dc::parse_dtype(d));
+      },
+      "values"_a, "shape"_a, "dtype"_a = "float64");
+  m.def(
+      "zeros",
+      [](const std::vector<int64_t>& shape, const std::string& d) {
+        return dc::zeros(shape, dc::parse_dtype(d));
+      },
+      "shape"_a, "dtype"_a = "float64");
+
+  // Autograd and the few differentiable ops (for code written on diffcomm tensors).
+  m.def(
+      "grad",
+      [](const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+         const std::vector<Tensor>& grad_outputs,
+         bool retain_graph) { return dc::grad(outputs, inputs, grad_outputs, retain_graph, true); },
+      "outputs"_a, "inputs"_a, "grad_outputs"_a, "retain_graph"_a = false, release(),
+      "diffcomm::grad: gradients of outputs w.r.t. inputs contracted with grad_outputs; runs "
+      "the backward collectives of the recorded graph. Unused inputs get zeros.");
+  m.def(
+      "hand_off",
+      [](const std::vector<Tensor>& outputs) {
+        dc::HandOff h = dc::hand_off(outputs);
+        return nb::make_tuple(h.saved, h.collectives);
+      },
+      "outputs"_a,
+      "diffcomm::hand_off: the graph behind outputs leaves its cohorts (torch's engine orders "
+      "its backward now); returns (saved tensors, number of collectives).");
+  m.def(
+      "backward",
+      [](const std::vector<Tensor>& roots, const std::vector<Tensor>& grads) {
+        dc::backward(roots, grads);
+      },
+      "roots"_a, "grad_roots"_a = std::vector<Tensor>{}, release());
+  m.def("add", &dc::add, release());
+  m.def("mul", &dc::mul, release());
+  m.def("scale", &dc::scale, release());
+  m.def("sum", &dc::sum, release());
+  m.def("dot", &dc::dot, release());
+  m.def("matmul", &dc::matmul, release());
+  m.def("cat", &dc::cat, release());
+  m.def("narrow", &dc::narrow, release());
+}
+
+}  // namespace diffcomm_python

@@ -1,0 +1,55 @@
+"""The package's shape: real submodules, ReduceOp as a type, stubs generated
+by the build and installed with the extension."""
+import os
+import re
+
+import pytest
+
+import diffcomm
+import diffcomm.sim as sim
+from diffcomm import _core
+
+
+def public(module):
+    return sorted(n for n in dir(module) if not n.startswith("_"))
+
+
+def test_nn_and_encoder_parallel_are_importable_modules():
+    import diffcomm.encoder_parallel as ep
+    import diffcomm.nn as nn
+    from diffcomm.nn import all_reduce  # noqa: F401
+
+    assert sorted(nn.__all__) == public(_core.nn)  # every binding re-exported
+    assert sorted(ep.__all__) == public(_core.encoder_parallel)
+    assert nn.all_reduce is _core.nn.all_reduce and ep.plan_exchange is _core.encoder_parallel.plan_exchange
+
+
+def test_reduce_op_is_a_type_and_names_convert():
+    R = diffcomm.ReduceOp
+    assert R.MAX == R("max") and R.SUM != R.AVG
+    assert R.premul_sum(0.5).name == "premul_sum(0.5)" and R.premul_sum(0.5).factor == 0.5
+    assert repr(R.PRODUCT) == "diffcomm.ReduceOp(product)"
+    assert len({R.SUM, R("sum"), R.MIN}) == 2
+    with pytest.raises(diffcomm.InvalidArgument, match="unknown reduce op 'median'"):
+        R("median")
+
+
+def test_nn_ops_take_a_reduce_op_or_its_name():
+    def fn(rank, world):
+        x = _core.from_list([float(rank)], [1])
+        by_type = diffcomm.nn.all_reduce(x, world, diffcomm.ReduceOp.MAX).tolist()
+        by_name = diffcomm.nn.all_reduce(x, world, "min").tolist()
+        default = diffcomm.nn.all_reduce(x, world).tolist()
+        return by_type, by_name, default
+
+    assert sim.run(3, fn).results == [([2.0], [0.0], [3.0])] * 3
+
+
+def test_stubs_are_installed_and_match_the_binding():
+    stubs = os.path.join(os.path.dirname(_core.__file__), "_core")
+    text = open(os.path.join(stubs, "__init__.pyi")).read()
+    declared = set(re.findall(r"^(?:def|class) (\w+)", text, re.M))
+    missing = [n for n in public(_core) if callable(getattr(_core, n)) and n not in declared]
+    assert not missing, missing
+    nn_text = open(os.path.join(stubs, "nn.pyi")).read()
+    assert all(f"def {n}(" in nn_text for n in public(_core.nn))
