@@ -26,6 +26,7 @@
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/report.hpp"
+#include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/world.hpp"
 
 namespace ep = diffcomm::encoder_parallel;
@@ -123,33 +124,17 @@ CLI::Validator non_empty_path(const std::string& hint) {
 const CLI::Validator kImagesPath =
     non_empty_path("pass a CSV of image sizes, or leave --images out for the shipped COCO sizes");
 
-// Resource limits of one step: the simulated world's size and a memory
-// estimate (see check_budget).
-constexpr int64_t kMaxRanks = 16384;
+// The memory estimate's default limit (see check_budget); the other limits
+// of a step are StepOptions::resolved()'s.
 constexpr double kDefaultMemoryLimitGiB = 4.0;
-constexpr int64_t kMaxImagesPerStep = int64_t{1} << 20;
 
-struct StepArgs {
-  int ranks = 0;  // 0: dp * cp * tp
-  int dp = 0;     // 0: ranks / (cp * tp), or 1
-  int cp = 1, tp = 1;
-  bool sp = false;
-  std::string cp_layout = "contiguous";
-  int buckets = 0;  // 0: exchange size / encoder_cp
-  int encoder_cp = 1;
-  int batch = 4;
-  int images_per_sample = 2;
-  int64_t hidden = 32;
-  int64_t ffn = 32;
-  std::string dtype = "float64";
-  uint64_t seed = 0;
-  std::string images;
+// The step's options (diffcomm::sim::StepOptions, shared with Python) and
+// the CLI's own.
+struct StepArgs : diffcomm::sim::StepOptions {
   bool json = false;
   double memory_limit_gib = kDefaultMemoryLimitGiB;  // --memory-limit
   std::string fault;
   std::string trace;
-  std::string receiver_grad = "auto";
-  std::string model = "qwen2vl";
 };
 
 void add_step_options(CLI::App& app, StepArgs& a) {
@@ -161,7 +146,7 @@ void add_step_options(CLI::App& app, StepArgs& a) {
   app.add_flag("--sp", a.sp, "sequence parallel (TP ranks own distinct token shards)");
   app.add_option("--cp-layout", a.cp_layout, "contiguous or zigzag")
       ->check(CLI::IsMember({"contiguous", "zigzag"}));
-  app.add_option("--encoder-buckets", a.buckets,
+  app.add_option("--encoder-buckets", a.encoder_buckets,
                  "encoder buckets (default exchange size / encoder_cp)")
       ->check(CLI::Range(1, 16384));
   app.add_option("--encoder-cp", a.encoder_cp, "encoder context-parallel size")
@@ -200,65 +185,15 @@ std::optional<Fault> parse_fault(const std::string& s, int ranks) {
   return f;
 }
 
-// Resolves defaults and cross-option constraints; throws BadArgs naming the option.
+// Resolves defaults and cross-option constraints (StepOptions::resolved());
+// throws BadArgs naming the option.
 ep::StepConfig make_config(StepArgs& a) {
-  // cp, tp <= 1024 and dp, ranks <= 16384 (validators): products fit int64.
-  const int64_t cptp = int64_t{a.cp} * a.tp;
-  if (cptp > kMaxRanks)
-    throw BadArgs(
-        fmt::format("--cp {} x --tp {} = {} ranks exceeds the simulated world's limit "
-                    "of {}",
-                    a.cp, a.tp, cptp, kMaxRanks));
-  if (a.dp != 0 && a.dp * cptp > kMaxRanks)
-    throw BadArgs(
-        fmt::format("--dp {} x --cp {} x --tp {} = {} ranks exceeds the simulated "
-                    "world's limit of {}",
-                    a.dp, a.cp, a.tp, a.dp * cptp, kMaxRanks));
-  if (a.dp == 0) {
-    if (a.ranks != 0 && a.ranks % cptp != 0)
-      throw BadArgs(fmt::format("--ranks {} is not a multiple of cp*tp = {}", a.ranks, cptp));
-    a.dp = a.ranks != 0 ? static_cast<int>(a.ranks / cptp) : 1;
+  try {
+    static_cast<diffcomm::sim::StepOptions&>(a) = a.resolved();
+  } catch (const diffcomm::InvalidArgument& e) {
+    throw BadArgs(e.what());
   }
-  if (a.ranks == 0) a.ranks = static_cast<int>(a.dp * cptp);
-  if (a.ranks != a.dp * cptp)
-    throw BadArgs(fmt::format("--ranks {} != dp*cp*tp = {}*{}*{}", a.ranks, a.dp, a.cp, a.tp));
-  ep::StepConfig cfg;
-  cfg.dp = a.dp;
-  cfg.decoder = {a.cp, a.tp, a.sp,
-                 a.cp_layout == "zigzag" ? ep::CpLayout::Zigzag : ep::CpLayout::Contiguous};
-  const int exchange = a.cp > 1 ? static_cast<int>(cptp) : a.tp;
-  if (a.buckets == 0) {
-    if (exchange % a.encoder_cp != 0)
-      throw BadArgs(fmt::format("--encoder-cp {} does not divide the exchange group of {} ranks",
-                                a.encoder_cp, exchange));
-    a.buckets = exchange / a.encoder_cp;
-  }
-  if (a.buckets * a.encoder_cp != exchange)
-    throw BadArgs(fmt::format(
-        "--encoder-buckets {} x --encoder-cp {} must equal the exchange group size {} ({})",
-        a.buckets, a.encoder_cp, exchange, a.cp > 1 ? "cp*tp" : "tp"));
-  if (a.ffn % a.tp != 0)
-    throw BadArgs(fmt::format("--ffn {} is not a multiple of --tp {}", a.ffn, a.tp));
-  if (int64_t{a.dp} * a.batch * a.images_per_sample > kMaxImagesPerStep)
-    throw BadArgs(
-        fmt::format("--batch {} x --images-per-sample {} x dp {} images exceed the limit "
-                    "of {} per step",
-                    a.batch, a.images_per_sample, a.dp, kMaxImagesPerStep));
-  cfg.encoder = {a.buckets, a.encoder_cp};
-  cfg.hidden = a.hidden;
-  cfg.in_features = 16;
-  cfg.ffn = a.ffn;
-  cfg.dtype = diffcomm::parse_dtype(a.dtype);
-  cfg.seed = a.seed;
-  if (a.receiver_grad == "partial") cfg.receiver_grad = ep::ReceiverGrad::Partial;
-  if (a.receiver_grad == "replicated-over-tp")
-    cfg.receiver_grad = ep::ReceiverGrad::ReplicatedOverTp;
-  if (a.images.empty()) {
-    a.images = ep::default_image_sizes_path();
-    if (a.images.empty())
-      throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
-  }
-  return cfg;
+  return a.config();
 }
 
 // Refuses a step whose tensors would not fit comfortably in memory (instead of
@@ -377,8 +312,8 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
   s += fmt::format(
       " --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
       "--hidden {} --ffn {} --dtype {} --seed {}",
-      a.cp_layout, a.buckets, a.encoder_cp, a.batch, a.images_per_sample, a.hidden, a.ffn, a.dtype,
-      seed);
+      a.cp_layout, a.encoder_buckets, a.encoder_cp, a.batch, a.images_per_sample, a.hidden, a.ffn,
+      a.dtype, seed);
   if (a.receiver_grad != "auto") s += " --receiver-grad " + a.receiver_grad;
   if (a.model != "qwen2vl") s += " --model " + a.model;
   if (!a.images.empty()) s += " --images " + shell_quote(a.images);

@@ -207,28 +207,22 @@ def default_images_path() -> str:
     return path
 
 
-def _resolve(ranks, dp, cp, tp, encoder_buckets, encoder_cp, ffn):
-    """The defaults of diffcomm-sim: dp from ranks, buckets from the exchange size."""
-    cptp = cp * tp
-    if dp is None:
-        if ranks is not None and ranks % cptp != 0:
-            raise _core.InvalidArgument(f"ranks {ranks} is not a multiple of cp*tp = {cptp}")
-        dp = ranks // cptp if ranks is not None else 1
-    if ranks is not None and ranks != dp * cptp:
-        raise _core.InvalidArgument(f"ranks {ranks} != dp*cp*tp = {dp}*{cp}*{tp}")
-    exchange = cptp if cp > 1 else tp
-    if encoder_buckets is None:
-        if exchange % encoder_cp != 0:
-            raise _core.InvalidArgument(
-                f"encoder_cp {encoder_cp} does not divide the exchange group of {exchange} ranks")
-        encoder_buckets = exchange // encoder_cp
-    if encoder_buckets * encoder_cp != exchange:
-        raise _core.InvalidArgument(
-            f"encoder_buckets {encoder_buckets} x encoder_cp {encoder_cp} must equal the exchange "
-            f"group size {exchange}")
-    if ffn % tp != 0:
-        raise _core.InvalidArgument(f"ffn {ffn} is not a multiple of tp {tp}")
-    return dp, encoder_buckets
+def _step_options(ranks: Optional[int] = None, dp: Optional[int] = None, cp: int = 1,
+                  tp: int = 1, sp: bool = False, cp_layout: str = "contiguous",
+                  encoder_buckets: Optional[int] = None, encoder_cp: int = 1, batch: int = 4,
+                  images_per_sample: int = 2, hidden: int = 32, ffn: int = 32,
+                  dtype: str = "float64", seed: int = 0, images: Optional[str] = None,
+                  receiver_grad: str = "auto", model: str = "qwen2vl") -> "_core.sim.StepOptions":
+    """The C++ StepOptions (sim/step_options.hpp) from keywords; its
+    resolved() fills the defaults and checks the options, as the CLI does."""
+    o = _core.sim.StepOptions()
+    o.ranks, o.dp = ranks or 0, dp or 0
+    o.cp, o.tp, o.sp, o.cp_layout = cp, tp, sp, cp_layout
+    o.encoder_buckets, o.encoder_cp = encoder_buckets or 0, encoder_cp
+    o.batch, o.images_per_sample, o.hidden, o.ffn = batch, images_per_sample, hidden, ffn
+    o.dtype, o.seed, o.receiver_grad, o.model = dtype, seed, receiver_grad, model
+    o.images = images or default_images_path()
+    return o
 
 
 def step(
@@ -249,17 +243,19 @@ def step(
     seed: int = 0,
     images: Optional[str] = None,
     receiver_grad: str = "auto",
+    model: str = "qwen2vl",
     fault: Optional[Tuple[int, int]] = None,
     trace: Optional[str] = None,
 ) -> StepReport:
     """``diffcomm-sim step`` as a function: one seeded encoder-parallel training
     step on real image sizes in the simulated world, checked against the
-    single-rank reference. Same options and defaults as the CLI; returns the
-    fields of ``--json`` (see the table in docs/cli.md)."""
-    dp, buckets = _resolve(ranks, dp, cp, tp, encoder_buckets, encoder_cp, ffn)
-    js, text, code = _core.sim.step(
-        dp, cp, tp, sp, cp_layout, buckets, encoder_cp, batch, images_per_sample, hidden, ffn,
-        dtype, seed, images or default_images_path(), receiver_grad, fault, trace or "")
+    single-rank reference. Same options and defaults as the CLI (one C++
+    StepOptions resolves both); returns the fields of ``--json`` (see the table
+    in docs/cli.md)."""
+    options = _step_options(ranks, dp, cp, tp, sp, cp_layout, encoder_buckets, encoder_cp, batch,
+                            images_per_sample, hidden, ffn, dtype, seed, images, receiver_grad,
+                            model)
+    js, text, code = _core.sim.step(options, fault, trace or "")
     rep = StepReport(json.loads(js))
     rep.text = text
     rep.exit_code = code
@@ -275,31 +271,18 @@ def check(op: str, ranks: int, seed: int, dtype: str = "float64") -> Dict[str, A
 
 
 def sweep(seeds: Tuple[int, int], **kwargs: Any) -> Dict[str, Any]:
-    """``diffcomm-sim sweep``: step over seeds first..last (inclusive, a pair).
-    Keys: first, last, seeds, passed, failed, failures [{seed, exit_code, what}]."""
+    """``diffcomm-sim sweep``: step over seeds first..last (inclusive, a pair),
+    with step()'s keywords except seed, fault and trace. Keys: first, last,
+    seeds, passed, failed, failures [{seed, exit_code, what}]."""
     first, last = seeds
     for bad in ("seed", "fault", "trace"):
         if bad in kwargs:
             raise _core.InvalidArgument(f"sweep: '{bad}' is not a sweep option")
-    ranks = kwargs.pop("ranks", None)
-    dp = kwargs.pop("dp", None)
-    cp = kwargs.pop("cp", 1)
-    tp = kwargs.pop("tp", 1)
-    encoder_cp = kwargs.pop("encoder_cp", 1)
-    ffn = kwargs.pop("ffn", 32)
-    dp, buckets = _resolve(ranks, dp, cp, tp, kwargs.pop("encoder_buckets", None), encoder_cp, ffn)
-    sp = kwargs.pop("sp", False)
-    cp_layout = kwargs.pop("cp_layout", "contiguous")
-    batch = kwargs.pop("batch", 4)
-    ips = kwargs.pop("images_per_sample", 2)
-    hidden = kwargs.pop("hidden", 32)
-    dtype = kwargs.pop("dtype", "float64")
-    images = kwargs.pop("images", None) or default_images_path()
-    receiver_grad = kwargs.pop("receiver_grad", "auto")
-    if kwargs:
-        raise _core.InvalidArgument(f"sweep: unknown options {sorted(kwargs)}")
-    return json.loads(_core.sim.sweep(dp, cp, tp, sp, cp_layout, buckets, encoder_cp, batch, ips,
-                                      hidden, ffn, dtype, first, last, images, receiver_grad))
+    try:
+        options = _step_options(**kwargs)
+    except TypeError as e:
+        raise _core.InvalidArgument(f"sweep: {e}") from None
+    return json.loads(_core.sim.sweep(options, first, last))
 
 
 def batch_from_image_sizes(

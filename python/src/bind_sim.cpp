@@ -11,39 +11,13 @@
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/report.hpp"
+#include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "threaded_world.hpp"
 
 namespace diffcomm_python {
 
 // ---------------------------------------------------------------- sim
-namespace {
-ep::StepConfig make_step_config(int dp, int cp, int tp, bool sp, const std::string& layout,
-                                int buckets, int encoder_cp, int64_t hidden, int64_t ffn,
-                                const std::string& dtype, uint64_t seed,
-                                const std::string& receiver_grad) {
-  ep::StepConfig cfg;
-  cfg.dp = dp;
-  if (layout != "contiguous" && layout != "zigzag")
-    throw dc::InvalidArgument("cp_layout '" + layout + "': expected contiguous or zigzag");
-  cfg.decoder = {cp, tp, sp, layout == "zigzag" ? ep::CpLayout::Zigzag : ep::CpLayout::Contiguous};
-  cfg.encoder = {buckets, encoder_cp};
-  cfg.hidden = hidden;
-  cfg.in_features = 16;  // as diffcomm-sim
-  cfg.ffn = ffn;
-  cfg.dtype = dc::parse_dtype(dtype);
-  cfg.seed = seed;
-  if (receiver_grad == "partial")
-    cfg.receiver_grad = ep::ReceiverGrad::Partial;
-  else if (receiver_grad == "replicated-over-tp")
-    cfg.receiver_grad = ep::ReceiverGrad::ReplicatedOverTp;
-  else if (receiver_grad != "auto")
-    throw dc::InvalidArgument("receiver_grad '" + receiver_grad +
-                              "': expected auto, partial or replicated-over-tp");
-  return cfg;
-}
-}  // namespace
-
 void bind_sim(nb::module_& m) {
   auto s = m.def_submodule("sim", "The simulated world.");
   s.def("differentiable_ops", &dc::sim::differentiable_ops);
@@ -54,41 +28,57 @@ void bind_sim(nb::module_& m) {
         return std::make_pair(dc::sim::to_json(rep), dc::sim::to_text(rep));
       },
       "op"_a, "ranks"_a, "seed"_a, "dtype"_a, release(), "(json, text) of `diffcomm-sim check`.");
+  using dc::sim::StepOptions;
+  nb::class_<StepOptions>(s, "StepOptions",
+                          "The options of diffcomm-sim step (sim/step_options.hpp); 0 / empty "
+                          "means the default. diffcomm.sim.step fills them from keywords.")
+      .def(nb::init<>())
+      .def_rw("ranks", &StepOptions::ranks)
+      .def_rw("dp", &StepOptions::dp)
+      .def_rw("cp", &StepOptions::cp)
+      .def_rw("tp", &StepOptions::tp)
+      .def_rw("sp", &StepOptions::sp)
+      .def_rw("cp_layout", &StepOptions::cp_layout)
+      .def_rw("encoder_buckets", &StepOptions::encoder_buckets)
+      .def_rw("encoder_cp", &StepOptions::encoder_cp)
+      .def_rw("batch", &StepOptions::batch)
+      .def_rw("images_per_sample", &StepOptions::images_per_sample)
+      .def_rw("hidden", &StepOptions::hidden)
+      .def_rw("ffn", &StepOptions::ffn)
+      .def_rw("dtype", &StepOptions::dtype)
+      .def_rw("seed", &StepOptions::seed)
+      .def_rw("images", &StepOptions::images)
+      .def_rw("receiver_grad", &StepOptions::receiver_grad)
+      .def_rw("model", &StepOptions::model)
+      .def("resolved", &StepOptions::resolved,
+           "Every default filled in; InvalidArgument naming the option otherwise.");
   s.def(
       "step",
-      [](int dp, int cp, int tp, bool sp, const std::string& layout, int buckets, int ecp,
-         int samples, int images_per_sample, int64_t hidden, int64_t ffn, const std::string& dtype,
-         uint64_t seed, const std::string& images, const std::string& receiver_grad,
-         std::optional<std::pair<int, int>> fault, const std::string& trace) {
-        const auto cfg = make_step_config(dp, cp, tp, sp, layout, buckets, ecp, hidden, ffn, dtype,
-                                          seed, receiver_grad);
-        const auto per_dp =
-            dc::sim::step_batches(cfg, ep::load_image_sizes(images), samples, images_per_sample);
-        dc::sim::StepRunOptions o;
-        if (fault) o.fault = dc::sim::Fault{fault->first, fault->second};
-        o.trace_path = trace;
-        const auto rep = dc::sim::run_step_report(cfg, per_dp, o);
+      [](const StepOptions& options, std::optional<std::pair<int, int>> fault,
+         const std::string& trace) {
+        const StepOptions o = options.resolved();
+        const auto cfg = o.config();
+        const auto per_dp = dc::sim::step_batches(cfg, ep::load_image_sizes(o.images), o.batch,
+                                                  o.images_per_sample, ep::vision_model(o.model));
+        dc::sim::StepRunOptions run;
+        if (fault) run.fault = dc::sim::Fault{fault->first, fault->second};
+        run.trace_path = trace;
+        const auto rep = dc::sim::run_step_report(cfg, per_dp, run);
         return std::make_tuple(dc::sim::to_json(rep), dc::sim::to_text(rep), rep.exit_code());
       },
-      "dp"_a, "cp"_a, "tp"_a, "sp"_a, "cp_layout"_a, "buckets"_a, "encoder_cp"_a, "samples"_a,
-      "images_per_sample"_a, "hidden"_a, "ffn"_a, "dtype"_a, "seed"_a, "images"_a,
-      "receiver_grad"_a, "fault"_a, "trace"_a, release(),
-      "(json, text, exit code) of `diffcomm-sim step` (defaults resolved by the caller).");
+      "options"_a, "fault"_a, "trace"_a, release(),
+      "(json, text, exit code) of `diffcomm-sim step`.");
   s.def(
       "sweep",
-      [](int dp, int cp, int tp, bool sp, const std::string& layout, int buckets, int ecp,
-         int samples, int images_per_sample, int64_t hidden, int64_t ffn, const std::string& dtype,
-         uint64_t first, uint64_t last, const std::string& images,
-         const std::string& receiver_grad) {
-        const auto cfg = make_step_config(dp, cp, tp, sp, layout, buckets, ecp, hidden, ffn, dtype,
-                                          first, receiver_grad);
-        const auto rep = dc::sim::run_sweep(cfg, ep::load_image_sizes(images), samples,
-                                            images_per_sample, first, last);
+      [](const StepOptions& options, uint64_t first, uint64_t last) {
+        StepOptions o = options.resolved();
+        o.seed = first;
+        const auto rep =
+            dc::sim::run_sweep(o.config(), ep::load_image_sizes(o.images), o.batch,
+                               o.images_per_sample, first, last, {}, ep::vision_model(o.model));
         return dc::sim::to_json(rep);
       },
-      "dp"_a, "cp"_a, "tp"_a, "sp"_a, "cp_layout"_a, "buckets"_a, "encoder_cp"_a, "samples"_a,
-      "images_per_sample"_a, "hidden"_a, "ffn"_a, "dtype"_a, "first"_a, "last"_a, "images"_a,
-      "receiver_grad"_a, release());
+      "options"_a, "first"_a, "last"_a, release(), "The JSON of `diffcomm-sim sweep`.");
 
   nb::class_<dc::threaded::ThreadedWorld>(
       s, "ThreadedWorld",
