@@ -12,8 +12,8 @@
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/step_options.hpp"
+#include "diffcomm/sim/threaded_world.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "threaded_world.hpp"
 
 namespace diffcomm_python {
 
@@ -80,12 +80,12 @@ void bind_sim(nb::module_& m) {
       },
       "options"_a, "first"_a, "last"_a, release(), "The JSON of `diffcomm-sim sweep`.");
 
-  nb::class_<dc::threaded::ThreadedWorld>(
+  nb::class_<dc::sim::ThreadedWorld>(
       s, "ThreadedWorld",
       "A sim::World whose ranks are OS threads handing a baton (see diffcomm.sim.run).")
       .def(
           "__init__",
-          [](dc::threaded::ThreadedWorld* w, int ranks, uint64_t seed, const std::string& schedule,
+          [](dc::sim::ThreadedWorld* w, int ranks, uint64_t seed, const std::string& schedule,
              std::optional<std::pair<int, int>> fault, bool trace) {
             dc::sim::WorldOptions o;
             o.ranks = ranks;
@@ -100,34 +100,27 @@ void bind_sim(nb::module_& m) {
             if (fault) o.fault = dc::sim::Fault{fault->first, fault->second};
             o.trace = trace;
             o.stack_size = 64 * 1024;  // proxy fibers only forward calls
-            new (w) dc::threaded::ThreadedWorld(o);
+            new (w) dc::sim::ThreadedWorld(o);
           },
           "ranks"_a, "seed"_a = 0, "schedule"_a = "random", "fault"_a = nb::none(),
           "trace"_a = true)
-      .def("start", &dc::threaded::ThreadedWorld::start, "rank"_a, release())
-      .def("finish", &dc::threaded::ThreadedWorld::finish, "rank"_a, "failure"_a, release())
-      .def("run", &dc::threaded::ThreadedWorld::run, release())
-      .def("cancel", &dc::threaded::ThreadedWorld::cancel, "why"_a, release())
-      .def("size", &dc::threaded::ThreadedWorld::size)
-      .def("error_messages", &dc::threaded::ThreadedWorld::error_messages)
-      .def("trace_hash",
-           [](const dc::threaded::ThreadedWorld& w) { return w.world().trace_hash(); })
-      .def("sim_time_us",
-           [](const dc::threaded::ThreadedWorld& w) { return w.world().sim_time_us(); })
+      .def("start", &dc::sim::ThreadedWorld::start, "rank"_a, release())
+      .def("finish", &dc::sim::ThreadedWorld::finish, "rank"_a, "failure"_a, release())
+      .def("run", &dc::sim::ThreadedWorld::run, release())
+      .def("cancel", &dc::sim::ThreadedWorld::cancel, "why"_a, release())
+      .def("size", &dc::sim::ThreadedWorld::size)
+      .def("error_messages", &dc::sim::ThreadedWorld::error_messages)
+      .def("trace_hash", [](const dc::sim::ThreadedWorld& w) { return w.world().trace_hash(); })
+      .def("sim_time_us", [](const dc::sim::ThreadedWorld& w) { return w.world().sim_time_us(); })
       .def(
           "stats",
-          [](const dc::threaded::ThreadedWorld& w, int r) {
-            return stats_dict(w.world().stats(r));
-          },
+          [](const dc::sim::ThreadedWorld& w, int r) { return stats_dict(w.world().stats(r)); },
           "rank"_a)
       .def(
           "write_trace",
-          [](const dc::threaded::ThreadedWorld& w, const std::string& p) {
-            w.world().write_trace(p);
-          },
+          [](const dc::sim::ThreadedWorld& w, const std::string& p) { w.world().write_trace(p); },
           "path"_a)
-      .def("trace_len",
-           [](const dc::threaded::ThreadedWorld& w) { return w.world().trace().size(); });
+      .def("trace_len", [](const dc::sim::ThreadedWorld& w) { return w.world().trace().size(); });
 }
 
 }  // namespace diffcomm_python

@@ -1,10 +1,10 @@
-#include "threaded_world.hpp"
+#include "diffcomm/sim/threaded_world.hpp"
 
 #include <fmt/format.h>
 
 #include "diffcomm/error.hpp"
 
-namespace diffcomm::threaded {
+namespace diffcomm::sim {
 
 // ---------------------------------------------------------------- channel
 void RankChannel::hand_to_rank(std::unique_lock<std::mutex>& lock) {
@@ -133,15 +133,15 @@ class BatonBackend final : public dist::Backend {
 
 // ---------------------------------------------------------------- world
 struct ThreadedWorldState {
-  explicit ThreadedWorldState(sim::WorldOptions o) : world(std::move(o)) {}
-  sim::World world;
+  explicit ThreadedWorldState(WorldOptions o) : world(std::move(o)) {}
+  World world;
   std::vector<std::shared_ptr<RankChannel>> channels;
   // Filled by each proxy fiber before it hands the baton over.
   std::vector<std::optional<dist::ProcessGroup>> groups;
   std::mutex mutex;
 };
 
-ThreadedWorld::ThreadedWorld(sim::WorldOptions options)
+ThreadedWorld::ThreadedWorld(WorldOptions options)
     : state_(std::make_shared<ThreadedWorldState>(std::move(options))) {
   const auto n = static_cast<std::size_t>(state_->world.options().ranks);
   for (std::size_t r = 0; r < n; ++r) state_->channels.push_back(std::make_shared<RankChannel>());
@@ -151,7 +151,7 @@ ThreadedWorld::ThreadedWorld(sim::WorldOptions options)
 ThreadedWorld::~ThreadedWorld() = default;
 
 int ThreadedWorld::size() const { return state_->world.options().ranks; }
-const sim::World& ThreadedWorld::world() const { return state_->world; }
+const World& ThreadedWorld::world() const { return state_->world; }
 std::vector<std::string> ThreadedWorld::error_messages() const {
   return state_->world.error_messages();
 }
@@ -184,7 +184,7 @@ void ThreadedWorld::finish(int rank, std::string failure) {
 void ThreadedWorld::run() {
   auto state = state_;
   try {
-    state->world.run([state](sim::Rank& r) {
+    state->world.run([state](Rank& r) {
       const auto slot = static_cast<std::size_t>(r.rank());
       const dist::ProcessGroup& world_group = r.world();
       // Non-owning handles into the world, kept valid by `state`.
@@ -198,7 +198,7 @@ void ThreadedWorld::run() {
       }
       state->channels[slot]->serve();
     });
-  } catch (const sim::RunFailures&) {
+  } catch (const RunFailures&) {
     // Every rank's error is in error_messages(); the rank threads saw theirs.
   } catch (const Error& e) {
     // The world itself could not run (no rank ran: e.g. its fiber stacks
@@ -213,4 +213,4 @@ void ThreadedWorld::cancel(const std::string& why) {
   for (auto& ch : state_->channels) ch->abort(why);
 }
 
-}  // namespace diffcomm::threaded
+}  // namespace diffcomm::sim

@@ -28,7 +28,7 @@
 #include "diffcomm/dist/group.hpp"
 #include "diffcomm/sim/world.hpp"
 
-namespace diffcomm::threaded {
+namespace diffcomm::sim {
 
 /// The baton between one rank's thread and its proxy fiber.
 class RankChannel {
@@ -70,7 +70,7 @@ struct ThreadedWorldState;
 class ThreadedWorld {
  public:
   /// Throws InvalidArgument for options sim::World rejects.
-  explicit ThreadedWorld(sim::WorldOptions options);
+  explicit ThreadedWorld(WorldOptions options);
   ~ThreadedWorld();
 
   /// Rank thread: waits for the baton, returns this rank's world group
@@ -89,11 +89,11 @@ class ThreadedWorld {
   void cancel(const std::string& why);
 
   int size() const;
-  const sim::World& world() const;
+  const World& world() const;
   std::vector<std::string> error_messages() const;
 
  private:
   std::shared_ptr<ThreadedWorldState> state_;
 };
 
-}  // namespace diffcomm::threaded
+}  // namespace diffcomm::sim
