@@ -172,9 +172,11 @@ void World::Impl::raise(const Rendezvous& rv, const Call& call) {
 void World::Impl::enter(SimGroup& g, int global, const Call& call) {
   RankState& rs = ranks[static_cast<std::size_t>(global)];
   ++rs.calls;
-  if (options.fault && options.fault->rank == global && options.fault->at_call == rs.calls)
-    throw RankFailure(fmt::format("rank {}: injected fault at its call #{}: {}: {}", global,
-                                  rs.calls, call.where(), call.signature()));
+  if (options.fault && options.fault->rank == global && options.fault->at_call == rs.calls) {
+    injected_fault = fmt::format("rank {}: injected fault at its call #{}: {}: {}", global,
+                                 rs.calls, call.where(), call.signature());
+    throw RankFailure(injected_fault);
+  }
   if (failures == 0) return;  // the common case: no scan of the members
   for (int m : g.members) {
     const RankState& ms = ranks[static_cast<std::size_t>(m)];

@@ -132,12 +132,9 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
     const auto messages = world.error_messages();
     for (const auto& msg : messages)
       if (!msg.empty()) ++rep.failed_ranks;
-    if (options.fault) {
-      const std::string& what = messages[static_cast<std::size_t>(options.fault->rank)];
-      if (what.find("injected fault") != std::string::npos) {
-        rep.fault->triggered = true;
-        rep.fault->call = what;
-      }
+    if (options.fault && !world.injected_fault().empty()) {
+      rep.fault->triggered = true;
+      rep.fault->call = world.injected_fault();
     }
   } else {
     const auto ref = ep::reference_step(cfg, per_dp);

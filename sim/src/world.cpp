@@ -81,6 +81,8 @@ double World::sim_time_us() const {
   return t;
 }
 
+const std::string& World::injected_fault() const { return impl_->injected_fault; }
+
 std::vector<std::string> World::error_messages() const {
   std::vector<std::string> out;
   for (const auto& r : impl_->ranks) out.push_back(message_of(r));
@@ -204,6 +206,7 @@ void World::Impl::reset_for_run(int n) {
   live = n;
   blocked = 0;
   failures = 0;
+  injected_fault.clear();
   errors.assign(static_cast<std::size_t>(n), nullptr);
 }
 

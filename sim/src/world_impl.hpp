@@ -72,6 +72,7 @@ struct World::Impl {
   int live = 0;
   int blocked = 0;
   uint64_t failures = 0;
+  std::string injected_fault;  // the injected fault's message, once it fired
   // The trace as recorded (see trace.hpp).
   std::vector<TraceCall> trace_calls;
   std::vector<TraceMember> trace_members;

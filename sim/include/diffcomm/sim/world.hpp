@@ -189,6 +189,9 @@ class World {
   const std::vector<std::exception_ptr>& errors() const;
   /// Per-rank message of errors() ("" where the rank succeeded).
   std::vector<std::string> error_messages() const;
+  /// The injected fault's (WorldOptions::fault) message when it fired in the
+  /// last run, else "".
+  const std::string& injected_fault() const;
   /// Traffic counters of one rank in the last run.
   const dist::Stats& stats(int rank) const;
   /// Every completed call of the last run, in completion order.
