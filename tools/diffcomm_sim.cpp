@@ -261,9 +261,8 @@ diffcomm::sim::StepReport run_configured_step(const StepArgs& a, const ep::StepC
     return diffcomm::sim::run_step_report(cfg, per_dp, options);
   } catch (const diffcomm::InvalidArgument& e) {
     // A plan the library refuses, or a trace it cannot write (a full disk,
-    // /dev/full): bad arguments, exit 2.
-    const std::string what = e.what();
-    throw BadArgs(what.rfind("write_trace", 0) == 0 ? "--trace: " + what : what);
+    // /dev/full; the message names --trace): bad arguments, exit 2.
+    throw BadArgs(e.what());
   }
 }
 

@@ -112,7 +112,13 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
   }
   rep.wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  if (!options.trace_path.empty()) world.write_trace(options.trace_path);
+  if (!options.trace_path.empty()) {
+    try {
+      world.write_trace(options.trace_path);
+    } catch (const InvalidArgument& e) {  // named as the CLI names the option (StepOptions)
+      throw InvalidArgument(fmt::format("--trace: {}", e.what()));
+    }
+  }
   rep.sim_time_us = world.sim_time_us();
 
   const int cp = cfg.decoder.cp, tp = cfg.decoder.tp, cptp = cp * tp;

@@ -25,7 +25,9 @@ namespace diffcomm::sim {
 /// Options of one step run besides its configuration.
 struct StepRunOptions {
   std::optional<Fault> fault;  ///< inject a failure (rank R fails at its K-th call)
-  std::string trace_path;      ///< write a Chrome trace-event JSON there when non-empty
+  /// Write a Chrome trace-event JSON there when non-empty (InvalidArgument
+  /// "--trace: write_trace: ..." when it cannot be written).
+  std::string trace_path;
 };
 
 /// One rank's line of the step report.
