@@ -290,6 +290,23 @@ ep::Batch design_example() {
   return b;
 }
 
+// The exchange group's one rule (DecoderMesh::exchange_size/exchange_rank)
+// is what plan_exchange uses, and ExchangePlan::coordinates inverts it.
+TEST(Planner, ExchangeRankAndCoordinatesAreInverse) {
+  const auto b = design_example();
+  for (int cp : {1, 2, 4})
+    for (int tp : {1, 2, 4}) {
+      const auto mesh = mesh_of(cp, tp, cp > 1 || tp > 1);
+      const auto plan =
+          ep::plan_exchange(b, mesh, encoder_layout(static_cast<int>(mesh.exchange_size()), 1));
+      EXPECT_EQ(plan.exchange_size, mesh.exchange_size());
+      for (int c = 0; c < (cp > 1 ? cp : 1); ++c)
+        for (int t = 0; t < tp; ++t)
+          EXPECT_EQ(plan.coordinates(mesh.exchange_rank(c, t)), std::make_pair(c, t))
+              << "cp " << cp << " tp " << tp;
+    }
+}
+
 TEST(Planner, DesignWorkedExample) {
   const auto b = design_example();
   const auto csp = ep::plan_exchange(b, mesh_of(2, 2, true), encoder_layout(4, 1));

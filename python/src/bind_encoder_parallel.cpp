@@ -112,7 +112,10 @@ void bind_encoder_parallel(nb::module_& m) {
       .def_rw("tp", &ep::DecoderMesh::tp)
       .def_rw("sp", &ep::DecoderMesh::sp)
       .def_rw("layout", &ep::DecoderMesh::layout)
-      .def("context", &ep::DecoderMesh::context, "cp_rank"_a, "tp_rank"_a);
+      .def("context", &ep::DecoderMesh::context, "cp_rank"_a, "tp_rank"_a)
+      .def("exchange_size", &ep::DecoderMesh::exchange_size,
+           "Ranks of the exchange group: cp*tp when cp > 1, else tp.")
+      .def("exchange_rank", &ep::DecoderMesh::exchange_rank, "cp_rank"_a, "tp_rank"_a);
   nb::class_<ep::EncoderLayout>(e, "EncoderLayout")
       .def(nb::init<>())
       .def(

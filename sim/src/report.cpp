@@ -123,7 +123,7 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
 
   const int cp = cfg.decoder.cp, tp = cfg.decoder.tp, cptp = cp * tp;
   for (int r = 0; r < ranks; ++r) {
-    const int d = r / cptp, e = cp > 1 ? r % cptp : r % tp;
+    const int d = r / cptp, e = cfg.decoder.exchange_rank((r % cptp) / tp, r % tp);
     const auto& st = stats[static_cast<std::size_t>(d)];
     const auto all = world.stats(r).total();
     rep.per_rank.push_back({r, d, (r % cptp) / tp, r % tp,

@@ -67,7 +67,7 @@ StepOptions StepOptions::resolved() const {
   if (a.ranks != a.dp * cptp)
     throw InvalidArgument(
         fmt::format("--ranks {} != dp*cp*tp = {}*{}*{}", a.ranks, a.dp, a.cp, a.tp));
-  const int exchange = a.cp > 1 ? static_cast<int>(cptp) : a.tp;
+  const auto exchange = static_cast<int>(ep::DecoderMesh{a.cp, a.tp}.exchange_size());
   if (a.encoder_buckets == 0) {
     if (exchange % a.encoder_cp != 0)
       throw InvalidArgument(

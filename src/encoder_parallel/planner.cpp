@@ -160,9 +160,7 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
   plan.decoder = decoder;
   plan.encoder = encoder;
   plan.mode = select_feature_exchange(decoder.context(0, 0));
-  const int64_t exchange_size = plan.mode == FeatureExchangeMode::ParentVariableA2A
-                                    ? int64_t{decoder.cp} * decoder.tp
-                                    : int64_t{decoder.tp};
+  const int64_t exchange_size = decoder.exchange_size();
   if (exchange_size > kMaxExchangeSize)
     throw InvalidArgument(
         fmt::format("plan_exchange: an exchange group of {} ranks (cp {} x tp "
@@ -256,9 +254,7 @@ void ExchangePlan::validate() const {
   if (mode != want)
     throw bad(fmt::format("mode {} but the decoder mesh (cp {}, tp {}, sp {}) needs {}",
                           mode_name(mode), decoder.cp, decoder.tp, decoder.sp, mode_name(want)));
-  const int64_t group = mode == FeatureExchangeMode::ParentVariableA2A
-                            ? int64_t{decoder.cp} * decoder.tp
-                            : int64_t{decoder.tp};
+  const int64_t group = decoder.exchange_size();  // mode == want: the mode's group
   if (group > kMaxExchangeSize)
     throw bad(
         fmt::format("an exchange group of {} ranks is larger than {}", group, kMaxExchangeSize));

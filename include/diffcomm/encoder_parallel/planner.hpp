@@ -49,6 +49,15 @@ struct DecoderMesh {
   bool sp = false;
   CpLayout layout = CpLayout::Contiguous;
   MeshContext context(int cp_rank, int tp_rank) const { return {cp, tp, sp, cp_rank, tp_rank}; }
+  /// Ranks of the feature exchange's group (the one rule): the CP x TP
+  /// parent group when cp > 1 (ParentVariableA2A), else the TP group.
+  int64_t exchange_size() const { return cp > 1 ? int64_t{cp} * tp : tp; }
+  /// The exchange rank of decoder rank (cp_rank, tp_rank): cp_rank * tp +
+  /// tp_rank in the parent group, tp_rank in the TP group
+  /// (ExchangePlan::coordinates is the inverse).
+  int exchange_rank(int cp_rank, int tp_rank) const {
+    return cp > 1 ? cp_rank * tp + tp_rank : tp_rank;
+  }
 };
 
 struct EncoderLayout {
