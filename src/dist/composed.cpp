@@ -1,6 +1,6 @@
 // Deterministic reductions from all_to_all_single + rank-ordered
 // accumulation (see composed.hpp).
-#include "diffcomm/dist/composed.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
 
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/dist/reduce_op.hpp"

@@ -2,7 +2,7 @@
 // Call; here each primitive maps to the non-blocking MPI call it wraps
 // (issue), then waits for it with the shared deadline loop (complete), so a
 // peer that never arrives gives Timeout instead of a hang. Reductions are
-// composed from data movement (dist/composed.hpp) unless Options asks for
+// composed from data movement (dist/backend/composed.hpp) unless Options asks for
 // MPI's native reduction. MPI's error codes become BackendError at every
 // boundary.
 #include <fmt/format.h>
@@ -15,9 +15,9 @@
 
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/checked_backend.hpp"
-#include "diffcomm/dist/composed.hpp"
-#include "diffcomm/dist/wait.hpp"
+#include "diffcomm/dist/backend/checked_backend.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
+#include "diffcomm/dist/backend/wait.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
 #include "timeouts.hpp"

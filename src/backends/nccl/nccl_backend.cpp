@@ -27,10 +27,10 @@
 #include "diffcomm/backends/nccl.hpp"
 #include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/checked_backend.hpp"
-#include "diffcomm/dist/composed.hpp"
-#include "diffcomm/dist/fingerprint.hpp"
-#include "diffcomm/dist/options.hpp"
+#include "diffcomm/dist/backend/checked_backend.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
+#include "diffcomm/dist/backend/options.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/ops.hpp"
 
@@ -235,7 +235,7 @@ class NcclBackend final : public dist::Backend {
     begin(c);
     // 1. Every member's (color, key, fingerprint), all-gathered on the
     //    device: the new groups' global ranks and a fingerprint check.
-    // The member-list word of the shared fingerprint (dist/fingerprint.hpp):
+    // The member-list word of the shared fingerprint (dist/backend/fingerprint.hpp):
     // it tells new_group from split, as the simulated world and checked
     // mode do.
     constexpr std::size_t kMembersWord = 10;
@@ -877,7 +877,7 @@ class NcclBackend final : public dist::Backend {
     }
   }
 
-  // A deterministic reduction (dist/composed.hpp): its transport steps are
+  // A deterministic reduction (dist/backend/composed.hpp): its transport steps are
   // this backend's all_to_all_single / all_gather_v and its accumulation is
   // dist::reduce_into on the device, all on the group's stream, ordered with
   // the caller's current stream once around the whole composition.
