@@ -19,7 +19,6 @@
 #include "diffcomm/dist/backend/composed.hpp"
 #include "diffcomm/dist/backend/wait.hpp"
 #include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
 #include "timeouts.hpp"
 
 namespace diffcomm::mpi {
@@ -131,13 +130,13 @@ MPI_Op mpi_op(DType d, ReduceOp op) {
 char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 void finish_avg(const Call& c, Tensor t) {
-  if (c.reduce_op == ReduceOp::Avg) t.copy_(scale(t.detach(), 1.0 / c.group_size));
+  if (c.reduce_op == ReduceOp::Avg) t.copy_(dist::scaled(t, 1.0 / c.group_size));
 }
 
 // The native path's PremulSum input: factor x t (a new tensor), else t.
 Tensor premultiplied(const Call& c, const Tensor& t) {
   if (c.reduce_op != ReduceOp::PremulSum) return t;
-  return scale(t.detach(), c.reduce_op.factor());
+  return dist::scaled(t, c.reduce_op.factor());
 }
 
 class MpiBackend final : public dist::Backend {

@@ -32,7 +32,6 @@
 #include "diffcomm/dist/backend/fingerprint.hpp"
 #include "diffcomm/dist/backend/options.hpp"
 #include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
 
 // ncclGather / ncclScatter / ncclAlltoAll appeared in NCCL 2.28: use them only
 // when the header we compile against declares them (here) *and* the library
@@ -833,7 +832,7 @@ class NcclBackend final : public dist::Backend {
   // scale and copy run on the current stream, which is the group's here.
   void finish_avg(const Call& d, const Tensor& t) {
     if (d.reduce_op != ReduceOp::Avg || native_avg() || t.numel() == 0) return;
-    t.detach().copy_(scale(t.detach(), 1.0 / size_));
+    t.detach().copy_(dist::scaled(t, 1.0 / size_));
   }
 
   static bool same_stream(cudaStream_t a, cudaStream_t b) {
