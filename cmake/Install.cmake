@@ -10,6 +10,7 @@
 # Consumers:
 #   find_package(diffcomm CONFIG REQUIRED)           # or COMPONENTS sim
 #   target_link_libraries(app PRIVATE diffcomm::core) # diffcomm::sim, ...
+#   (or one layer: diffcomm::tensor, ::autograd, ::dist, ::nn, ::encoder_parallel)
 #
 # The libraries are static by default, so the exported link interface carries
 # their private dependencies ($<LINK_ONLY:fmt::fmt>, ...); the package config
@@ -35,10 +36,15 @@ install(FILES ${PROJECT_BINARY_DIR}/generated/diffcomm/config.hpp
 # diffcomm-mpiTargets and diffcomm-ncclTargets only when the consumer asks for
 # the component (find_package(diffcomm COMPONENTS mpi nccl)), so a CPU-only
 # program using core + sim needs neither MPI nor NCCL.
-set(_diffcomm_export_targets diffcomm_core)
-set(_diffcomm_set_base diffcomm_core)
+# The core layers (src/CMakeLists.txt) and diffcomm::core, the INTERFACE
+# target linking them all.
+set(_diffcomm_core_layers diffcomm_tensor diffcomm_autograd diffcomm_dist diffcomm_nn
+                          diffcomm_encoder_parallel diffcomm_core)
+set(_diffcomm_export_targets ${_diffcomm_core_layers})
+set(_diffcomm_set_base ${_diffcomm_core_layers})
 set(_diffcomm_optional_components "")
-foreach(_pair IN ITEMS diffcomm_sim:sim diffcomm_mpi:mpi diffcomm_nccl:nccl)
+foreach(_pair IN ITEMS diffcomm_sim:sim diffcomm_sim_reports:sim_reports diffcomm_mpi:mpi
+                      diffcomm_nccl:nccl)
   string(REPLACE ":" ";" _pair "${_pair}")
   list(GET _pair 0 _target)
   list(GET _pair 1 _export_name)
@@ -48,7 +54,7 @@ foreach(_pair IN ITEMS diffcomm_sim:sim diffcomm_mpi:mpi diffcomm_nccl:nccl)
       set_target_properties(${_target} PROPERTIES EXPORT_NAME ${_export_name})
     endif()
     list(APPEND _diffcomm_export_targets ${_target})
-    if(_export_name STREQUAL "sim")
+    if(_export_name MATCHES "^sim(_reports)?$")
       list(APPEND _diffcomm_set_base ${_target})
     else()
       set(_diffcomm_set_${_export_name} ${_target})
@@ -75,7 +81,10 @@ endif()
 # "file INSTALL cannot find"; say what to build instead.
 set(_diffcomm_check_files "")
 foreach(_target IN LISTS _diffcomm_export_targets)
-  string(APPEND _diffcomm_check_files "  \"$<TARGET_FILE:${_target}>\"\n")
+  get_target_property(_type ${_target} TYPE)
+  if(NOT _type STREQUAL "INTERFACE_LIBRARY")
+    string(APPEND _diffcomm_check_files "  \"$<TARGET_FILE:${_target}>\"\n")
+  endif()
 endforeach()
 install(CODE "
 set(_missing \"\")

@@ -456,4 +456,19 @@ double gradcheck_max_error(const std::function<Tensor(const std::vector<Tensor>&
   return worst;
 }
 
+// A member of Tensor defined in the autograd layer: its error names the
+// grad_fn (a Node), which the tensor layer only declares.
+Tensor& Tensor::set_requires_grad(bool value) {
+  if (!impl_) detail::throw_undefined_tensor();
+  if (value && !is_floating(dtype()))
+    throw InvalidArgument(fmt::format(
+        "set_requires_grad: only floating-point tensors can require grad, got {}", str()));
+  if (!is_leaf())
+    throw InvalidArgument(
+        fmt::format("set_requires_grad: {} is not a leaf (it has grad_fn {}); detach() it first",
+                    str(), grad_fn()->name()));
+  impl_->requires_grad = value;
+  return *this;
+}
+
 }  // namespace diffcomm

@@ -14,7 +14,6 @@
 #include <random>
 
 #include "detail/device_ops.hpp"
-#include "diffcomm/autograd.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm {
@@ -452,19 +451,6 @@ Tensor Tensor::to(Device target) const {
   Tensor out = empty(shape(), dtype(), target);
   out.copy_(*this);
   return out;
-}
-
-Tensor& Tensor::set_requires_grad(bool value) {
-  checked(impl_);
-  if (value && !is_floating(dtype()))
-    throw InvalidArgument(fmt::format(
-        "set_requires_grad: only floating-point tensors can require grad, got {}", str()));
-  if (!is_leaf())
-    throw InvalidArgument(
-        fmt::format("set_requires_grad: {} is not a leaf (it has grad_fn {}); detach() it first",
-                    str(), grad_fn()->name()));
-  impl_->requires_grad = value;
-  return *this;
 }
 
 Tensor Tensor::grad() const { return checked(impl_).grad; }

@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "diffcomm/autograd.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
+#include "diffcomm/dist/backend/options.hpp"
 #include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/fingerprint.hpp"
-#include "diffcomm/dist/options.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/nn/functional.hpp"
 #include "diffcomm/ops.hpp"

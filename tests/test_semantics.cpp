@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "diffcomm/autograd.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
 #include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/fingerprint.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/nn/functional.hpp"
 #include "diffcomm/sim/world.hpp"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 
 namespace diffcomm::sim::detail {

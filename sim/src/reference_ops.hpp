@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 #include "rendezvous.hpp"
 
 namespace diffcomm::sim::detail {

@@ -8,7 +8,7 @@
 #include <boost/fiber/all.hpp>
 #include <map>
 
-#include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
 #include "reference_ops.hpp"
 #include "sim_backend.hpp"
 #include "world_impl.hpp"

@@ -27,6 +27,7 @@
 
 #include "diffcomm/dist/flight_recorder.hpp"
 #include "diffcomm/dist/stats.hpp"
+#include "scheduler_access.hpp"
 
 // GCC defines __SANITIZE_ADDRESS__ under -fsanitize=address; clang only
 // answers __has_feature(address_sanitizer).
@@ -277,8 +278,8 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
     __builtin_prefetch(c + sizeof(boost::fibers::context) - 1);
     if (const RankHints* h = hints(first.rank)) {
       prefetch_objects(*h);
-      if (h->recorder != nullptr) h->recorder->prefetch();
-      if (h->stats != nullptr) h->stats->prefetch();
+      if (h->recorder != nullptr) dist::detail::SchedulerAccess::prefetch(*h->recorder);
+      if (h->stats != nullptr) dist::detail::SchedulerAccess::prefetch(*h->stats);
     }
     if (n == 1 || hints_.empty()) return;
     const std::size_t second =

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 
 namespace diffcomm::sim::detail {
 

@@ -251,7 +251,7 @@ void World::Impl::run_rank(World* world, const std::function<void(Rank&)>& fn,
   // ready set once these objects die (it ends without yielding), so
   // no stale hint is read; withdrawing them anyway keeps that true
   // if the exit path ever yields.
-  const auto group_hot = rank.world().hot_addresses();
+  const auto group_hot = dist::detail::SchedulerAccess::hot_addresses(rank.world());
   algo->set_hints(r, {{group_hot[0], group_hot[1], &state}, recorder_ptr, state.stats.get()});
   struct WithdrawHints {
     detail::SeededAlgorithm* algo;

@@ -356,7 +356,7 @@ void cuda_scale(const Tensor& out, const Tensor& x, double alpha) {
   check_launch("scale kernel");
 }
 
-void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, dist::ReduceOp op,
+void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, int op, double factor,
                         void* stream) {
   if (inputs.empty()) throw InvalidArgument("reduce_into_device: no inputs");
   if (!out.device().is_cuda())
@@ -365,9 +365,13 @@ void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, di
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
       throw InvalidArgument("reduce_into_device: input " + t.str() + " does not match output " +
                             out.str());
-  if ((op == dist::ReduceOp::Avg || op == dist::ReduceOp::PremulSum) && !is_floating(out.dtype()))
-    throw InvalidArgument("reduce_into_device: " + dist::reduce_op_name(op) + " is undefined for " +
-                          dtype_name(out.dtype()));
+  if (op < static_cast<int>(rs::Op::Sum) || op > static_cast<int>(rs::Op::PremulSum))
+    throw InvalidArgument("reduce_into_device: unknown reduce op " + std::to_string(op));
+  if ((op == static_cast<int>(rs::Op::Avg) || op == static_cast<int>(rs::Op::PremulSum)) &&
+      !is_floating(out.dtype()))
+    throw InvalidArgument(std::string("reduce_into_device: ") +
+                          (op == static_cast<int>(rs::Op::Avg) ? "avg" : "premul_sum") +
+                          " is undefined for " + dtype_name(out.dtype()));
   if (inputs.size() > static_cast<std::size_t>(std::numeric_limits<int>::max()))
     throw InvalidArgument("reduce_into_device: too many inputs");
   const int64_t n = out.numel();
@@ -379,8 +383,8 @@ void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, di
     using T = decltype(tag);
     ReduceArgs<T> args{};
     args.k = k;
-    args.op = static_cast<rs::Op>(static_cast<int>(op.kind()));
-    args.factor = op.factor();
+    args.op = static_cast<rs::Op>(op);
+    args.factor = factor;
     args.out = static_cast<T*>(out.data_ptr());
     args.n = n;
     void* table = nullptr;
@@ -414,17 +418,3 @@ void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, di
 }
 
 }  // namespace diffcomm::detail
-
-// The kernels above rely on these to match dist::ReduceOp's numbering.
-static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Sum) ==
-              static_cast<int>(diffcomm::detail::rs::Op::Sum));
-static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Avg) ==
-              static_cast<int>(diffcomm::detail::rs::Op::Avg));
-static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Product) ==
-              static_cast<int>(diffcomm::detail::rs::Op::Product));
-static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Min) ==
-              static_cast<int>(diffcomm::detail::rs::Op::Min));
-static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Max) ==
-              static_cast<int>(diffcomm::detail::rs::Op::Max));
-static_assert(static_cast<int>(diffcomm::dist::ReduceOp::PremulSum) ==
-              static_cast<int>(diffcomm::detail::rs::Op::PremulSum));

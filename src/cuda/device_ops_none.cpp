@@ -43,7 +43,7 @@ void cuda_memcpy(void*, const Device&, const void*, const Device&, std::size_t) 
 void cuda_fill(const Tensor&, double) { no_cuda("fill_ on CUDA"); }
 void cuda_add(const Tensor&, const Tensor&, const Tensor&, double) { no_cuda("add on CUDA"); }
 void cuda_scale(const Tensor&, const Tensor&, double) { no_cuda("scale on CUDA"); }
-void reduce_into_device(const Tensor&, const std::vector<Tensor>&, dist::ReduceOp, void*) {
+void reduce_into_device(const Tensor&, const std::vector<Tensor>&, int, double, void*) {
   no_cuda("reduce_into_device");
 }
 

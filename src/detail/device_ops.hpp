@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <vector>
 
-#include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/tensor.hpp"
 
 namespace diffcomm::detail {
@@ -49,9 +48,14 @@ void cuda_scale(const Tensor& out, const Tensor& x, double alpha);
 /// cudaStream_t; nullptr is the legacy default stream), no host
 /// synchronization; out may be one of the inputs (the same address), not a
 /// partial overlap. Every tensor on the same CUDA device, same dtype and
-/// numel. Throws InvalidArgument for an empty list, a mismatched tensor, Avg
-/// on an integer dtype or a build without CUDA; BackendError when CUDA fails.
-void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, dist::ReduceOp op,
+/// numel. The reduction is given as dist::ReduceOp's kind number (`op`: the
+/// numbering of src/cuda/reduce_semantics.hpp, checked in src/dist/reduce.cpp)
+/// and PremulSum's factor, so this (tensor) layer does not depend on dist.
+/// Throws InvalidArgument for an empty list, a mismatched tensor, Avg or
+/// PremulSum on an integer dtype (the caller, dist::reduce_into, refuses
+/// those first with the op's name) or a build without CUDA; BackendError when
+/// CUDA fails.
+void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, int op, double factor,
                         void* stream);
 
 }  // namespace diffcomm::detail

@@ -4,7 +4,7 @@
 // calls_agree() (the simulated world's fast path) and fingerprint() (checked
 // mode's fixed-size exchange), so the three cannot drift apart. Internal to
 // src/dist/ (fingerprint.cpp).
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 
 namespace diffcomm::dist::agreement {
 

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <numeric>
 
-#include "diffcomm/dist/call.hpp"
-#include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/dist/backend/call.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/dist/stats.hpp"
 #include "diffcomm/error.hpp"

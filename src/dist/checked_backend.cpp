@@ -1,11 +1,11 @@
 // Cross-rank checks for production backends (see checked_backend.hpp).
-#include "diffcomm/dist/checked_backend.hpp"
+#include "diffcomm/dist/backend/checked_backend.hpp"
 
 #include <fmt/format.h>
 
 #include <cstring>
 
-#include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::dist {

@@ -1,9 +1,10 @@
 // Deterministic reductions from all_to_all_single + rank-ordered
 // accumulation (see composed.hpp).
-#include "diffcomm/dist/composed.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
 
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
+#include "diffcomm/ops.hpp"
 
 namespace diffcomm::dist {
 namespace {
@@ -94,5 +95,7 @@ void composed_reduce_scatter_v(Backend& b, Call& c) {
   for (int64_t rows : c.input_splits) counts.push_back(rows * rn);
   reduce_scatter_blocks(b, c, flat(c.inputs[0]), counts, flat(c.outputs[0]));
 }
+
+Tensor scaled(const Tensor& t, double alpha) { return diffcomm::scale(t.detach(), alpha); }
 
 }  // namespace diffcomm::dist

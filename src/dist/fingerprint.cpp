@@ -1,7 +1,7 @@
 // Call descriptions, comparison and fixed-size fingerprints (see
 // fingerprint.hpp): shared by the simulated world and the checked mode of the
 // production backends, so both report a mismatch in the same words.
-#include "diffcomm/dist/fingerprint.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
 
 #include <fmt/format.h>
 

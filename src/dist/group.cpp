@@ -45,9 +45,6 @@ int ProcessGroup::rank() const { return state_->backend->rank(); }
 int ProcessGroup::size() const { return state_->backend->size(); }
 const std::string& ProcessGroup::name() const { return state_->name; }
 Backend& ProcessGroup::backend() const { return *state_->backend; }
-std::array<const void*, 2> ProcessGroup::hot_addresses() const noexcept {
-  return {state_.get(), state_->backend.get()};
-}
 Stats& ProcessGroup::stats() const { return *state_->stats; }
 FlightRecorder& ProcessGroup::flight_recorder() const { return *state_->recorder; }
 const std::shared_ptr<Cohort>& ProcessGroup::cohort() const { return state_->cohort; }

@@ -1,4 +1,4 @@
-#include "diffcomm/dist/options.hpp"
+#include "diffcomm/dist/backend/options.hpp"
 
 #include <fmt/format.h>
 

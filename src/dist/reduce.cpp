@@ -5,6 +5,7 @@
 #include <functional>
 #include <type_traits>
 
+#include "cuda/reduce_semantics.hpp"
 #include "detail/device_ops.hpp"
 #include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
@@ -222,7 +223,11 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
       if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
         throw InvalidArgument(
             fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
-    detail::reduce_into_device(out, inputs, op, cuda::current_stream(out.device().index));
+    if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
+      throw InvalidArgument(fmt::format("reduce_into_device: {} is undefined for {}",
+                                        reduce_op_name(op), dtype_name(out.dtype())));
+    detail::reduce_into_device(out, inputs, static_cast<int>(op.kind()), op.factor(),
+                               cuda::current_stream(out.device().index));
     return;
   }
   reduce_cpu(&out, 1, inputs, op);
@@ -239,3 +244,18 @@ void reduce_into(const std::vector<Tensor>& outs, const std::vector<Tensor>& inp
 }
 
 }  // namespace diffcomm::dist
+
+// The device kernels (src/cuda/device_ops.cu) take ReduceOp's kind as a
+// number: these keep the two numberings equal.
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Sum) ==
+              static_cast<int>(diffcomm::detail::rs::Op::Sum));
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Avg) ==
+              static_cast<int>(diffcomm::detail::rs::Op::Avg));
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Product) ==
+              static_cast<int>(diffcomm::detail::rs::Op::Product));
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Min) ==
+              static_cast<int>(diffcomm::detail::rs::Op::Min));
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::Max) ==
+              static_cast<int>(diffcomm::detail::rs::Op::Max));
+static_assert(static_cast<int>(diffcomm::dist::ReduceOp::PremulSum) ==
+              static_cast<int>(diffcomm::detail::rs::Op::PremulSum));

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 #include "diffcomm/dist/group.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/dtype.hpp"

@@ -12,7 +12,7 @@
 //    returns early, fails or skips a call makes the others raise Timeout with
 //    their flight recorder, never hang.
 //  - Reductions (all_reduce, reduce, reduce_scatter*) are diffcomm's
-//    deterministic composition (dist/composed.hpp): bit-identical to the
+//    deterministic composition (dist/backend/composed.hpp): bit-identical to the
 //    simulated world. Options::native_reduction uses MPI's own reductions
 //    instead (16-bit types through user ops that round per combine; Avg as a
 //    sum then a scale): faster, not bit-reproducible.
@@ -30,8 +30,8 @@
 #include <cstdint>
 #include <string>
 
+#include "diffcomm/dist/backend/options.hpp"
 #include "diffcomm/dist/group.hpp"
-#include "diffcomm/dist/options.hpp"
 
 namespace diffcomm::mpi {
 

@@ -126,7 +126,7 @@ struct Options {
   /// As dist::Options::native_reduction: ncclAllReduce / ncclReduce /
   /// ncclReduceScatter (faster; NOT bit-identical to the simulated world:
   /// NCCL's ring/tree order and per-hop rounding of 16-bit types). Default:
-  /// diffcomm's deterministic composition (dist/composed.hpp) — grouped
+  /// diffcomm's deterministic composition (dist/backend/composed.hpp) — grouped
   /// send/recv of the blocks, then reduce_into on the device in group-rank
   /// order.
   bool native_reduction = false;

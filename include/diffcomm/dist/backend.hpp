@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 #include "diffcomm/tensor.hpp"
 
 namespace diffcomm::dist {

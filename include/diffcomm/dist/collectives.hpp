@@ -17,7 +17,7 @@
 //  - reductions: dist::reduce_into over the contributions in group-rank
 //    order; bfloat16/float16 accumulate in float32 and round once; Avg is
 //    that sum divided once by N; Max/Min propagate NaN; integers wrap.
-//    Production backends compose it from data movement (dist/composed.hpp)
+//    Production backends compose it from data movement (dist/backend/composed.hpp)
 //    unless Options::native_reduction, so results are bit-identical to the
 //    simulated world;
 //  - aliasing: an input overlapping an output of the same call is staged

@@ -10,9 +10,15 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 
 namespace diffcomm::dist {
+
+namespace detail {
+// The simulated world's scheduler (sim/src/scheduler_access.hpp): prefetches
+// a rank's hot data before resuming it. Not an API.
+struct SchedulerAccess;
+}  // namespace detail
 
 struct FlightRecord {
   enum class State { Issued, Completed, Failed };
@@ -49,20 +55,6 @@ class FlightRecorder {
   std::size_t begin(const Call& call);
   /// Marks the call in `slot` completed or failed.
   void end(std::size_t slot, FlightRecord::State state);
-  /// Prefetches the records the next end() and begin() write (the last
-  /// call's and the next one's), for a scheduler about to resume this rank.
-  /// Reads only this object.
-  void prefetch() const noexcept {
-    const char* last =
-        reinterpret_cast<const char*>(ring_.data() + (next_id_ + kCapacity - 2) % kCapacity);
-    const char* next = reinterpret_cast<const char*>(ring_.data() + (next_id_ - 1) % kCapacity);
-    for (std::size_t off = 0; off < sizeof(FlightRecord); off += 64) {
-      __builtin_prefetch(last + off, 1);
-      __builtin_prefetch(next + off, 1);
-    }
-    __builtin_prefetch(last + sizeof(FlightRecord) - 1, 1);
-    __builtin_prefetch(next + sizeof(FlightRecord) - 1, 1);
-  }
   /// The last min(kCapacity, calls) records, oldest first.
   std::vector<FlightRecord> records() const;
   /// One line per record, oldest first:
@@ -70,6 +62,7 @@ class FlightRecorder {
   std::string dump() const;
 
  private:
+  friend struct detail::SchedulerAccess;
   double now_s() const;
   std::vector<FlightRecord> ring_;
   uint64_t next_id_ = 1;

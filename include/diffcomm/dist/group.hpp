@@ -55,11 +55,6 @@ class ProcessGroup {
   /// runs the backward of every one of them (the participation rule; see
   /// Cohort in autograd.hpp).
   const std::shared_ptr<Cohort>& cohort() const;
-  /// Where a call on this group first reads: the group's shared state and
-  /// its backend object. For a scheduler that prefetches a fiber's memory
-  /// before resuming it (the simulated world); never null, never to be
-  /// dereferenced by the caller.
-  std::array<const void*, 2> hot_addresses() const noexcept;
   /// The funnel holds one while a call runs on this group: it claims the
   /// group for the calling thread, and throws InvalidArgument (naming the
   /// group, both threads and the call in flight) when another thread is
@@ -129,6 +124,7 @@ class ProcessGroup {
                                     std::string name) const;
 
  private:
+  friend struct detail::SchedulerAccess;  // reads state_'s address (stats.hpp)
   std::shared_ptr<State> state_;
 };
 

@@ -73,7 +73,7 @@ std::string reduce_op_name(ReduceOp op);
 /// dtype, numel and device (CPU, or CUDA on the current stream with the
 /// bit-identical device rule); throws InvalidArgument otherwise or for
 /// Avg/PremulSum on integers. This is THE reduction of every backend (sim
-/// directly; MPI and NCCL through dist/composed.hpp).
+/// directly; MPI and NCCL through dist/backend/composed.hpp).
 void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op);
 
 /// The same reduction written to every tensor of `outs` (CPU only): the

@@ -9,6 +9,12 @@
 
 namespace diffcomm::dist {
 
+namespace detail {
+// The simulated world's scheduler (sim/src/scheduler_access.hpp): prefetches
+// a rank's hot data before resuming it. Not an API.
+struct SchedulerAccess;
+}  // namespace detail
+
 /// Payload bytes this rank sends to / receives from *other* ranks under a
 /// direct algorithm (no relaying). all_reduce counts as reduce_scatter +
 /// all_gather: 2(N-1)/N of the buffer each way, the nccl-tests "bus" bytes.
@@ -33,12 +39,6 @@ class Stats {
     }
   };
   void record(std::string_view group, std::string_view op, uint64_t sent, uint64_t received);
-  /// Prefetches the entry the next record() most likely updates (the last
-  /// one), for a scheduler about to resume this rank. Reads only this object.
-  void prefetch() const noexcept {
-    __builtin_prefetch(last_.key);
-    __builtin_prefetch(last_.stats, 1);
-  }
   /// Counters of one (group, op); zeros when never called.
   OpStats get(std::string_view group, std::string_view op) const;
   /// Sum over groups of one op.
@@ -52,6 +52,7 @@ class Stats {
   }
 
  private:
+  friend struct detail::SchedulerAccess;
   std::map<Key, OpStats, KeyLess> entries_;
   // The entry record() touched last: a program calls the same op on the same
   // group many times in a row, and a map lookup comparing two strings per

@@ -2,7 +2,7 @@
 // Call; here each primitive maps to the non-blocking MPI call it wraps
 // (issue), then waits for it with the shared deadline loop (complete), so a
 // peer that never arrives gives Timeout instead of a hang. Reductions are
-// composed from data movement (dist/composed.hpp) unless Options asks for
+// composed from data movement (dist/backend/composed.hpp) unless Options asks for
 // MPI's native reduction. MPI's error codes become BackendError at every
 // boundary.
 #include <fmt/format.h>
@@ -15,11 +15,10 @@
 
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/checked_backend.hpp"
-#include "diffcomm/dist/composed.hpp"
-#include "diffcomm/dist/wait.hpp"
+#include "diffcomm/dist/backend/checked_backend.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
+#include "diffcomm/dist/backend/wait.hpp"
 #include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
 #include "timeouts.hpp"
 
 namespace diffcomm::mpi {
@@ -131,13 +130,13 @@ MPI_Op mpi_op(DType d, ReduceOp op) {
 char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 void finish_avg(const Call& c, Tensor t) {
-  if (c.reduce_op == ReduceOp::Avg) t.copy_(scale(t.detach(), 1.0 / c.group_size));
+  if (c.reduce_op == ReduceOp::Avg) t.copy_(dist::scaled(t, 1.0 / c.group_size));
 }
 
 // The native path's PremulSum input: factor x t (a new tensor), else t.
 Tensor premultiplied(const Call& c, const Tensor& t) {
   if (c.reduce_op != ReduceOp::PremulSum) return t;
-  return scale(t.detach(), c.reduce_op.factor());
+  return dist::scaled(t, c.reduce_op.factor());
 }
 
 class MpiBackend final : public dist::Backend {

@@ -27,12 +27,11 @@
 #include "diffcomm/backends/nccl.hpp"
 #include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/checked_backend.hpp"
-#include "diffcomm/dist/composed.hpp"
-#include "diffcomm/dist/fingerprint.hpp"
-#include "diffcomm/dist/options.hpp"
+#include "diffcomm/dist/backend/checked_backend.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
+#include "diffcomm/dist/backend/fingerprint.hpp"
+#include "diffcomm/dist/backend/options.hpp"
 #include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
 
 // ncclGather / ncclScatter / ncclAlltoAll appeared in NCCL 2.28: use them only
 // when the header we compile against declares them (here) *and* the library
@@ -235,7 +234,7 @@ class NcclBackend final : public dist::Backend {
     begin(c);
     // 1. Every member's (color, key, fingerprint), all-gathered on the
     //    device: the new groups' global ranks and a fingerprint check.
-    // The member-list word of the shared fingerprint (dist/fingerprint.hpp):
+    // The member-list word of the shared fingerprint (dist/backend/fingerprint.hpp):
     // it tells new_group from split, as the simulated world and checked
     // mode do.
     constexpr std::size_t kMembersWord = 10;
@@ -833,7 +832,7 @@ class NcclBackend final : public dist::Backend {
   // scale and copy run on the current stream, which is the group's here.
   void finish_avg(const Call& d, const Tensor& t) {
     if (d.reduce_op != ReduceOp::Avg || native_avg() || t.numel() == 0) return;
-    t.detach().copy_(scale(t.detach(), 1.0 / size_));
+    t.detach().copy_(dist::scaled(t, 1.0 / size_));
   }
 
   static bool same_stream(cudaStream_t a, cudaStream_t b) {
@@ -877,7 +876,7 @@ class NcclBackend final : public dist::Backend {
     }
   }
 
-  // A deterministic reduction (dist/composed.hpp): its transport steps are
+  // A deterministic reduction (dist/backend/composed.hpp): its transport steps are
   // this backend's all_to_all_single / all_gather_v and its accumulation is
   // dist::reduce_into on the device, all on the group's stream, ordered with
   // the caller's current stream once around the whole composition.

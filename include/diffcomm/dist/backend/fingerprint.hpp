@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 
 namespace diffcomm::dist {
 

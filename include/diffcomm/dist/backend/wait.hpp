@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <thread>
 
-#include "diffcomm/dist/call.hpp"
+#include "diffcomm/dist/backend/call.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::dist {

@@ -286,7 +286,7 @@ struct Call {
   /// Stats); set by the funnel, used by cost models and traces.
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
-  /// Set on the transport steps of a composed call (dist/composed.hpp): the
+  /// Set on the transport steps of a composed call (dist/backend/composed.hpp): the
   /// user's op this step belongs to, for messages. Null otherwise.
   const char* part_of = nullptr;
   /// Set on the calls a differentiable collective's backward makes: its

@@ -27,4 +27,9 @@ void composed_reduce_scatter(Backend& backend, Call& call);
 void composed_reduce_scatter_single(Backend& backend, Call& call);
 void composed_reduce_scatter_v(Backend& backend, Call& call);
 
+/// alpha x t as a new tensor with no autograd history (diffcomm::scale of
+/// t.detach(), on the current stream for CUDA tensors): the backends' Avg
+/// emulation (Sum, then 1/N) and PremulSum input, without the autograd layer.
+Tensor scaled(const Tensor& t, double alpha);
+
 }  // namespace diffcomm::dist
