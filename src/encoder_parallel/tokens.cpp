@@ -33,6 +33,25 @@ int64_t saturating_mul(int64_t a, int64_t b) {
 // formed in long double: exact up to 2^64).
 double ratio(long double num, long double den) { return static_cast<double>(num / den); }
 
+// smart_resize's bound step, shared by the image and the clip rule: `pixels`
+// (of the rounded sides hb x wb) above max_pixels scales the input sides h, w
+// down by beta = sqrt(amount / max_pixels) and floors them to the factor (a
+// side thinner than one factor clamps to f); below min_pixels scales them up
+// by sqrt(min_pixels / amount) and ceils. `amount`: the input's pixels
+// (height x width, or frames x height x width for a clip).
+ResizedImage bound_pixels(double h, double w, long double amount, int64_t pixels, int64_t hb,
+                          int64_t wb, int64_t min_pixels, int64_t max_pixels, int64_t f) {
+  if (pixels > max_pixels) {
+    const double beta = std::sqrt(ratio(amount, static_cast<long double>(max_pixels)));
+    return {std::max(f, floor_by_factor(h / beta, f)), std::max(f, floor_by_factor(w / beta, f))};
+  }
+  if (pixels < min_pixels) {
+    const double beta = std::sqrt(ratio(static_cast<long double>(min_pixels), amount));
+    return {ceil_by_factor(h * beta, f), ceil_by_factor(w * beta, f)};
+  }
+  return {hb, wb};
+}
+
 }  // namespace
 
 void VisionModel::validate() const {
@@ -104,20 +123,10 @@ ResizedImage smart_resize(const VisionModel& model, int64_t height, int64_t widt
   const int64_t f = model.factor();
   const double h = static_cast<double>(height), w = static_cast<double>(width);
   const long double area = static_cast<long double>(height) * static_cast<long double>(width);
-  int64_t hb = std::max(f, round_by_factor(height, f));
-  int64_t wb = std::max(f, round_by_factor(width, f));
-  const int64_t pixels = saturating_mul(hb, wb);
-  if (pixels > model.max_pixels) {
-    const double beta = std::sqrt(ratio(area, static_cast<long double>(model.max_pixels)));
-    // The clamp: a side thinner than one factor after scaling floors to 0.
-    hb = std::max(f, floor_by_factor(h / beta, f));
-    wb = std::max(f, floor_by_factor(w / beta, f));
-  } else if (pixels < model.min_pixels) {
-    const double beta = std::sqrt(ratio(static_cast<long double>(model.min_pixels), area));
-    hb = ceil_by_factor(h * beta, f);
-    wb = ceil_by_factor(w * beta, f);
-  }
-  return {hb, wb};
+  const int64_t hb = std::max(f, round_by_factor(height, f));
+  const int64_t wb = std::max(f, round_by_factor(width, f));
+  return bound_pixels(h, w, area, saturating_mul(hb, wb), hb, wb, model.min_pixels,
+                      model.max_pixels, f);
 }
 
 namespace {
@@ -159,20 +168,11 @@ ResizedImage clip_resize(const VisionModel& model, int64_t frames, int64_t heigh
   const double h = static_cast<double>(height), w = static_cast<double>(width);
   const long double volume = static_cast<long double>(frames) * static_cast<long double>(height) *
                              static_cast<long double>(width);
-  int64_t hb = round_by_factor(height, f);
-  int64_t wb = round_by_factor(width, f);
+  const int64_t hb = round_by_factor(height, f);
+  const int64_t wb = round_by_factor(width, f);
   const int64_t tb = round_by_factor(frames, tf);
-  const int64_t pixels = saturating_mul(saturating_mul(tb, hb), wb);
-  if (pixels > model.video_max_pixels) {
-    const double beta = std::sqrt(ratio(volume, static_cast<long double>(model.video_max_pixels)));
-    hb = std::max(f, floor_by_factor(h / beta, f));
-    wb = std::max(f, floor_by_factor(w / beta, f));
-  } else if (pixels < model.video_min_pixels) {
-    const double beta = std::sqrt(ratio(static_cast<long double>(model.video_min_pixels), volume));
-    hb = ceil_by_factor(h * beta, f);
-    wb = ceil_by_factor(w * beta, f);
-  }
-  return {hb, wb};
+  return bound_pixels(h, w, volume, saturating_mul(saturating_mul(tb, hb), wb), hb, wb,
+                      model.video_min_pixels, model.video_max_pixels, f);
 }
 
 // Python's len(f"{t:.1f}".split(".")[0]) for t >= 0: glibc's %.1f rounds the
