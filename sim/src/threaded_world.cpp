@@ -183,6 +183,13 @@ void ThreadedWorld::finish(int rank, std::string failure) {
 
 void ThreadedWorld::run() {
   auto state = state_;
+  // A rank's group holds its baton backend, which holds the state, which
+  // holds the group: once the world ended, the state lets go of the groups
+  // (handles the rank threads still hold keep what they need alive).
+  auto release_groups = [&] {
+    std::lock_guard lock(state->mutex);
+    for (auto& g : state->groups) g.reset();
+  };
   try {
     state->world.run([state](Rank& r) {
       const auto slot = static_cast<std::size_t>(r.rank());
@@ -203,9 +210,11 @@ void ThreadedWorld::run() {
   } catch (const Error& e) {
     // The world itself could not run (no rank ran: e.g. its fiber stacks
     // could not be allocated): release the rank threads, then raise.
+    release_groups();
     cancel(fmt::format("diffcomm.sim: the world could not run: {}", e.what()));
     throw;
   }
+  release_groups();
   cancel("diffcomm.sim: the world ended before this rank ran");
 }
 
