@@ -109,13 +109,20 @@ VisionModel vision_model(std::string_view name) {
                                     fmt::join(vision_model_names(), ", ")));
 }
 
-ResizedImage smart_resize(const VisionModel& model, int64_t height, int64_t width) {
-  model.validate();
+namespace {
+// Both resize rules accept sides in [1, kMaxImageSide].
+void check_sides(int64_t height, int64_t width) {
   if (height < 1 || width < 1 || height > kMaxImageSide || width > kMaxImageSide)
     throw InvalidArgument(
         fmt::format("smart_resize: size {}x{} (height x width) must be in [1, "
                     "2^40] on each side",
                     height, width));
+}
+}  // namespace
+
+ResizedImage smart_resize(const VisionModel& model, int64_t height, int64_t width) {
+  model.validate();
+  check_sides(height, width);
   // Integer form of max/min > 200: exact, unlike the division.
   if (std::max(height, width) > kMaxAspectRatio * std::min(height, width))
     throw InvalidArgument(fmt::format("smart_resize: aspect ratio of {}x{} exceeds {}", height,
@@ -136,11 +143,7 @@ namespace {
 // order: frames x height x width bounded by the video pixel bounds.
 ResizedImage clip_resize(const VisionModel& model, int64_t frames, int64_t height, int64_t width) {
   model.validate();
-  if (height < 1 || width < 1 || height > kMaxImageSide || width > kMaxImageSide)
-    throw InvalidArgument(
-        fmt::format("smart_resize: size {}x{} (height x width) must be in [1, "
-                    "2^40] on each side",
-                    height, width));
+  check_sides(height, width);
   const int64_t f = model.factor();
   if (height < f || width < f) {
     // Python: scale = max(f / h, f / w); height = int(height * scale).
