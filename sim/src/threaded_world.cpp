@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "diffcomm/dist/backend/forwarding.hpp"
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::sim {
@@ -83,50 +84,34 @@ namespace {
 
 // The rank thread's view of one simulated group: every primitive is executed
 // on the world's thread through the channel, by the world's own backend.
-class BatonBackend final : public dist::Backend {
+class BatonBackend final : public dist::ForwardingBackend {
  public:
   BatonBackend(std::shared_ptr<void> keep_alive, std::shared_ptr<RankChannel> channel,
                std::shared_ptr<dist::Backend> real)
-      : keep_alive_(std::move(keep_alive)), channel_(std::move(channel)), real_(std::move(real)) {}
+      : ForwardingBackend(std::move(real)),
+        keep_alive_(std::move(keep_alive)),
+        channel_(std::move(channel)) {}
 
-  std::string backend_name() const override { return "sim"; }
-  int rank() const override { return real_->rank(); }
-  int size() const override { return real_->size(); }
-  int global_rank(int r) const override { return real_->global_rank(r); }
-  bool supports(const Device& d) const override { return real_->supports(d); }
+  // The rank thread is not a fiber of the world: the simulated handle's
+  // caller check (which fiber runs) applies on the world's thread, where
+  // the call is executed, not here.
+  void check_caller(const dist::Call&) const override {}
 
   std::shared_ptr<dist::Backend> split(dist::Call& call, int color, int key) override {
     std::shared_ptr<dist::Backend> out;
-    channel_->call([&] { out = real_->split(call, color, key); });
+    channel_->call([&] { out = inner().split(call, color, key); });
     if (!out) return nullptr;
     return std::make_shared<BatonBackend>(keep_alive_, channel_, std::move(out));
   }
-#define DIFFCOMM_FORWARD(name)               \
-  void name(dist::Call& c) override {        \
-    channel_->call([&] { real_->name(c); }); \
+
+ protected:
+  void forward(dist::Call& c) override {
+    channel_->call([&] { inner().run(c); });
   }
-  DIFFCOMM_FORWARD(barrier)
-  DIFFCOMM_FORWARD(all_reduce)
-  DIFFCOMM_FORWARD(broadcast)
-  DIFFCOMM_FORWARD(reduce)
-  DIFFCOMM_FORWARD(all_gather)
-  DIFFCOMM_FORWARD(all_gather_single)
-  DIFFCOMM_FORWARD(all_gather_v)
-  DIFFCOMM_FORWARD(gather)
-  DIFFCOMM_FORWARD(scatter)
-  DIFFCOMM_FORWARD(reduce_scatter)
-  DIFFCOMM_FORWARD(reduce_scatter_single)
-  DIFFCOMM_FORWARD(reduce_scatter_v)
-  DIFFCOMM_FORWARD(all_to_all)
-  DIFFCOMM_FORWARD(all_to_all_single)
-  DIFFCOMM_FORWARD(send)
-  DIFFCOMM_FORWARD(recv)
-#undef DIFFCOMM_FORWARD
 
  private:
   std::shared_ptr<void> keep_alive_;  // the world: outlives every group handle
   std::shared_ptr<RankChannel> channel_;
-  std::shared_ptr<dist::Backend> real_;
 };
 
 }  // namespace

@@ -58,10 +58,20 @@ CallDesc from_envelope(const std::vector<int64_t>& w, OpType op, int peer) {
 
 CheckedBackend::CheckedBackend(std::shared_ptr<Backend> inner, std::shared_ptr<Backend> control,
                                Device control_device)
-    : inner_(std::move(inner)), control_(std::move(control)), device_(control_device) {
-  if (!inner_ || !control_) throw InvalidArgument("CheckedBackend: null backend");
-  if (control_->size() != inner_->size() || control_->rank() != inner_->rank())
+    : ForwardingBackend(std::move(inner)), control_(std::move(control)), device_(control_device) {
+  if (!control_) throw InvalidArgument("CheckedBackend: null backend");
+  if (control_->size() != size() || control_->rank() != rank())
     throw InvalidArgument("CheckedBackend: control backend has other members than the data one");
+}
+
+void CheckedBackend::forward(Call& c) {
+  if (c.op == OpType::Send)
+    check_send(c);
+  else if (c.op == OpType::Recv)
+    check_recv(c);
+  else
+    check(c);
+  inner().run(c);
 }
 
 void CheckedBackend::check(const Call& call) {
@@ -108,7 +118,7 @@ void CheckedBackend::check(const Call& call) {
   std::vector<int> globals;
   for (int r = 0; r < n; ++r) {
     ptrs.push_back(&calls[static_cast<std::size_t>(r)]);
-    globals.push_back(inner_->global_rank(r));
+    globals.push_back(global_rank(r));
   }
   std::string report = compare(ptrs, globals);
   if (report.empty()) {
@@ -129,73 +139,16 @@ void CheckedBackend::check(const Call& call) {
 
 std::shared_ptr<Backend> CheckedBackend::split(Call& call, int color, int key) {
   check(call);
-  std::shared_ptr<Backend> inner = inner_->split(call, color, key);
+  std::shared_ptr<Backend> data = inner().split(call, color, key);
   Call control = call;
   std::shared_ptr<Backend> ctl = control_->split(control, color, key);
-  if (!inner) return nullptr;
-  return std::make_shared<CheckedBackend>(std::move(inner), std::move(ctl), device_);
-}
-
-void CheckedBackend::barrier(Call& c) {
-  check(c);
-  inner_->barrier(c);
-}
-void CheckedBackend::all_reduce(Call& c) {
-  check(c);
-  inner_->all_reduce(c);
-}
-void CheckedBackend::broadcast(Call& c) {
-  check(c);
-  inner_->broadcast(c);
-}
-void CheckedBackend::reduce(Call& c) {
-  check(c);
-  inner_->reduce(c);
-}
-void CheckedBackend::all_gather(Call& c) {
-  check(c);
-  inner_->all_gather(c);
-}
-void CheckedBackend::all_gather_single(Call& c) {
-  check(c);
-  inner_->all_gather_single(c);
-}
-void CheckedBackend::all_gather_v(Call& c) {
-  check(c);
-  inner_->all_gather_v(c);
-}
-void CheckedBackend::gather(Call& c) {
-  check(c);
-  inner_->gather(c);
-}
-void CheckedBackend::scatter(Call& c) {
-  check(c);
-  inner_->scatter(c);
-}
-void CheckedBackend::reduce_scatter(Call& c) {
-  check(c);
-  inner_->reduce_scatter(c);
-}
-void CheckedBackend::reduce_scatter_single(Call& c) {
-  check(c);
-  inner_->reduce_scatter_single(c);
-}
-void CheckedBackend::reduce_scatter_v(Call& c) {
-  check(c);
-  inner_->reduce_scatter_v(c);
-}
-void CheckedBackend::all_to_all(Call& c) {
-  check(c);
-  inner_->all_to_all(c);
-}
-void CheckedBackend::all_to_all_single(Call& c) {
-  check(c);
-  inner_->all_to_all_single(c);
+  if (!data) return nullptr;
+  return std::make_shared<CheckedBackend>(std::move(data), std::move(ctl), device_);
 }
 
 // Point to point: the sender sends its envelope, the receiver compares it with
 // its buffer and answers 1 (go) or 0 (mismatch); both raise on 0.
-void CheckedBackend::send(Call& c) {
+void CheckedBackend::check_send(const Call& c) {
   const int peer = c.root;
   Call env = control_call(c, OpType::Send);
   env.root = peer;
@@ -216,10 +169,9 @@ void CheckedBackend::send(Call& c) {
         "{}: collective mismatch: {}", c.where(),
         compare_p2p(describe(c), c.rank, global_rank(c.rank), theirs, peer, global_rank(peer))));
   }
-  inner_->send(c);
 }
 
-void CheckedBackend::recv(Call& c) {
+void CheckedBackend::check_recv(const Call& c) {
   const int peer = c.root;
   Tensor theirs_t = empty({kEnvelopeWords}, DType::Int64, device_);
   Call env = control_call(c, OpType::Recv);
@@ -240,7 +192,6 @@ void CheckedBackend::recv(Call& c) {
   control_->send(ack);
   if (!report.empty())
     throw CollectiveMismatch(fmt::format("{}: collective mismatch: {}", c.where(), report));
-  inner_->recv(c);
 }
 
 }  // namespace diffcomm::dist

@@ -289,25 +289,10 @@ class Checker {
  private:
   void to_backend() {
     Backend& b = g_.backend();
-    switch (call_.op) {
-      case OpType::Barrier: b.barrier(call_); break;
-      case OpType::AllReduce: b.all_reduce(call_); break;
-      case OpType::Broadcast: b.broadcast(call_); break;
-      case OpType::Reduce: b.reduce(call_); break;
-      case OpType::AllGather: b.all_gather(call_); break;
-      case OpType::AllGatherSingle: b.all_gather_single(call_); break;
-      case OpType::AllGatherV: b.all_gather_v(call_); break;
-      case OpType::Gather: b.gather(call_); break;
-      case OpType::Scatter: b.scatter(call_); break;
-      case OpType::ReduceScatter: b.reduce_scatter(call_); break;
-      case OpType::ReduceScatterSingle: b.reduce_scatter_single(call_); break;
-      case OpType::ReduceScatterV: b.reduce_scatter_v(call_); break;
-      case OpType::AllToAll: b.all_to_all(call_); break;
-      case OpType::AllToAllSingle: b.all_to_all_single(call_); break;
-      case OpType::Send: b.send(call_); break;
-      case OpType::Recv: b.recv(call_); break;
-      case OpType::NewGroup: split_result = b.split(call_, call_.color, call_.key); break;
-    }
+    if (call_.op == OpType::NewGroup)
+      split_result = b.split(call_, call_.color, call_.key);
+    else
+      b.run(call_);
   }
 
   const ProcessGroup& g_;

@@ -96,6 +96,23 @@ void composed_reduce_scatter_v(Backend& b, Call& c) {
   reduce_scatter_blocks(b, c, flat(c.inputs[0]), counts, flat(c.outputs[0]));
 }
 
+void ComposedReductions::forward(Call& c) {
+  void (*compose)(Backend&, Call&) = nullptr;
+  switch (c.op) {
+    case OpType::AllReduce: compose = composed_all_reduce; break;
+    case OpType::Reduce: compose = composed_reduce; break;
+    case OpType::ReduceScatter: compose = composed_reduce_scatter; break;
+    case OpType::ReduceScatterSingle: compose = composed_reduce_scatter_single; break;
+    case OpType::ReduceScatterV: compose = composed_reduce_scatter_v; break;
+    default: return inner().run(c);
+  }
+  inner().run_composed(c, [&] { compose(inner(), c); });
+}
+
+std::shared_ptr<Backend> ComposedReductions::rewrap(std::shared_ptr<Backend> inner_split) {
+  return std::make_shared<ComposedReductions>(std::move(inner_split));
+}
+
 Tensor scaled(const Tensor& t, double alpha) { return diffcomm::scale(t.detach(), alpha); }
 
 }  // namespace diffcomm::dist

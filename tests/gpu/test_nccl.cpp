@@ -11,7 +11,7 @@
 //    on CUDA tensors end to end (forward and backward on the device);
 //  - device-path specifics: list forms over one buffer and apart, the
 //    ncclAlltoAll promise, streams and ordering, borrowed communicators,
-//    aborts, the watchdog, fingerprint mismatches in split.
+//    aborts, deadlines, fingerprint mismatches in split.
 //
 // Without a CUDA device every test is skipped with "no CUDA device: ...".
 #include <cuda_runtime.h>
@@ -83,12 +83,12 @@ std::function<nccl::Options(int)> same(nccl::Options o) {
   return [o](int) { return o; };
 }
 
-/// Options of the checking runs: CPU tensors staged, and the watchdog on so
+/// Options of the checking runs: CPU tensors staged, and a 120 s deadline so
 /// that a bug that leaves members waiting fails the test instead of hanging.
 nccl::Options checking(bool stage_cpu = true) {
   nccl::Options o;
   o.stage_cpu = stage_cpu;
-  o.watchdog = std::chrono::seconds(120);
+  o.timeout_s = 120;
   return o;
 }
 
@@ -565,24 +565,25 @@ TEST(NcclErrors, AnAbortedGroupRaisesBackendErrorNamingTheOp) {
   expect_no_errors(errors, "abort");
 }
 
-// A member waits for a message nobody sends: the watchdog aborts its owned
-// communicator and raises instead of hanging.
-TEST(NcclErrors, WatchdogTurnsAHangIntoBackendError) {
+// A member waits for a message nobody sends: the deadline of its host wait
+// aborts its owned communicator and raises Timeout instead of hanging.
+TEST(NcclErrors, DeadlineTurnsAHostWaitIntoTimeout) {
   DIFFCOMM_REQUIRE_GPUS(2);
   nccl::Options o;
-  o.watchdog = std::chrono::milliseconds(2000);
+  o.timeout_s = 2.0;
   std::atomic<bool> rank0_done{false};
   const auto errors = run_world(2, same(o), [&](const dist::ProcessGroup& g, int r) {
     if (r == 0) {
       Tensor t = zeros({16}, DType::Float32, Device::cuda(0));
       const auto start = std::chrono::steady_clock::now();
       try {
-        dist::recv(g, t, 1);
-        ADD_FAILURE() << "a recv nobody matches returned";
-      } catch (const BackendError& e) {
+        dist::recv(g, t, 1);  // enqueued: returns without waiting
+        nccl::synchronize(g);
+        ADD_FAILURE() << "a recv nobody matches completed";
+      } catch (const Timeout& e) {
         const std::string what = e.what();
-        EXPECT_NE(what.find("watchdog"), std::string::npos) << what;
-        EXPECT_NE(what.find("recv #0"), std::string::npos) << what;
+        EXPECT_NE(what.find("timed out after 2 s"), std::string::npos) << what;
+        EXPECT_NE(what.find("synchronize"), std::string::npos) << what;
         EXPECT_NE(what.find("aborted"), std::string::npos) << what;
       }
       EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
@@ -595,7 +596,36 @@ TEST(NcclErrors, WatchdogTurnsAHangIntoBackendError) {
     while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     nccl::abort(g);
   });
-  expect_no_errors(errors, "watchdog");
+  expect_no_errors(errors, "deadline of a host wait");
+}
+
+// The same hang without any host wait: the op still in flight past the
+// deadline is named by the group's next op (no synchronization per op).
+TEST(NcclErrors, DeadlineOfAnOpInFlightRaisesAtTheNextOp) {
+  DIFFCOMM_REQUIRE_GPUS(2);
+  nccl::Options o;
+  o.timeout_s = 1.0;
+  std::atomic<bool> rank0_done{false};
+  const auto errors = run_world(2, same(o), [&](const dist::ProcessGroup& g, int r) {
+    if (r == 0) {
+      Tensor t = zeros({16}, DType::Float32, Device::cuda(0));
+      dist::recv(g, t, 1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      try {
+        dist::all_reduce(g, t);
+        ADD_FAILURE() << "an op after an overdue recv was enqueued";
+      } catch (const Timeout& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("waiting in recv #0"), std::string::npos) << what;
+        EXPECT_NE(what.find("aborted"), std::string::npos) << what;
+      }
+      rank0_done = true;
+      return;
+    }
+    while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    nccl::abort(g);
+  });
+  expect_no_errors(errors, "deadline of an op in flight");
 }
 
 // Members that pass different fingerprints to split all get

@@ -51,9 +51,9 @@ TEST(NcclDifferential, ProgramsMatchTheSimulatedWorld) {
         nccl::Options options;
         options.stage_cpu = true;
         options.check = true;
-        // A member left waiting fails the program (BackendError) instead of
+        // A member left waiting fails the program (Timeout) instead of
         // hanging the test.
-        options.watchdog = std::chrono::seconds(60);
+        options.timeout_s = 60;
         const auto t0 = Clock::now();
         auto world = std::make_optional(nccl::init_rank(id, n, r, r, options));
         const auto t1 = Clock::now();

@@ -20,8 +20,8 @@
 //  - Every op is enqueued on the group's stream (stream(group); set_stream()
 //    changes it) and returns without waiting for the GPU: no host
 //    synchronization on the hot path. Exceptions, documented per function:
-//    barrier(), split (new_group), CPU tensors (Options::stage_cpu) and the
-//    watchdog, which all wait for the stream.
+//    barrier(), split (new_group), CPU tensors (Options::stage_cpu) and
+//    synchronize(), which wait for the stream (with the deadline).
 //  - While an op runs, the group's stream is the current stream of the
 //    group's device (cuda::StreamGuard): its scratch and staging buffers come
 //    from diffcomm's stream-ordered pool on that stream and go back to it in
@@ -81,13 +81,14 @@
 //  - Every op first polls ncclCommGetAsyncError (a host-side read, no
 //    synchronization) and raises BackendError when NCCL has reported an
 //    asynchronous error; an owned communicator is then aborted.
-//  - Options::watchdog: after enqueueing, wait for the op by polling
-//    cudaStreamQuery and ncclCommGetAsyncError until it completes or the
-//    timeout passes; then abort the communicator if owned and raise
-//    BackendError instead of hanging. This synchronizes every op with the
-//    host: meant for debugging hangs and for tests, not for training.
-//  - After an abort (watchdog, async error or abort()), every op on the group
-//    raises BackendError.
+//  - Deadlines (Options::timeout_s, on by default): every host wait goes
+//    through the shared deadline loop (dist/backend/wait.hpp), polling
+//    cudaStreamQuery and ncclCommGetAsyncError; ops in flight are checked
+//    at each later op without synchronizing (Options::deadline_every).
+//    Past the deadline an owned communicator is aborted and Timeout is
+//    raised, naming the op, instead of hanging.
+//  - After an abort (timeout, async error or abort()), every op on the
+//    group raises BackendError.
 //
 // Threads and devices: a group (and its sub-groups) is used from one host
 // thread at a time, like an ncclComm_t; several groups on several devices may
@@ -108,6 +109,7 @@
 #include <vector>
 
 #include "diffcomm/config.hpp"
+#include "diffcomm/dist/backend/options.hpp"
 #include "diffcomm/dist/group.hpp"
 
 #if DIFFCOMM_HAVE_MPI
@@ -117,19 +119,23 @@
 namespace diffcomm::nccl {
 
 /// How a group behaves; copied into the group (and into its sub-groups).
-struct Options {
-  /// Checked mode, as dist::Options::check: a fingerprint exchange on a
-  /// second communicator (split from this one) before every call, and
-  /// CollectiveMismatch on every member when they disagree. Unset:
-  /// DIFFCOMM_CHECK, else on in Debug builds of diffcomm.
-  std::optional<bool> check;
-  /// As dist::Options::native_reduction: ncclAllReduce / ncclReduce /
-  /// ncclReduceScatter (faster; NOT bit-identical to the simulated world:
-  /// NCCL's ring/tree order and per-hop rounding of 16-bit types). Default:
-  /// diffcomm's deterministic composition (dist/backend/composed.hpp) — grouped
-  /// send/recv of the blocks, then reduce_into on the device in group-rank
-  /// order.
-  bool native_reduction = false;
+/// The fields of dist::Options (dist/backend/options.hpp) mean what they mean
+/// for every production backend:
+///  - check: checked mode, a fingerprint exchange on a second communicator
+///    (split from this one) before every call; CollectiveMismatch on every
+///    member when they disagree.
+///  - native_reduction: ncclAllReduce / ncclReduce / ncclReduceScatter
+///    (faster; NOT bit-identical to the simulated world: NCCL's ring/tree
+///    order and per-hop rounding of 16-bit types). Default: diffcomm's
+///    deterministic composition (dist::ComposedReductions) — grouped
+///    send/recv of the blocks, then reduce_into on the device in group-rank
+///    order.
+///  - timeout_s: the deadline of every wait, on by default (600 s, or
+///    DIFFCOMM_TIMEOUT): host waits (barrier, split, CPU staging,
+///    synchronize) and ops in flight (see deadline_every). Past it an owned
+///    communicator is aborted (ncclCommAbort) and Timeout is raised; a
+///    borrowed one is never aborted (the message says so).
+struct Options : dist::Options {
   /// Stream of every op. Null: init_rank creates and owns a non-blocking
   /// stream (cudaStreamNonBlocking: no implicit synchronization with the
   /// legacy default stream; ordering is by events, see the header comment).
@@ -159,17 +165,17 @@ struct Options {
   /// every member, and evenness cannot be decided locally (one member's
   /// splits may be even while another's are not), hence a promise. A call
   /// with uneven splits then raises InvalidArgument on the member that sees
-  /// them before it communicates (its peers wait: use the watchdog to turn
-  /// that into an error). Must be equal on every member.
+  /// them before it communicates (its peers wait until their deadline,
+  /// Options::timeout_s, turns that into Timeout). Must be equal on every member.
   bool even_all_to_all = false;
-  /// Zero: off. Otherwise every op waits for its completion, polling
-  /// cudaStreamQuery and ncclCommGetAsyncError every watchdog_poll; when the
-  /// op neither completes nor fails within this time, an owned communicator
-  /// is aborted (ncclCommAbort) and BackendError is raised. A borrowed
-  /// communicator is never aborted: the error says so and the caller must
-  /// abort it. Synchronizes every op: for debugging and tests.
-  std::chrono::milliseconds watchdog{0};
-  std::chrono::microseconds watchdog_poll{200};
+  /// The deadline of ops in flight, without synchronizing: after every
+  /// deadline_every-th op an event is recorded on the group's stream, and
+  /// every op first queries the oldest pending events (cudaEventQuery, a
+  /// host-side read). An op still running timeout_s after it was enqueued
+  /// raises Timeout at the group's next op or wait, naming it. The stream is
+  /// in order, so a larger value (fewer events) still bounds every op, only
+  /// later. Must be >= 1 (InvalidArgument where the group is created).
+  int deadline_every = 1;
   /// Global ranks of the members, in group-rank order (size == nranks,
   /// distinct, >= 0). Empty: global rank == rank in the communicator (for
   /// from_comm: ncclCommUserRank). init_over_mpi fills it with the ranks in
@@ -204,8 +210,8 @@ ncclUniqueId unique_id();
 /// device `device` (ncclCommInitRank), owned by the returned group: destroyed
 /// (ncclCommDestroy, after waiting for its stream) when the last handle to
 /// the group and its sub-groups goes away. Collective: blocks until all
-/// nranks ranks have called it with the same id (no timeout; the watchdog
-/// covers ops, not initialisation).
+/// nranks ranks have called it with the same id (no timeout: the deadline
+/// covers ops and waits, not initialisation).
 /// Throws InvalidArgument for nranks < 1, rank outside [0, nranks), device
 /// outside [0, device_count()) or bad options.members; BackendError when NCCL
 /// or CUDA fails.
@@ -216,7 +222,7 @@ dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int d
 /// trainer's): ops are enqueued on `stream` (nullptr: the default stream),
 /// the device is ncclCommCuDevice(comm), the rank and size come from the
 /// communicator. diffcomm never destroys, finalizes or aborts `comm` (not
-/// even from the watchdog) nor destroys `stream`; sub-groups made from the
+/// even past a deadline) nor destroys `stream`; sub-groups made from the
 /// group are new communicators (ncclCommSplit) that diffcomm owns. The
 /// caller keeps comm and stream valid while any handle to the group lives.
 /// options.stream is ignored. Throws InvalidArgument for a null comm or bad
@@ -253,9 +259,10 @@ int device(const dist::ProcessGroup& group);
 /// Whether diffcomm owns (and will destroy) the group's communicator.
 bool owns_comm(const dist::ProcessGroup& group);
 /// Waits on the host until every op enqueued on the group's stream has
-/// completed (with the watchdog when Options::watchdog is set). Throws
-/// BackendError on a CUDA error, an asynchronous NCCL error or a watchdog
-/// timeout; InvalidArgument when the group is not an nccl group.
+/// completed, with the deadline (Options::timeout_s). Throws BackendError on
+/// a CUDA error or an asynchronous NCCL error, Timeout past the deadline
+/// (an owned communicator is aborted first), InvalidArgument when the group
+/// is not an nccl group.
 void synchronize(const dist::ProcessGroup& group);
 /// Aborts the group's owned communicator (ncclCommAbort): pending ops are
 /// cancelled and every later op on the group raises BackendError. For

@@ -3,6 +3,13 @@
 // primitive collective, each receiving a Call that the funnel has already
 // validated, numbered and accounted. Backends never validate arguments again
 // and never know about autograd (the pattern of c10d's Backend).
+//
+// The funnel enters a backend through run() (split for new groups), the one
+// dispatch from Call::op to the primitive. Cross-cutting layers (checked
+// mode, composed reductions, the threaded world's baton) are decorators
+// built on dist/backend/forwarding.hpp; dist/backend/layers.hpp stacks them
+// over a production transport in one fixed order.
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -30,6 +37,21 @@ class Backend {
   /// simulated world refuses a handle used by another rank's fiber (it is
   /// per rank) and one whose world run has ended. Default: always usable.
   virtual void check_caller(const Call& call) const { (void)call; }
+
+  /// Runs `call` on the primitive call.op names (the one dispatch; a
+  /// decorator forwards a call with it). Throws InvalidArgument for
+  /// OpType::NewGroup, which returns a backend: use split().
+  void run(Call& call);
+
+  /// Runs `steps`, the transport steps of one user op composed from several
+  /// primitives of this backend (dist/backend/composed.hpp), inside the op
+  /// context the transport keeps per user op: NCCL makes its device and
+  /// stream current and orders the whole composition with the caller's
+  /// current stream once. Default: just steps().
+  virtual void run_composed(Call& call, const std::function<void()>& steps) {
+    (void)call;
+    steps();
+  }
 
   /// Collective over this group, like MPI_Comm_split: members passing the
   /// same color >= 0 form a new group ordered by key; color < 0 gets null.

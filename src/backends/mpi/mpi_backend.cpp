@@ -1,9 +1,10 @@
 // The Open MPI backend. The funnel (dist/collectives.cpp) has validated every
 // Call; here each primitive maps to the non-blocking MPI call it wraps
 // (issue), then waits for it with the shared deadline loop (complete), so a
-// peer that never arrives gives Timeout instead of a hang. Reductions are
-// composed from data movement (dist/backend/composed.hpp) unless Options asks for
-// MPI's native reduction. MPI's error codes become BackendError at every
+// peer that never arrives gives Timeout instead of a hang. The reductions here
+// are MPI's native ones; dist::stack_layers (dist/backend/layers.hpp) puts the
+// deterministic composition (ComposedReductions) and checked mode over this
+// transport as Options ask. MPI's error codes become BackendError at every
 // boundary.
 #include <fmt/format.h>
 
@@ -15,8 +16,8 @@
 
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/backend/checked_backend.hpp"
 #include "diffcomm/dist/backend/composed.hpp"
+#include "diffcomm/dist/backend/layers.hpp"
 #include "diffcomm/dist/backend/wait.hpp"
 #include "diffcomm/error.hpp"
 #include "timeouts.hpp"
@@ -188,7 +189,6 @@ class MpiBackend final : public dist::Backend {
   }
 
   void all_reduce(Call& c) override {
-    if (!options_.native_reduction) return dist::composed_all_reduce(*this, c);
     const Tensor& t = c.outputs[0];
     if (c.reduce_op == ReduceOp::PremulSum) Tensor(t).copy_(premultiplied(c, t));
     Requests reqs;
@@ -212,7 +212,6 @@ class MpiBackend final : public dist::Backend {
   }
 
   void reduce(Call& c) override {
-    if (!options_.native_reduction) return dist::composed_reduce(*this, c);
     const Tensor& t = c.outputs[0];
     const bool me = rank_ == c.root;
     // Off the root the tensor is only read: premultiply a copy.
@@ -345,7 +344,6 @@ class MpiBackend final : public dist::Backend {
   }
 
   void reduce_scatter(Call& c) override {
-    if (!options_.native_reduction) return dist::composed_reduce_scatter(*this, c);
     const Tensor& out = c.outputs[0];
     Tensor tmp = empty({static_cast<int64_t>(size_) * out.numel()}, out.dtype());
     for (int s = 0; s < size_; ++s)
@@ -355,14 +353,12 @@ class MpiBackend final : public dist::Backend {
   }
 
   void reduce_scatter_single(Call& c) override {
-    if (!options_.native_reduction) return dist::composed_reduce_scatter_single(*this, c);
     const Tensor& out = c.outputs[0];
     reduce_blocks(c, c.inputs[0], out,
                   std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
   }
 
   void reduce_scatter_v(Call& c) override {
-    if (!options_.native_reduction) return dist::composed_reduce_scatter_v(*this, c);
     std::vector<int64_t> counts;
     for (int64_t rows : c.input_splits) counts.push_back(rows * c.inputs[0].row_numel());
     reduce_blocks(c, c.inputs[0], c.outputs[0], counts);
@@ -655,23 +651,24 @@ void agree_on_checking(MPI_Comm comm, bool check, const std::string& name, doubl
         name, rank, size, fmt::join(on, ","), fmt::join(off, ",")));
 }
 
-// The data backend, wrapped in the cross-rank checker (on a duplicate of the
-// communicator) when checking is on. Collective over `comm`, with the
-// deadline: a member late at startup gives Timeout, never a hang.
+// The transport under the layers Options ask for (dist::stack_layers); the
+// checker's control backend is a duplicate of the communicator. Collective
+// over `comm`, with the deadline: a member late at startup gives Timeout,
+// never a hang.
 std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const std::string& name,
                                             const dist::Options& options) {
   auto data = std::make_shared<MpiBackend>(comm, /*owned=*/false, options);
-  const bool check = options.resolved_check();
   const double timeout_s = options.resolved_timeout_s();
-  agree_on_checking(comm, check, name, timeout_s);
-  if (!check) return data;
-  MPI_Comm control = MPI_COMM_NULL;
-  MPI_Request req = MPI_REQUEST_NULL;
-  check_plain(MPI_Comm_idup(comm, &control, &req), "MPI_Comm_idup");
-  wait_setup(req, "MPI_Comm_idup (checked-mode control communicator)", name, data->rank(),
-             data->size(), timeout_s);
-  auto ctl = std::make_shared<MpiBackend>(control, /*owned=*/true, options);
-  return std::make_shared<dist::CheckedBackend>(std::move(data), std::move(ctl), Device::cpu());
+  agree_on_checking(comm, options.resolved_check(), name, timeout_s);
+  auto control = [&]() -> std::shared_ptr<dist::Backend> {
+    MPI_Comm dup = MPI_COMM_NULL;
+    MPI_Request req = MPI_REQUEST_NULL;
+    check_plain(MPI_Comm_idup(comm, &dup, &req), "MPI_Comm_idup");
+    wait_setup(req, "MPI_Comm_idup (checked-mode control communicator)", name, data->rank(),
+               data->size(), timeout_s);
+    return std::make_shared<MpiBackend>(dup, /*owned=*/true, options);
+  };
+  return dist::stack_layers(data, options, control, Device::cpu());
 }
 }  // namespace
 

@@ -2,7 +2,7 @@
 // Call; here each primitive maps to the NCCL call(s) it wraps, enqueued on
 // the group's stream, with every NCCL and CUDA return code turned into
 // BackendError at the boundary. See include/diffcomm/backends/nccl.hpp for
-// the contract (streams, ordering, native vs grouped send/recv, watchdog).
+// the contract (streams, ordering, native vs grouped send/recv, deadlines).
 //
 // Plain C++: NCCL and the CUDA runtime are C APIs, so this file is compiled
 // by the host compiler; the only kernels it runs are NCCL's (and, for the
@@ -17,6 +17,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <thread>
@@ -27,10 +29,10 @@
 #include "diffcomm/backends/nccl.hpp"
 #include "diffcomm/cuda.hpp"
 #include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/backend/checked_backend.hpp"
 #include "diffcomm/dist/backend/composed.hpp"
 #include "diffcomm/dist/backend/fingerprint.hpp"
-#include "diffcomm/dist/backend/options.hpp"
+#include "diffcomm/dist/backend/layers.hpp"
+#include "diffcomm/dist/backend/wait.hpp"
 #include "diffcomm/error.hpp"
 
 // ncclGather / ncclScatter / ncclAlltoAll appeared in NCCL 2.28: use them only
@@ -174,7 +176,14 @@ class NcclBackend final : public dist::Backend {
  public:
   NcclBackend(ncclComm_t comm, bool owns_comm, std::shared_ptr<StreamHolder> stream,
               Options options)
-      : comm_(comm), owned_(owns_comm), stream_(std::move(stream)), opts_(std::move(options)) {
+      : comm_(comm),
+        owned_(owns_comm),
+        stream_(std::move(stream)),
+        opts_(std::move(options)),
+        timeout_s_(opts_.resolved_timeout_s()) {
+    if (opts_.deadline_every < 1)
+      throw InvalidArgument(fmt::format("nccl: Options::deadline_every is {}; it must be >= 1",
+                                        opts_.deadline_every));
     DIFFCOMM_NCCL_PLAIN(ncclCommCount(comm_, &size_), "nccl: querying the communicator");
     DIFFCOMM_NCCL_PLAIN(ncclCommUserRank(comm_, &rank_), "nccl: querying the communicator");
     DIFFCOMM_NCCL_PLAIN(ncclCommCuDevice(comm_, &device_), "nccl: querying the communicator");
@@ -206,6 +215,8 @@ class NcclBackend final : public dist::Backend {
       (void)cudaStreamSynchronize(stream_->stream);
       (void)cudaEventDestroy(ev_before_);
       (void)cudaEventDestroy(ev_after_);
+      for (const InFlight& f : in_flight_) (void)cudaEventDestroy(f.event);
+      for (cudaEvent_t e : spare_events_) (void)cudaEventDestroy(e);
       {
         const cuda::StreamGuard on_group_stream(device_, stream());
         barrier_buf_ = Tensor{};
@@ -315,11 +326,10 @@ class NcclBackend final : public dist::Backend {
     });
     // A barrier returns once every member has entered: wait for it.
     const DeviceGuard guard(device_);
-    if (opts_.watchdog.count() == 0) wait(&c);
+    wait(&c);
   }
 
   void all_reduce(Call& c) override {
-    if (!opts_.native_reduction) return composed(c, dist::composed_all_reduce);
     run(c, [&](Call& d) {
       const Tensor& t = d.outputs[0];
       if (t.numel() == 0) return;
@@ -341,7 +351,6 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce(Call& c) override {
-    if (!opts_.native_reduction) return composed(c, dist::composed_reduce);
     run(c, [&](Call& d) {
       const Tensor& t = d.outputs[0];
       if (t.numel() == 0) return;
@@ -513,7 +522,6 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce_scatter(Call& c) override {
-    if (!opts_.native_reduction) return composed(c, dist::composed_reduce_scatter);
     run(c, [&](Call& d) {
       const Tensor& out = d.outputs[0];
       if (out.numel() == 0) return;
@@ -535,7 +543,6 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce_scatter_single(Call& c) override {
-    if (!opts_.native_reduction) return composed(c, dist::composed_reduce_scatter_single);
     run(c, [&](Call& d) {
       const Tensor& out = d.outputs[0];
       if (out.numel() == 0) return;
@@ -547,7 +554,6 @@ class NcclBackend final : public dist::Backend {
   }
 
   void reduce_scatter_v(Call& c) override {
-    if (!opts_.native_reduction) return composed(c, dist::composed_reduce_scatter_v);
     run(c, [&](Call& d) {
       // One ncclReduce per destination, all in one group: block p of every
       // member's input is reduced onto member p's output (zero-size blocks
@@ -769,10 +775,11 @@ class NcclBackend final : public dist::Backend {
   void begin(const Call& c) {
     if (aborted_)
       throw BackendError(
-          fmt::format("{}: the communicator was aborted (watchdog timeout, asynchronous error or "
+          fmt::format("{}: the communicator was aborted (timeout, asynchronous error or "
                       "nccl::abort); create a new group",
                       context(&c)));
     check_async(&c);
+    check_in_flight(&c);
   }
 
   // A buffer on the group's device, allocated on the group's stream (the
@@ -840,49 +847,90 @@ class NcclBackend final : public dist::Backend {
     return a == b || (legacy(a) && legacy(b));
   }
 
-  // Waits on the host for the stream: through the watchdog when it is on.
+  // Waits on the host for the stream through the shared deadline loop
+  // (dist/backend/wait.hpp): polls cudaStreamQuery and NCCL's asynchronous
+  // error; past Options::timeout_s an owned communicator is aborted and
+  // Timeout raised, so no host wait of this backend can hang.
   void wait(const Call* c) {
-    if (opts_.watchdog.count() > 0) {
-      watch(c);
+    dist::wait_with_deadline(
+        timeout_s_, [&] { return stream_idle(c); },
+        [&](double t) { return expired(c == nullptr ? "synchronize" : c->where(), t); });
+  }
+
+  bool stream_idle(const Call* c) {
+    const cudaError_t q = cudaStreamQuery(stream());
+    if (q == cudaSuccess) return true;
+    if (q != cudaErrorNotReady) fail_cuda(q, "cudaStreamQuery(stream)", c, __FILE__, __LINE__);
+    (void)cudaGetLastError();
+    check_async(c);
+    return false;
+  }
+
+  // The Timeout text of an op that did not complete within t seconds; aborts
+  // an owned communicator first (its kernels would otherwise spin forever).
+  std::string expired(const std::string& op, double t) {
+    abort_owned();
+    return fmt::format(
+        "timed out after {} s waiting in {} [nccl {}, global rank {}, cuda:{}]; a member returned "
+        "early, failed or skipped this call; {}",
+        t, op, version_, members_[static_cast<std::size_t>(rank_)], device_,
+        owned_ ? "the communicator was aborted (ncclCommAbort) and this group cannot be used any "
+                 "more"
+               : "the communicator is borrowed and was NOT aborted: abort it (ncclCommAbort) "
+                 "before reusing it or its stream");
+  }
+
+  // The deadline of ops in flight, without host synchronization: after every
+  // Options::deadline_every-th op an event is recorded on the stream; every
+  // op first queries the oldest events (cudaEventQuery, non-blocking). The
+  // stream runs in order, so a completed event vouches for every op before
+  // it; one still pending after timeout_s raises Timeout naming its op.
+  struct InFlight {
+    cudaEvent_t event;
+    std::chrono::steady_clock::time_point since;
+    std::string op;  // "all_reduce #3 on group 'tp' (rank 1 of 4)"
+  };
+
+  void mark_in_flight(const Call& c) {
+    if (++ops_since_mark_ < opts_.deadline_every) return;
+    ops_since_mark_ = 0;
+    cudaEvent_t e = nullptr;
+    if (spare_events_.empty()) {
+      DIFFCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), &c);
+    } else {
+      e = spare_events_.back();
+      spare_events_.pop_back();
+    }
+    in_flight_.push_back({e, std::chrono::steady_clock::now(), c.where()});
+    DIFFCOMM_CUDA_CHECK(cudaEventRecord(e, stream()), &c);
+  }
+
+  void check_in_flight(const Call* c) {
+    while (!in_flight_.empty()) {
+      InFlight& f = in_flight_.front();
+      const cudaError_t q = cudaEventQuery(f.event);
+      if (q == cudaSuccess) {
+        spare_events_.push_back(f.event);
+        in_flight_.pop_front();
+        continue;
+      }
+      if (q != cudaErrorNotReady)
+        fail_cuda(q, "cudaEventQuery(op in flight)", c, __FILE__, __LINE__);
+      (void)cudaGetLastError();
+      const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - f.since;
+      if (waited.count() > timeout_s_) throw Timeout(expired(f.op, timeout_s_));
       return;
     }
-    DIFFCOMM_CUDA_CHECK(cudaStreamSynchronize(stream()), c);
-    check_async(c);
   }
 
-  // The watchdog: poll until the stream is idle, NCCL reports an error, or
-  // the timeout passes (then abort an owned communicator and raise).
-  void watch(const Call* c) {
-    const auto start = std::chrono::steady_clock::now();
-    for (;;) {
-      const cudaError_t q = cudaStreamQuery(stream());
-      if (q == cudaSuccess) return;
-      if (q != cudaErrorNotReady) fail_cuda(q, "cudaStreamQuery(stream)", c, __FILE__, __LINE__);
-      (void)cudaGetLastError();
-      check_async(c);
-      const auto waited = std::chrono::steady_clock::now() - start;
-      if (waited > opts_.watchdog) {
-        abort_owned();
-        throw Timeout(fmt::format(
-            "NCCL watchdog: {} did not complete within {} ms (a member missing from the call, "
-            "mismatched calls or a hung peer); {}",
-            context(c), opts_.watchdog.count(),
-            owned_ ? "the communicator was aborted (ncclCommAbort) and this group cannot be used "
-                     "any more"
-                   : "the communicator is borrowed and was NOT aborted: abort it (ncclCommAbort) "
-                     "before reusing it or its stream"));
-      }
-      std::this_thread::sleep_for(opts_.watchdog_poll);
-    }
-  }
-
-  // A deterministic reduction (dist/backend/composed.hpp): its transport steps are
-  // this backend's all_to_all_single / all_gather_v and its accumulation is
-  // dist::reduce_into on the device, all on the group's stream, ordered with
-  // the caller's current stream once around the whole composition.
-  void composed(Call& c, void (*compose)(dist::Backend&, Call&)) {
+  // A deterministic reduction (dist::ComposedReductions over this backend):
+  // its transport steps are this backend's all_to_all_single / all_gather_v
+  // and its accumulation is dist::reduce_into on the device, all on the
+  // group's stream, ordered with the caller's current stream once around the
+  // whole composition.
+  void run_composed(Call& c, const std::function<void()>& compose) override {
     const DeviceGuard guard(device_);
-    if (on_cpu(c)) return compose(*this, c);  // steps stage; accumulation on the host
+    if (on_cpu(c)) return compose();  // steps stage; accumulation on the host
     const auto caller = static_cast<cudaStream_t>(cuda::current_stream(device_));
     const bool order = opts_.order_with_current_stream && !same_stream(caller, stream());
     if (order) {
@@ -891,7 +939,7 @@ class NcclBackend final : public dist::Backend {
     }
     {
       const cuda::StreamGuard on_group_stream(device_, stream());
-      compose(*this, c);
+      compose();
     }
     if (order) {
       DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_after_, stream()), &c);
@@ -901,7 +949,7 @@ class NcclBackend final : public dist::Backend {
 
   // Runs one op: device guard, prologue, the group's stream made current,
   // CPU staging or ordering with the caller's current stream, the body
-  // (which enqueues), then the watchdog if on.
+  // (which enqueues), then an in-flight mark for the deadline.
   template <class F>
   void run(Call& c, F&& body) {
     const DeviceGuard guard(device_);
@@ -931,7 +979,7 @@ class NcclBackend final : public dist::Backend {
       DIFFCOMM_CUDA_CHECK(cudaEventRecord(ev_after_, stream()), &c);
       DIFFCOMM_CUDA_CHECK(cudaStreamWaitEvent(caller, ev_after_, 0), &c);
     }
-    if (opts_.watchdog.count() > 0) watch(&c);
+    mark_in_flight(c);
   }
 
   static bool on_cpu(const Call& c) {
@@ -989,12 +1037,14 @@ class NcclBackend final : public dist::Backend {
   std::vector<int> members_;
   cudaEvent_t ev_before_ = nullptr, ev_after_ = nullptr;
   Tensor barrier_buf_;
+  double timeout_s_;  // Options::timeout_s, resolved
+  int ops_since_mark_ = 0;
+  std::deque<InFlight> in_flight_;
+  std::vector<cudaEvent_t> spare_events_;
 };
 
 NcclBackend& backend_of(const dist::ProcessGroup& group, const char* what) {
-  dist::Backend* outer = &group.backend();
-  if (auto* checked = dynamic_cast<dist::CheckedBackend*>(outer)) outer = &checked->inner();
-  auto* b = dynamic_cast<NcclBackend*>(outer);
+  auto* b = dynamic_cast<NcclBackend*>(&dist::transport_of(group.backend()));
   if (b == nullptr)
     throw InvalidArgument(fmt::format("nccl::{}: group '{}' runs on the {} backend, not nccl", what,
                                       group.name(), group.backend().backend_name()));
@@ -1013,27 +1063,25 @@ std::shared_ptr<NcclBackend> adopt(ncclComm_t comm, std::shared_ptr<StreamHolder
   }
 }
 
-// Checked mode (Options::check, DIFFCOMM_CHECK): the data backend wrapped in
-// dist::CheckedBackend, whose fingerprints travel on a second communicator
-// split from `comm` (same members, same order) on the same stream.
-std::shared_ptr<dist::Backend> checked(std::shared_ptr<NcclBackend> data, ncclComm_t comm,
+// The transport under the layers Options ask for (dist::stack_layers); the
+// checker's fingerprints travel on a second communicator split from `comm`
+// (same members, same order) on the same stream.
+std::shared_ptr<dist::Backend> layered(std::shared_ptr<NcclBackend> data, ncclComm_t comm,
                                        const Options& options) {
-  dist::Options common;
-  common.check = options.check;
-  if (!common.resolved_check()) return data;
-  const int device = data->device();
-  const DeviceGuard guard(device);
-  ncclComm_t control = nullptr;
-  DIFFCOMM_NCCL_PLAIN(ncclCommSplit(comm, 0, data->rank(), &control, nullptr),
-                      "nccl: control communicator for checked mode");
-  Options ctl = options;
-  ctl.stream = data->stream();
-  ctl.members.clear();
-  for (int r = 0; r < data->size(); ++r) ctl.members.push_back(data->global_rank(r));
-  auto holder = std::make_shared<StreamHolder>(data->stream(), false, device);
-  auto control_backend = adopt(control, std::move(holder), ctl);
-  return std::make_shared<dist::CheckedBackend>(std::move(data), std::move(control_backend),
-                                                Device::cuda(device));
+  auto control = [data, comm, &options]() -> std::shared_ptr<dist::Backend> {
+    const DeviceGuard guard(data->device());
+    ncclComm_t split = nullptr;
+    DIFFCOMM_NCCL_PLAIN(ncclCommSplit(comm, 0, data->rank(), &split, nullptr),
+                        "nccl: control communicator for checked mode");
+    Options ctl = options;
+    ctl.stream = data->stream();
+    ctl.members.clear();
+    for (int r = 0; r < data->size(); ++r) ctl.members.push_back(data->global_rank(r));
+    auto holder = std::make_shared<StreamHolder>(data->stream(), false, data->device());
+    return adopt(split, std::move(holder), ctl);
+  };
+  const Device device = Device::cuda(data->device());
+  return dist::stack_layers(std::move(data), options, control, device);
 }
 
 }  // namespace
@@ -1093,7 +1141,7 @@ dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int d
                                 : owned_stream(device);
   ncclComm_t comm = nullptr;
   DIFFCOMM_NCCL_PLAIN(ncclCommInitRank(&comm, nranks, id, rank), what);
-  return dist::ProcessGroup(checked(adopt(comm, std::move(stream), options), comm, options),
+  return dist::ProcessGroup(layered(adopt(comm, std::move(stream), options), comm, options),
                             std::move(name), nullptr);
 }
 
@@ -1105,7 +1153,7 @@ dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options optio
   options.stream = stream;
   auto holder = std::make_shared<StreamHolder>(stream, false, device);
   auto data = std::make_shared<NcclBackend>(comm, false, std::move(holder), options);
-  return dist::ProcessGroup(checked(std::move(data), comm, options), std::move(name), nullptr);
+  return dist::ProcessGroup(layered(std::move(data), comm, options), std::move(name), nullptr);
 }
 
 ncclComm_t comm(const dist::ProcessGroup& group) { return backend_of(group, "comm").comm(); }

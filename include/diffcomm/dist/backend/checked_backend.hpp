@@ -15,48 +15,32 @@
 // bench/RESULTS.md. Enabled by dist::Options::check / DIFFCOMM_CHECK.
 #include <memory>
 
-#include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/backend/forwarding.hpp"
 
 namespace diffcomm::dist {
 
-class CheckedBackend final : public Backend {
+class CheckedBackend final : public ForwardingBackend {
  public:
   /// `inner` moves the data; `control` (same members, same order, separate
   /// communicator) carries fingerprints as int64 tensors on `control_device`.
+  /// Throws InvalidArgument for a null backend or a control backend with
+  /// other members.
   CheckedBackend(std::shared_ptr<Backend> inner, std::shared_ptr<Backend> control,
                  Device control_device);
 
-  std::string backend_name() const override { return inner_->backend_name(); }
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  int global_rank(int group_rank) const override { return inner_->global_rank(group_rank); }
-  bool supports(const Device& device) const override { return inner_->supports(device); }
-  void check_caller(const Call& call) const override { inner_->check_caller(call); }
-  /// The wrapped backend (what moves the data).
-  Backend& inner() const { return *inner_; }
-
+  /// Checks the split call, then splits the data and the control backends.
   std::shared_ptr<Backend> split(Call& call, int color, int key) override;
-  void barrier(Call& call) override;
-  void all_reduce(Call& call) override;
-  void broadcast(Call& call) override;
-  void reduce(Call& call) override;
-  void all_gather(Call& call) override;
-  void all_gather_single(Call& call) override;
-  void all_gather_v(Call& call) override;
-  void gather(Call& call) override;
-  void scatter(Call& call) override;
-  void reduce_scatter(Call& call) override;
-  void reduce_scatter_single(Call& call) override;
-  void reduce_scatter_v(Call& call) override;
-  void all_to_all(Call& call) override;
-  void all_to_all_single(Call& call) override;
-  void send(Call& call) override;
-  void recv(Call& call) override;
+
+ protected:
+  /// Collectives: the fingerprint check, then inner(). send/recv: the
+  /// envelope exchange, then inner().
+  void forward(Call& call) override;
 
  private:
   // Raises CollectiveMismatch on every member unless all fingerprints agree.
   void check(const Call& call);
-  std::shared_ptr<Backend> inner_;
+  void check_send(const Call& call);
+  void check_recv(const Call& call);
   std::shared_ptr<Backend> control_;
   Device device_;
 };

@@ -16,10 +16,26 @@
 //
 // Each function takes the funnel-validated Call of the user's op and issues
 // the steps through the same backend's all_to_all_single / all_gather_v
-// (steps carry Call::part_of for messages).
-#include "diffcomm/dist/backend.hpp"
+// (steps carry Call::part_of for messages). ComposedReductions is the
+// decorator that routes a transport's five reductions here, so a transport
+// implements its native reductions only.
+#include "diffcomm/dist/backend/forwarding.hpp"
 
 namespace diffcomm::dist {
+
+/// Decorator: all_reduce, reduce, reduce_scatter, reduce_scatter_single and
+/// reduce_scatter_v become the compositions below over inner()'s
+/// all_to_all_single / all_gather_v, inside inner().run_composed(); every
+/// other primitive goes to inner() unchanged. dist::stack_layers puts it
+/// over MPI and NCCL unless Options::native_reduction.
+class ComposedReductions final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+
+ protected:
+  void forward(Call& call) override;
+  std::shared_ptr<Backend> rewrap(std::shared_ptr<Backend> inner_split) override;
+};
 
 void composed_all_reduce(Backend& backend, Call& call);
 void composed_reduce(Backend& backend, Call& call);

@@ -1,0 +1,198 @@
+// The decorator shape (issue 25 item 2): Backend::run's one dispatch,
+// ForwardingBackend, ComposedReductions and the fixed stack of
+// dist::stack_layers — checked with a recording transport, and
+// ComposedReductions over the simulated world's own backend against the
+// simulated world's reductions, bit for bit.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "diffcomm/dist/backend/checked_backend.hpp"
+#include "diffcomm/dist/backend/composed.hpp"
+#include "diffcomm/dist/backend/layers.hpp"
+#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/sim/world.hpp"
+
+namespace diffcomm::dist {
+namespace {
+
+// A transport that moves nothing and records which primitive ran.
+class Recording final : public Backend {
+ public:
+  Recording(int rank, int size) : rank_(rank), size_(size) {}
+  std::string backend_name() const override { return "recording"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int global_rank(int r) const override { return r; }
+  bool supports(const Device& d) const override { return d.is_cpu(); }
+  void run_composed(Call& c, const std::function<void()>& steps) override {
+    composed.push_back(c.op);
+    steps();
+  }
+  std::shared_ptr<Backend> split(Call&, int, int) override {
+    return std::make_shared<Recording>(rank_, size_);
+  }
+  void barrier(Call& c) override { note(c); }
+  void all_reduce(Call& c) override { note(c); }
+  void broadcast(Call& c) override { note(c); }
+  void reduce(Call& c) override { note(c); }
+  void all_gather(Call& c) override { note(c); }
+  void all_gather_single(Call& c) override { note(c); }
+  void all_gather_v(Call& c) override { note(c); }
+  void gather(Call& c) override { note(c); }
+  void scatter(Call& c) override { note(c); }
+  void reduce_scatter(Call& c) override { note(c); }
+  void reduce_scatter_single(Call& c) override { note(c); }
+  void reduce_scatter_v(Call& c) override { note(c); }
+  void all_to_all(Call& c) override { note(c); }
+  void all_to_all_single(Call& c) override { note(c); }
+  void send(Call& c) override { note(c); }
+  void recv(Call& c) override { note(c); }
+
+  std::vector<OpType> ops;       // every primitive, in order
+  std::vector<bool> steps;       // whether it was a composed op's step
+  std::vector<OpType> composed;  // run_composed's calls
+
+ private:
+  void note(const Call& c) {
+    ops.push_back(c.op);
+    steps.push_back(c.part_of != nullptr);
+  }
+  int rank_, size_;
+};
+
+const std::vector<OpType> kPrimitives = {OpType::Barrier,
+                                         OpType::AllReduce,
+                                         OpType::Broadcast,
+                                         OpType::Reduce,
+                                         OpType::AllGather,
+                                         OpType::AllGatherSingle,
+                                         OpType::AllGatherV,
+                                         OpType::Gather,
+                                         OpType::Scatter,
+                                         OpType::ReduceScatter,
+                                         OpType::ReduceScatterSingle,
+                                         OpType::ReduceScatterV,
+                                         OpType::AllToAll,
+                                         OpType::AllToAllSingle,
+                                         OpType::Send,
+                                         OpType::Recv};
+
+TEST(BackendRun, DispatchesEveryOpToItsPrimitive) {
+  Recording b(0, 1);
+  for (OpType op : kPrimitives) {
+    Call c;
+    c.op = op;
+    b.run(c);
+  }
+  EXPECT_EQ(b.ops, kPrimitives);
+  Call split;
+  split.op = OpType::NewGroup;
+  EXPECT_THROW(b.run(split), InvalidArgument);
+}
+
+// A call of `op` on a group of 4 as rank 1, over 8 float32 elements.
+Call call_of(OpType op) {
+  Call c;
+  c.op = op;
+  c.seq = 5;
+  c.rank = 1;
+  c.group_size = 4;
+  c.root = 0;
+  Tensor t = zeros({8});
+  c.inputs = {t};
+  c.outputs = {op == OpType::ReduceScatterSingle ? zeros({2}) : t};
+  return c;
+}
+
+TEST(ComposedReductions, ReductionsBecomeStepsOfTheTransportOthersPassThrough) {
+  auto transport = std::make_shared<Recording>(1, 4);
+  ComposedReductions composed(transport);
+  Call ar = call_of(OpType::AllReduce);
+  composed.run(ar);
+  EXPECT_EQ(transport->ops, (std::vector<OpType>{OpType::AllToAllSingle, OpType::AllGatherV}));
+  EXPECT_EQ(transport->steps, (std::vector<bool>{true, true}));
+  EXPECT_EQ(transport->composed, std::vector<OpType>{OpType::AllReduce});
+
+  transport->ops.clear();
+  Call red = call_of(OpType::Reduce);
+  composed.run(red);  // reduce-scatter of blocks, then each block to dst
+  EXPECT_EQ(transport->ops, (std::vector<OpType>{OpType::AllToAllSingle, OpType::AllToAllSingle}));
+
+  transport->ops.clear();
+  Call rs = call_of(OpType::ReduceScatterSingle);
+  composed.run(rs);
+  EXPECT_EQ(transport->ops, std::vector<OpType>{OpType::AllToAllSingle});
+
+  transport->ops.clear();
+  transport->steps.clear();
+  Call bc = call_of(OpType::Broadcast);
+  composed.run(bc);
+  EXPECT_EQ(transport->ops, std::vector<OpType>{OpType::Broadcast});
+  EXPECT_EQ(transport->steps, std::vector<bool>{false});
+  EXPECT_EQ(transport->composed.size(), 3U);  // not for the broadcast
+
+  Call sp = call_of(OpType::NewGroup);
+  std::shared_ptr<Backend> sub = composed.split(sp, 0, 0);
+  ASSERT_NE(dynamic_cast<ComposedReductions*>(sub.get()), nullptr);  // the split is composed too
+  EXPECT_EQ(sub->backend_name(), "recording");
+}
+
+TEST(StackLayers, CheckedOutsideComposedOutsideTheTransport) {
+  auto transport = std::make_shared<Recording>(0, 1);
+  int controls = 0;
+  auto control = [&]() -> std::shared_ptr<Backend> {
+    ++controls;
+    return std::make_shared<Recording>(0, 1);
+  };
+  Options both;
+  both.check = true;
+  std::shared_ptr<Backend> b = stack_layers(transport, both, control, Device::cpu());
+  auto* checked = dynamic_cast<CheckedBackend*>(b.get());
+  ASSERT_NE(checked, nullptr);
+  EXPECT_NE(dynamic_cast<ComposedReductions*>(&checked->inner()), nullptr);
+  EXPECT_EQ(&transport_of(*b), transport.get());
+  EXPECT_EQ(controls, 1);
+
+  Options native_unchecked;
+  native_unchecked.check = false;
+  native_unchecked.native_reduction = true;
+  EXPECT_EQ(stack_layers(transport, native_unchecked, control, Device::cpu()).get(),
+            transport.get());
+  EXPECT_EQ(controls, 1);  // the control backend is made only for checked mode
+  EXPECT_THROW(stack_layers(nullptr, native_unchecked, control, Device::cpu()), InvalidArgument);
+}
+
+// ComposedReductions over the simulated world's backend reduces every
+// element in group-rank order, as the simulated world does: the same bits.
+TEST(ComposedReductions, OverTheSimulatedWorldGivesItsBitsExactly) {
+  for (int n : {2, 3, 5}) {
+    sim::WorldOptions o;
+    o.ranks = n;
+    o.seed = 11;
+    sim::World world(o);
+    world.run([&](sim::Rank& rank) {
+      const ProcessGroup& native = rank.world();
+      // Non-owning: the world's group keeps its backend alive.
+      std::shared_ptr<Backend> sim_backend(std::shared_ptr<Backend>{}, &native.backend());
+      ProcessGroup composed(std::make_shared<ComposedReductions>(sim_backend), "composed", nullptr);
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Product}) {
+        const Tensor x = rand_normal({13}, rank.generator());
+        Tensor a = x.copy_data(), b = x.copy_data();
+        all_reduce(native, a, op);
+        all_reduce(composed, b, op);
+        EXPECT_EQ(a.to_vector(), b.to_vector()) << "all_reduce, world " << n;
+        Tensor ra = zeros({3}), rb = zeros({3});
+        const Tensor y = rand_normal({3 * static_cast<int64_t>(n)}, rank.generator());
+        reduce_scatter_single(native, ra, y, op);
+        reduce_scatter_single(composed, rb, y, op);
+        EXPECT_EQ(ra.to_vector(), rb.to_vector()) << "reduce_scatter_single, world " << n;
+      }
+    });
+  }
+}
+
+}  // namespace
+}  // namespace diffcomm::dist
