@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "diffcomm/dist/backend/block_layout.hpp"
 #include "diffcomm/dist/backend/fingerprint.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 
@@ -12,13 +13,6 @@ namespace diffcomm::sim::detail {
 
 using dist::Call;
 using dist::OpType;
-
-int64_t offset_of(const dist::SplitList& splits, std::size_t upto) {
-  if (splits.is_uniform()) return static_cast<int64_t>(upto) * splits.uniform_value();
-  int64_t sum = 0;
-  for (std::size_t i = 0; i < upto; ++i) sum += splits[i];
-  return sum;
-}
 
 void move_data(Calls& c) {
   switch (c[0]->op) {
@@ -89,11 +83,11 @@ void move_all_gather_single(const Calls& c) {
 
 void move_all_gather_v(const Calls& c) {
   const std::size_t n = c.size();
-  for (std::size_t i = 0; i < n; ++i)
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto rows = dist::BlockLayout::of(c[i]->output_splits, 1);
     for (std::size_t s = 0; s < n; ++s)
-      c[i]->outputs[0]
-          .row_view(offset_of(c[i]->output_splits, s), c[i]->output_splits[s])
-          .copy_(c[s]->inputs[0]);
+      c[i]->outputs[0].row_view(rows.offset(s), rows.length(s)).copy_(c[s]->inputs[0]);
+  }
 }
 
 void move_gather(const Calls& c) {
@@ -128,18 +122,26 @@ void move_reduce_scatter_single(const Calls& c) {
 }
 
 void move_reduce_scatter_v(const Calls& c) {
+  // Block i of every member's input, for i = 0..N-1 in order: each
+  // member's offset is a running cursor (N-sized state, as in
+  // move_all_to_all_single), not a layout per member.
   const std::size_t n = c.size();
+  std::vector<int64_t> cursor(n, 0);  // rows
   for (std::size_t i = 0; i < n; ++i) {
     std::vector<Tensor> ins;
-    for (auto* cs : c)
-      ins.push_back(cs->inputs[0].row_view(offset_of(cs->input_splits, i), cs->input_splits[i]));
+    for (std::size_t s = 0; s < n; ++s) {
+      const int64_t rows = c[s]->input_splits[i];
+      ins.push_back(c[s]->inputs[0].row_view(cursor[s], rows));
+      cursor[s] += rows;
+    }
     dist::reduce_into(c[i]->outputs[0], ins, c[0]->reduce_op);
   }
 }
 
 void move_all_to_all_single(const Calls& c) {
   // Offsets are prefix sums kept as running cursors, once per
-  // collective: the sender's in its own loop, each receiver's in
+  // collective (not a dist::BlockLayout per member: N tables of N + 1
+  // offsets at once): the sender's in its own loop, each receiver's in
   // `cursor` (senders go in order s = 0..N-1, so cursor[j] is the
   // prefix sum of receiver j's output_splits up to s). N-sized state
   // per collective, not N offset tables of N+1 (4 GiB at 16384 ranks);

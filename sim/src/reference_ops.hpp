@@ -20,9 +20,6 @@ namespace diffcomm::sim::detail {
 
 using Calls = std::vector<dist::Call*>;
 
-// Rows before block `upto` of a split list.
-int64_t offset_of(const dist::SplitList& splits, std::size_t upto);
-
 // Moves the data of one call (every op but AllToAll, see move_all_to_all).
 void move_data(Calls& c);
 

@@ -2,6 +2,7 @@
 // accumulation (see composed.hpp).
 #include "diffcomm/dist/backend/composed.hpp"
 
+#include "diffcomm/dist/backend/block_layout.hpp"
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/ops.hpp"
@@ -89,11 +90,8 @@ void composed_reduce_scatter_single(Backend& b, Call& c) {
 }
 
 void composed_reduce_scatter_v(Backend& b, Call& c) {
-  const int64_t rn = c.inputs[0].row_numel();
-  Splits counts;
-  counts.reserve(c.input_splits.size());
-  for (int64_t rows : c.input_splits) counts.push_back(rows * rn);
-  reduce_scatter_blocks(b, c, flat(c.inputs[0]), counts, flat(c.outputs[0]));
+  const BlockLayout blocks = BlockLayout::of(c.input_splits, c.inputs[0].row_numel());
+  reduce_scatter_blocks(b, c, flat(c.inputs[0]), blocks.lengths(), flat(c.outputs[0]));
 }
 
 void ComposedReductions::forward(Call& c) {

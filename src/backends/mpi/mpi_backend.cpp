@@ -16,6 +16,7 @@
 
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/backend.hpp"
+#include "diffcomm/dist/backend/block_layout.hpp"
 #include "diffcomm/dist/backend/composed.hpp"
 #include "diffcomm/dist/backend/layers.hpp"
 #include "diffcomm/dist/backend/wait.hpp"
@@ -243,14 +244,8 @@ class MpiBackend final : public dist::Backend {
   void all_gather_v(Call& c) override {
     const Tensor& in = c.inputs[0];
     const Tensor& out = c.outputs[0];
-    const int64_t rn = in.row_numel();
-    std::vector<int64_t> counts, displs;
-    int64_t at = 0;
-    for (int64_t rows : c.output_splits) {
-      counts.push_back(rows * rn);
-      displs.push_back(at);
-      at += rows * rn;
-    }
+    const auto blocks = dist::BlockLayout::of(c.output_splits, in.row_numel());
+    const std::vector<int64_t> counts = blocks.lengths(), displs = blocks.offsets();
     if (fits(counts) && fits(displs)) {
       auto ic = to_int(counts), id = to_int(displs);
       Requests reqs;
@@ -349,19 +344,19 @@ class MpiBackend final : public dist::Backend {
     for (int s = 0; s < size_; ++s)
       tmp.row_view(s * out.numel(), out.numel())
           .copy_(c.inputs[static_cast<std::size_t>(s)].view_as_shape({out.numel()}));
-    reduce_blocks(c, tmp, out, std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
+    reduce_blocks(c, tmp, out,
+                  dist::BlockLayout::uniform(static_cast<std::size_t>(size_), out.numel()));
   }
 
   void reduce_scatter_single(Call& c) override {
     const Tensor& out = c.outputs[0];
     reduce_blocks(c, c.inputs[0], out,
-                  std::vector<int64_t>(static_cast<std::size_t>(size_), out.numel()));
+                  dist::BlockLayout::uniform(static_cast<std::size_t>(size_), out.numel()));
   }
 
   void reduce_scatter_v(Call& c) override {
-    std::vector<int64_t> counts;
-    for (int64_t rows : c.input_splits) counts.push_back(rows * c.inputs[0].row_numel());
-    reduce_blocks(c, c.inputs[0], c.outputs[0], counts);
+    reduce_blocks(c, c.inputs[0], c.outputs[0],
+                  dist::BlockLayout::of(c.input_splits, c.inputs[0].row_numel()));
   }
 
   void all_to_all(Call& c) override {
@@ -387,19 +382,18 @@ class MpiBackend final : public dist::Backend {
     // no member knows alone, and members taking different paths would never
     // match. (Open MPI's own Ialltoallv sends the same per-peer messages.)
     const int64_t row_bytes = in.row_numel() * static_cast<int64_t>(element_size(c.dtype));
+    const auto send = dist::BlockLayout::of(c.input_splits, row_bytes);
+    const auto recv = dist::BlockLayout::of(c.output_splits, row_bytes);
     std::vector<Block> sends, recvs;
-    int64_t s_at = 0, r_at = 0;
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
-      const int64_t sb = c.input_splits[pi] * row_bytes, rb = c.output_splits[pi] * row_bytes;
       if (p == rank_)
-        std::memcpy(bytes(out) + r_at, bytes(in) + s_at, static_cast<std::size_t>(sb));
+        std::memcpy(bytes(out) + recv.offset(pi), bytes(in) + send.offset(pi),
+                    static_cast<std::size_t>(send.length(pi)));
       else {
-        sends.push_back({p, bytes(in) + s_at, sb});
-        recvs.push_back({p, bytes(out) + r_at, rb});
+        sends.push_back({p, bytes(in) + send.offset(pi), send.length(pi)});
+        recvs.push_back({p, bytes(out) + recv.offset(pi), recv.length(pi)});
       }
-      s_at += sb;
-      r_at += rb;
     }
     exchange(c, sends, recvs);
   }
@@ -515,11 +509,13 @@ class MpiBackend final : public dist::Backend {
     exchange(c, sends, recvs);
   }
 
-  // Reduce block p of `in` (counts[p] elements, in order) onto member p's out.
+  // Reduce block p of `in` (blocks.length(p) elements, in order) onto member
+  // p's out.
   void reduce_blocks(Call& c, const Tensor& in_given, const Tensor& out,
-                     const std::vector<int64_t>& counts) {
+                     const dist::BlockLayout& blocks) {
     const Tensor in = premultiplied(c, in_given);
-    if (fits(counts) && std::accumulate(counts.begin(), counts.end(), int64_t{0}) <= g_max_count) {
+    const std::vector<int64_t> counts = blocks.lengths();
+    if (fits(counts) && blocks.total() <= g_max_count) {
       auto ic = to_int(counts);
       Requests reqs;
       DIFFCOMM_MPI_CHECK(
@@ -529,9 +525,9 @@ class MpiBackend final : public dist::Backend {
       wait(c, reqs);
     } else {
       // Large counts: one chunked reduce per destination.
-      int64_t at = 0;
       for (int p = 0; p < size_; ++p) {
-        const int64_t n = counts[static_cast<std::size_t>(p)];
+        const int64_t at = blocks.offset(static_cast<std::size_t>(p));
+        const int64_t n = blocks.length(static_cast<std::size_t>(p));
         const bool me = p == rank_;
         if (me)
           std::memcpy(out.data_ptr(), elem(in, at),
@@ -544,7 +540,6 @@ class MpiBackend final : public dist::Backend {
                              c);
         });
         wait(c, reqs);
-        at += n;
       }
     }
     finish_avg(c, out);

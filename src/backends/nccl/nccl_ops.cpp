@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "diffcomm/dist/backend/block_layout.hpp"
 #include "nccl_backend.hpp"
 
 namespace diffcomm::nccl::impl {
@@ -94,11 +95,7 @@ void NcclBackend::all_gather_v(Call& c) {
   run(c, [&](Call& d) {
     const Tensor& in = d.inputs[0];
     const Tensor& out = d.outputs[0];
-    const int64_t rn = in.row_numel();
-    std::vector<int64_t> off(static_cast<std::size_t>(size_) + 1, 0);
-    for (int p = 0; p < size_; ++p)
-      off[static_cast<std::size_t>(p) + 1] =
-          off[static_cast<std::size_t>(p)] + d.output_splits[static_cast<std::size_t>(p)] * rn;
+    const auto blocks = dist::BlockLayout::of(d.output_splits, in.row_numel());
     {
       Group group(this, &d);
       for (int p = 0; p < size_; ++p) {
@@ -107,13 +104,14 @@ void NcclBackend::all_gather_v(Call& c) {
         DIFFCOMM_NCCL_CHECK(
             ncclSend(in.data_ptr(), count(in), nccl_type(d.dtype), p, comm_, stream()), &d);
         DIFFCOMM_NCCL_CHECK(
-            ncclRecv(at(out, off[pi]), static_cast<std::size_t>(off[pi + 1] - off[pi]),
+            ncclRecv(at(out, blocks.offset(pi)), static_cast<std::size_t>(blocks.length(pi)),
                      nccl_type(d.dtype), p, comm_, stream()),
             &d);
       }
       group.end();
     }
-    copy_async(at(out, off[static_cast<std::size_t>(rank_)]), in.data_ptr(), in.nbytes(), &d);
+    copy_async(at(out, blocks.offset(static_cast<std::size_t>(rank_))), in.data_ptr(), in.nbytes(),
+               &d);
   });
 }
 
@@ -256,19 +254,18 @@ void NcclBackend::reduce_scatter_v(Call& c) {
     // are posted too; NCCL skips them on every member alike).
     const Tensor& in = d.inputs[0];
     const Tensor& out = d.outputs[0];
-    const int64_t rn = in.row_numel();
+    const auto blocks = dist::BlockLayout::of(d.input_splits, in.row_numel());
     {
       Group group(this, &d);
-      int64_t off = 0;
       for (int p = 0; p < size_; ++p) {
-        const int64_t n = d.input_splits[static_cast<std::size_t>(p)] * rn;
-        void* send = at(in, off);
+        const auto pi = static_cast<std::size_t>(p);
+        const int64_t n = blocks.length(pi);
+        void* send = at(in, blocks.offset(pi));
         // recvbuff is only used on the root; elsewhere pass the send block.
         void* recv = p == rank_ ? out.data_ptr() : send;
         DIFFCOMM_NCCL_CHECK(ncclReduce(send, recv, static_cast<std::size_t>(n), nccl_type(d.dtype),
                                        red_op(d), p, comm_, stream()),
                             &d);
-        off += n;
       }
       group.end();
     }
@@ -325,31 +322,27 @@ void NcclBackend::all_to_all_single(Call& c) {
       return;
     }
 #endif
-    int64_t s_off = 0, r_off = 0, s_me = 0, r_me = 0;
+    const auto send = dist::BlockLayout::of(d.input_splits, rn);
+    const auto recv = dist::BlockLayout::of(d.output_splits, rn);
     {
       Group group(this, &d);
       for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
         const auto pi = static_cast<std::size_t>(p);
-        const int64_t sc = d.input_splits[pi] * rn, rc = d.output_splits[pi] * rn;
-        if (p == rank_) {
-          s_me = s_off;
-          r_me = r_off;
-        } else {
-          DIFFCOMM_NCCL_CHECK(ncclSend(at(in, s_off), static_cast<std::size_t>(sc),
-                                       nccl_type(d.dtype), p, comm_, stream()),
-                              &d);
-          DIFFCOMM_NCCL_CHECK(ncclRecv(at(out, r_off), static_cast<std::size_t>(rc),
-                                       nccl_type(d.dtype), p, comm_, stream()),
-                              &d);
-        }
-        s_off += sc;
-        r_off += rc;
+        DIFFCOMM_NCCL_CHECK(
+            ncclSend(at(in, send.offset(pi)), static_cast<std::size_t>(send.length(pi)),
+                     nccl_type(d.dtype), p, comm_, stream()),
+            &d);
+        DIFFCOMM_NCCL_CHECK(
+            ncclRecv(at(out, recv.offset(pi)), static_cast<std::size_t>(recv.length(pi)),
+                     nccl_type(d.dtype), p, comm_, stream()),
+            &d);
       }
       group.end();
     }
     const auto me = static_cast<std::size_t>(rank_);
-    copy_async(at(out, r_me), at(in, s_me),
-               static_cast<std::size_t>(d.input_splits[me] * rn) * element_size(d.dtype), &d);
+    copy_async(at(out, recv.offset(me)), at(in, send.offset(me)),
+               static_cast<std::size_t>(send.length(me)) * element_size(d.dtype), &d);
   });
 }
 
