@@ -4,8 +4,10 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 
+#include <array>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "bind.hpp"
@@ -93,14 +95,40 @@ Tensor tensor_from_dlpack(nb::ndarray<> a, bool requires_grad) {
   return t;
 }
 
+namespace {
+
+// The Python class of each diffcomm::ErrorKind, indexed by kind: the one
+// kind -> class table of the binding. Set once by bind_errors; the module
+// holds a reference to each class for the life of the process.
+std::array<PyObject*, dc::kErrorKindCount> error_classes{};
+
+// A new exception class m.<name> (module-qualified, as nb::exception names them).
+PyObject* new_error_class(nb::module_& m, const char* name, PyObject* base) {
+  const std::string qualified = nb::cast<std::string>(m.attr("__name__")) + "." + name;
+  PyObject* cls = PyErr_NewException(qualified.c_str(), base, nullptr);
+  if (cls == nullptr) throw nb::python_error();
+  m.attr(name) = nb::handle(cls);
+  return cls;
+}
+
+}  // namespace
+
 void bind_errors(nb::module_& m) {
-  static nb::exception<dc::Error> error(m, "Error");
-  static nb::exception<dc::InvalidArgument> invalid(m, "InvalidArgument", error);
-  static nb::exception<dc::CollectiveMismatch> mismatch(m, "CollectiveMismatch", error);
-  static nb::exception<dc::Deadlock> deadlock(m, "Deadlock", error);
-  static nb::exception<dc::RankFailure> failure(m, "RankFailure", error);
-  static nb::exception<dc::Timeout> timeout(m, "Timeout", error);
-  static nb::exception<dc::BackendError> backend(m, "BackendError", error);
+  auto kind = [](dc::ErrorKind k) { return static_cast<std::size_t>(k); };
+  PyObject* base = new_error_class(m, dc::error_kind_name(dc::ErrorKind::Error), PyExc_Exception);
+  error_classes[kind(dc::ErrorKind::Error)] = base;
+  for (dc::ErrorKind k :
+       {dc::ErrorKind::InvalidArgument, dc::ErrorKind::CollectiveMismatch, dc::ErrorKind::Deadlock,
+        dc::ErrorKind::RankFailure, dc::ErrorKind::Timeout, dc::ErrorKind::BackendError})
+    error_classes[kind(k)] = new_error_class(m, dc::error_kind_name(k), base);
+  // One translator: the class of the error's kind, its message unchanged.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const dc::Error& e) {
+      PyErr_SetString(error_classes[static_cast<std::size_t>(e.kind())], e.what());
+    }
+  });
 }
 
 void bind_tensor(nb::module_& m) {

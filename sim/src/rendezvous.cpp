@@ -15,7 +15,6 @@
 
 namespace diffcomm::sim {
 
-using detail::ErrorKind;
 using detail::RankState;
 using detail::Rendezvous;
 using detail::SharedDeadlock;
@@ -159,30 +158,26 @@ void World::Impl::raise(const Rendezvous& rv, const Call& call) {
   // Every rank's line (its call included) is in the report; prefixing
   // call.where() would make a per-rank copy of it.
   if (rv.error == ErrorKind::Deadlock) throw SharedDeadlock(rv.report);
-  const std::string msg = fmt::format("{}: {}", call.where(), rv.message);
-  switch (rv.error) {
-    case ErrorKind::Mismatch: throw CollectiveMismatch(msg);
-    case ErrorKind::Deadlock: throw Deadlock(msg);
-    case ErrorKind::RankFailure: throw RankFailure(msg);
-    case ErrorKind::None: break;
-  }
-  throw Error(msg);
+  throw_error(*rv.error, call.site(), rv.message);
 }
 
 void World::Impl::enter(SimGroup& g, int global, const Call& call) {
   RankState& rs = ranks[static_cast<std::size_t>(global)];
   ++rs.calls;
   if (options.fault && options.fault->rank == global && options.fault->at_call == rs.calls) {
-    injected_fault = fmt::format("rank {}: injected fault at its call #{}: {}: {}", global,
-                                 rs.calls, call.where(), call.signature());
-    throw RankFailure(injected_fault);
+    ErrorSite site;
+    site.global_rank = global;
+    const RankFailure fault(std::move(site), fmt::format("injected fault at its call #{}: {}: {}",
+                                                         rs.calls, call.where(), call.signature()));
+    injected_fault = fault.what();
+    throw fault;
   }
   if (failures == 0) return;  // the common case: no scan of the members
   for (int m : g.members) {
     const RankState& ms = ranks[static_cast<std::size_t>(m)];
     if (ms.status != Status::Failed) continue;
     rs.cause = ms.cause >= 0 ? ms.cause : m;
-    throw RankFailure(fmt::format("{}: (earlier) {}", call.where(), failure_text(m)));
+    throw RankFailure(call.site(), "(earlier) " + failure_text(m));
   }
 }
 
@@ -210,7 +205,7 @@ void World::Impl::complete(Rendezvous& rv) {
     start = std::max(start, ranks[static_cast<std::size_t>(rv.globals[i])].clock_us);
   rv.start_us = start;
   if (!mismatch.empty()) {
-    rv.error = ErrorKind::Mismatch;
+    rv.error = ErrorKind::CollectiveMismatch;
     rv.message = "collective mismatch: " + mismatch;
     rv.end_us = start;
     wake(rv);
@@ -271,13 +266,13 @@ void World::Impl::collective(const std::shared_ptr<SimGroup>& g, int slot, Call&
     // Waiters still hold it until they return; reused after that. A failed
     // one is not kept (its members raise from it).
     constexpr std::size_t kSpares = 4;
-    if (rv->error == ErrorKind::None && g->spare.size() < kSpares) g->spare.push_back(rv);
+    if (!rv->error && g->spare.size() < kSpares) g->spare.push_back(rv);
   };
   const std::shared_ptr<Rendezvous> rv =
       join(g->pending_entry(call.seq), reuse_or_make, slot, static_cast<int>(g->members.size()),
            global, call, last);
-  if (rv->error != ErrorKind::None) {
-    if (rv->error != ErrorKind::Mismatch) g->erase_pending(call.seq);
+  if (rv->error) {
+    if (rv->error != ErrorKind::CollectiveMismatch) g->erase_pending(call.seq);
     raise(*rv, call);
   }
 }
@@ -306,7 +301,7 @@ void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, C
         dist::compare_p2p(dist::describe(s), src, g->members[static_cast<std::size_t>(src)],
                           dist::describe(r), dst, g->members[static_cast<std::size_t>(dst)]);
     if (!mismatch.empty()) {
-      rv->error = ErrorKind::Mismatch;
+      rv->error = ErrorKind::CollectiveMismatch;
       rv->message = "collective mismatch: " + mismatch;
       wake(*rv);
     } else {
@@ -316,7 +311,7 @@ void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, C
   const int my_slot = sending ? 0 : 1;
   const std::shared_ptr<Rendezvous> rv =
       join(g->pending_p2p[key], make, my_slot, 2, global, call, last);
-  if (rv->error != ErrorKind::None) raise(*rv, call);
+  if (rv->error) raise(*rv, call);
 }
 
 std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup>& g, int slot,
@@ -337,14 +332,14 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
       split_groups(*rv, *g);
       wake(*rv);
     } else {
-      rv->error = ErrorKind::Mismatch;
+      rv->error = ErrorKind::CollectiveMismatch;
       rv->message = "collective mismatch: " + mismatch;
       wake(*rv);
     }
   };
   const std::shared_ptr<Rendezvous> rv =
       join(g->pending_entry(call.seq), make, slot, static_cast<int>(n), global, call, last);
-  if (rv->error != ErrorKind::None) raise(*rv, call);
+  if (rv->error) raise(*rv, call);
   return rv->split_results[static_cast<std::size_t>(slot)];
 }
 

@@ -10,6 +10,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -20,8 +21,6 @@
 #include "diffcomm/error.hpp"
 
 namespace diffcomm::sim::detail {
-
-enum class ErrorKind { None, Mismatch, Deadlock, RankFailure };
 
 struct SimGroup;
 
@@ -35,7 +34,7 @@ struct Rendezvous {
   std::vector<int> arrival_order;  // slots in arrival order
   int arrived = 0;
   bool done = false;
-  ErrorKind error = ErrorKind::None;
+  std::optional<ErrorKind> error;  // set when the call failed: what its members raise
   std::string message;
   int cause = -1;                             // RankFailure: global rank of the root-cause failure
   std::shared_ptr<const std::string> report;  // Deadlock: the one report every rank shares
@@ -79,7 +78,7 @@ struct Rendezvous {
     waiters.clear();
     arrived = 0;
     done = false;
-    error = ErrorKind::None;
+    error.reset();
     message.clear();
     report.reset();
     start_us = end_us = 0;

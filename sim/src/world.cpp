@@ -14,6 +14,7 @@
 #include <boost/fiber/all.hpp>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
 
 #include "diffcomm/dist/flight_recorder.hpp"
@@ -147,46 +148,62 @@ RankExit call_rank_function(const std::function<void(Rank&)>& fn, Rank& rank) {
   return exit;
 }
 
-// Raises the run's failures as a RunError of the first failure's kind, its
-// message naming that rank and then one line per other failed rank (a rank
-// whose message is the first's shared report, e.g. a deadlock, is listed
-// without repeating it).
+// What World::run throws: the class of the first failure's kind with the
+// run's failures added, so `catch (const Deadlock&)` (or any kind's class)
+// and `catch (const RunFailures&)` both match it. The kind is chosen at run
+// time through the one kind -> class mapping (visit_error_class).
+template <class Kind>
+class RunError final : public Kind, public RunFailures {
+ public:
+  RunError(ErrorSite site, std::string_view detail,
+           std::shared_ptr<const std::vector<RankError>> failures)
+      : Kind(std::move(site), detail), RunFailures(std::move(failures)) {}
+};
+
+// A failure's kind, site and detail: a diffcomm Error's own; any other
+// exception is a plain Error whose detail is its message.
+struct Typed {
+  ErrorKind kind = ErrorKind::Error;
+  ErrorSite site;
+  std::string detail;
+};
+
+Typed typed(const RankError& f) {
+  try {
+    std::rethrow_exception(f.error);
+  } catch (const Error& e) {
+    return {e.kind(), e.site(), std::string(e.detail())};
+  } catch (...) {
+    return {ErrorKind::Error, {}, f.message()};
+  }
+}
+
+// Raises the run's failures as the first failure's kind, its message naming
+// that rank (unless its site names it already) and then one line per other
+// failed rank (a rank whose message is the first's shared report, e.g. a
+// deadlock, is listed without repeating it).
 [[noreturn]] void rethrow_named(std::shared_ptr<const std::vector<RankError>> failures,
                                 const std::vector<const std::string*>& texts) {
   const RankError& first = failures->front();
-  const std::string& what = first.message();
-  std::string msg =
-      what.rfind("rank ", 0) == 0 ? what : fmt::format("rank {}: {}", first.rank, what);
+  Typed lead = typed(first);
+  if (!lead.site.global_rank) lead.site.global_rank = first.rank;
   if (failures->size() > 1) {
-    msg += fmt::format("\n{} ranks failed in this run (RunFailures::failures() has each):",
-                       failures->size());
+    lead.detail += fmt::format("\n{} ranks failed in this run (RunFailures::failures() has each):",
+                               failures->size());
     for (std::size_t i = 0; i < failures->size(); ++i) {
       const RankError& f = (*failures)[i];
       if (i > 0 && texts[i] == texts[0]) {
-        msg += fmt::format("\n  rank {}: the same report", f.rank);
+        lead.detail += fmt::format("\n  rank {}: the same report", f.rank);
         continue;
       }
       const std::string& m = f.message();
-      msg += fmt::format("\n  rank {}: {}", f.rank, m.substr(0, m.find('\n')));
+      lead.detail += fmt::format("\n  rank {}: {}", f.rank, m.substr(0, m.find('\n')));
     }
   }
-  try {
-    std::rethrow_exception(first.error);
-  } catch (const Deadlock&) {
-    throw RunError<Deadlock>(msg, std::move(failures));
-  } catch (const CollectiveMismatch&) {
-    throw RunError<CollectiveMismatch>(msg, std::move(failures));
-  } catch (const RankFailure&) {
-    throw RunError<RankFailure>(msg, std::move(failures));
-  } catch (const InvalidArgument&) {
-    throw RunError<InvalidArgument>(msg, std::move(failures));
-  } catch (const BackendError&) {
-    throw RunError<BackendError>(msg, std::move(failures));
-  } catch (const Timeout&) {
-    throw RunError<Timeout>(msg, std::move(failures));
-  } catch (...) {
-    throw RunError<Error>(msg, std::move(failures));
-  }
+  visit_error_class(lead.kind, [&]<class Kind>(std::type_identity<Kind>) {
+    throw RunError<Kind>(std::move(lead.site), lead.detail, std::move(failures));
+  });
+  std::abort();  // unreachable: the visit throws
 }
 
 }  // namespace

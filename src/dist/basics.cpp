@@ -108,13 +108,18 @@ Call Call::step(OpType step_op) const {
   return c;
 }
 
-std::string Call::where() const {
-  if (part_of)
-    return fmt::format("{} #{} on group '{}' (rank {} of {}, {} step)", part_of, seq, group, rank,
-                       group_size, op_name(op));
-  return fmt::format("{} #{} on group '{}' (rank {} of {})", op_name(op), seq, group, rank,
-                     group_size);
+ErrorSite Call::site() const {
+  ErrorSite s;
+  s.op = part_of != nullptr ? part_of : op_cstr(op);
+  s.call = seq;
+  s.group = std::string(group);
+  s.rank = rank;
+  s.group_size = group_size;
+  if (part_of != nullptr) s.step = op_cstr(op);
+  return s;
 }
+
+std::string Call::where() const { return format_site(site()); }
 
 void Stats::record(std::string_view group, std::string_view op, uint64_t sent, uint64_t received) {
   if (last_.key == nullptr || last_.key->second != op || last_.key->first != group) {

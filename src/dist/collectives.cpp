@@ -102,10 +102,16 @@ class Checker {
   int size() const { return call_.group_size; }
   int rank() const { return call_.rank; }
 
-  [[noreturn]] void fail(const std::string& what) const {
-    throw InvalidArgument(fmt::format("{} on group '{}' ({} backend, rank {} of {}): {}",
-                                      op_name(call_.op), call_.group, g_.backend().backend_name(),
-                                      call_.rank, call_.group_size, what));
+  [[noreturn]] void fail(const std::string& what) const { throw InvalidArgument(site(), what); }
+  // The call not yet numbered: op, group, backend, rank.
+  ErrorSite site() const {
+    ErrorSite s;
+    s.op = op_cstr(call_.op);
+    s.group = std::string(call_.group);
+    s.backend = g_.backend().backend_name();
+    s.rank = call_.rank;
+    s.group_size = call_.group_size;
+    return s;
   }
 
   // First tensor sets the call's dtype and device; later ones must agree.
@@ -275,7 +281,7 @@ class Checker {
       // No fiber switch happens in these handlers (the simulated world never
       // raises Timeout; rethrowing does not yield).
       recorder.end(slot, FlightRecord::State::Failed);
-      throw Timeout(fmt::format("{}\n{}", e.what(), recorder.dump()));
+      throw Timeout(e.site(), fmt::format("{}\n{}", e.detail(), recorder.dump()));
     } catch (...) {
       recorder.end(slot, FlightRecord::State::Failed);
       throw;

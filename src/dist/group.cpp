@@ -47,6 +47,19 @@ const std::string& ProcessGroup::name() const { return state_->name; }
 Backend& ProcessGroup::backend() const { return *state_->backend; }
 Stats& ProcessGroup::stats() const { return *state_->stats; }
 FlightRecorder& ProcessGroup::flight_recorder() const { return *state_->recorder; }
+
+namespace {
+// An error site on `g` for `op`, before any call number: group, rank, size.
+ErrorSite site_of(const ProcessGroup& g, const char* op) {
+  ErrorSite s;
+  s.op = op;
+  s.group = g.name();
+  s.rank = g.rank();
+  s.group_size = g.size();
+  return s;
+}
+}  // namespace
+
 const std::shared_ptr<Cohort>& ProcessGroup::cohort() const { return state_->cohort; }
 uint64_t ProcessGroup::next_seq() const { return state_->seq++; }
 uint64_t ProcessGroup::next_p2p_seq() const { return state_->p2p_seq++; }
@@ -55,9 +68,7 @@ void ProcessGroup::set_last_call(CallId call) const { state_->last_call = call; 
 
 CallId ProcessGroup::last_call() const {
   if (!state_->last_call)
-    throw InvalidArgument(
-        fmt::format("last_call on group '{}' (rank {} of {}): no collective was issued on it yet",
-                    name(), rank(), size()));
+    throw InvalidArgument(site_of(*this, "last_call"), "no collective was issued on it yet");
   return *state_->last_call;
 }
 
@@ -82,14 +93,19 @@ ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, const Call& call)
   mine << me;
   theirs << none;
   const auto busy_op = static_cast<OpType>(state_->caller_op.load(std::memory_order_relaxed));
-  throw InvalidArgument(fmt::format(
-      "{} on group '{}' ({} backend, rank {} of {}): called from thread {} while thread {} is "
-      "inside {} #{} on this group; a group takes one call at a time, from one thread at a time "
-      "(as NCCL communicators and c10d process groups): issue a group's calls from one thread, "
-      "or give each thread its own group (new_group)",
-      op_name(call.op), call.group, group.backend().backend_name(), call.rank, call.group_size,
-      mine.str(), theirs.str(), op_name(busy_op),
-      state_->caller_seq.load(std::memory_order_relaxed)));
+  // The call's own site without its number (not taken yet) and with the backend.
+  ErrorSite site = call.site();
+  site.call.reset();
+  site.backend = group.backend().backend_name();
+  throw InvalidArgument(
+      std::move(site),
+      fmt::format(
+          "called from thread {} while thread {} is inside {} #{} on this group; a group takes "
+          "one call at a time, from one thread at a time (as NCCL communicators and c10d "
+          "process groups): issue a group's calls from one thread, or give each thread its own "
+          "group (new_group)",
+          mine.str(), theirs.str(), op_name(busy_op),
+          state_->caller_seq.load(std::memory_order_relaxed)));
 }
 
 ProcessGroup::CallSlot::~CallSlot() {
@@ -131,17 +147,12 @@ std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& rank
   std::vector<int> seen(static_cast<std::size_t>(size()), 0);
   for (int r : ranks) {
     if (r < 0 || r >= size())
-      throw InvalidArgument(
-          fmt::format("new_group on group '{}' (rank {} of {}): rank {} out of range [0, {})",
-                      name(), rank(), size(), r, size()));
+      throw InvalidArgument(site_of(*this, "new_group"),
+                            fmt::format("rank {} out of range [0, {})", r, size()));
     if (seen[static_cast<std::size_t>(r)]++)
-      throw InvalidArgument(
-          fmt::format("new_group on group '{}' (rank {} of {}): rank {} listed twice", name(),
-                      rank(), size(), r));
+      throw InvalidArgument(site_of(*this, "new_group"), fmt::format("rank {} listed twice", r));
   }
-  if (ranks.empty())
-    throw InvalidArgument(fmt::format("new_group on group '{}' (rank {} of {}): empty rank list",
-                                      name(), rank(), size()));
+  if (ranks.empty()) throw InvalidArgument(site_of(*this, "new_group"), "empty rank list");
   auto pos = std::find(ranks.begin(), ranks.end(), rank());
   const int color = pos == ranks.end() ? -1 : 0;
   const int key = static_cast<int>(pos - ranks.begin());

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "diffcomm/dist/reduce_op.hpp"
+#include "diffcomm/error.hpp"
 #include "diffcomm/tensor.hpp"
 
 namespace diffcomm::dist {
@@ -298,7 +299,11 @@ struct Call {
 
   /// "all_reduce(float32[4], op=sum)" — the fields a fingerprint compares.
   std::string signature() const;
-  /// "all_reduce #3 on group 'world' (rank 1 of 4)".
+  /// Where this call is, for errors: op (a step: the user's op, and the
+  /// step's op as `step`), call number, group, rank and group size.
+  ErrorSite site() const;
+  /// format_site(site()): "all_reduce #3 on group 'world' (rank 1 of 4)",
+  /// "all_reduce #3 on group 'world' (rank 1 of 4, all_to_all step)".
   std::string where() const;
   /// A transport step of this call (a composed reduction's all-to-all, a
   /// checked mode's fingerprint exchange): same group, rank, size, number

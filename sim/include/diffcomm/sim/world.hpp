@@ -101,7 +101,8 @@ struct RankError {
   }
 };
 
-/// Every failure of one World::run, reachable from the exception it throws.
+/// Every failure of one World::run, reachable from the exception it throws
+/// (which derives from both this and the first failure's Error class).
 class RunFailures {
  public:
   /// Takes the failures of one run (shared, never copied per exception).
@@ -114,18 +115,6 @@ class RunFailures {
 
  private:
   std::shared_ptr<const std::vector<RankError>> failures_;
-};
-
-/// What World::run throws when ranks failed: the first failure's kind (so
-/// `catch (const RankFailure&)` etc. keep working) and a RunFailures with
-/// every failed rank's error. what() is the first failure's message followed
-/// by one line per other failed rank.
-template <class Kind>
-class RunError final : public Kind, public RunFailures {
- public:
-  /// `what`: the message; `failures`: every failed rank of the run.
-  RunError(const std::string& what, std::shared_ptr<const std::vector<RankError>> failures)
-      : Kind(what), RunFailures(std::move(failures)) {}
 };
 
 /// The failures carried by an exception World::run threw; null for any
@@ -172,11 +161,12 @@ class World {
   World& operator=(const World&) = delete;
 
   /// Runs fn on every rank as a fiber and returns when all have finished.
-  /// If any rank raised, throws a RunError<Kind> where Kind is the type of
-  /// the first failure in virtual-scheduler order (Deadlock,
-  /// CollectiveMismatch, RankFailure, InvalidArgument, BackendError, else
-  /// Error), its message naming that rank, then every other failed rank;
-  /// RunFailures::failures() (and errors()) hold each rank's exception.
+  /// If any rank raised, throws the class of the first failure's kind (in
+  /// virtual-scheduler order; a non-diffcomm exception: Error), also a
+  /// RunFailures: kind() and site() are that failure's, the site naming its
+  /// global rank; what() is its message led by "rank R: ", then one line per
+  /// other failed rank. RunFailures::failures() (run_failures(e), and
+  /// errors()) hold each rank's exception.
   /// Stats and trace are reset per run. Throws InvalidArgument when called
   /// from inside a fiber (e.g. a rank function of a running World) or while
   /// another thread is inside run() of this World, and BackendError (naming
