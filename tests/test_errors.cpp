@@ -46,7 +46,12 @@ TEST(ErrorFormat, EachPartOfTheSiteInItsPlace) {
   s.step = "all_to_all";
   EXPECT_EQ(format_site(s), "all_reduce #3 on group 'world' (rank 1 of 4, all_to_all step)");
 
-  ErrorSite funnel{.op = "broadcast", .group = "tp", .backend = "mpi", .rank = 0, .group_size = 2};
+  ErrorSite funnel;
+  funnel.op = "broadcast";
+  funnel.group = "tp";
+  funnel.backend = "mpi";
+  funnel.rank = 0;
+  funnel.group_size = 2;
   EXPECT_EQ(format_error(funnel, "x"), "broadcast on group 'tp' (mpi backend, rank 0 of 2): x");
 
   ErrorSite global;
@@ -58,7 +63,12 @@ TEST(ErrorFormat, EachPartOfTheSiteInItsPlace) {
 }
 
 TEST(ErrorFormat, WhatIsTheFormattedSiteAndDetail) {
-  ErrorSite s{.op = "send", .call = 7, .group = "pp", .rank = 0, .group_size = 2};
+  ErrorSite s;
+  s.op = "send";
+  s.call = 7;
+  s.group = "pp";
+  s.rank = 0;
+  s.group_size = 2;
   const Deadlock e(s, "stuck");
   EXPECT_EQ(e.kind(), ErrorKind::Deadlock);
   EXPECT_EQ(e.site().op, "send");
@@ -83,7 +93,8 @@ TEST(ErrorFormat, AMessageOnlyErrorHasAnEmptySite) {
 }
 
 TEST(ErrorFormat, ThrowErrorThrowsTheClassOfTheKind) {
-  const ErrorSite s{.op = "barrier"};
+  ErrorSite s;
+  s.op = "barrier";
   EXPECT_THROW(throw_error(ErrorKind::InvalidArgument, s, "d"), InvalidArgument);
   EXPECT_THROW(throw_error(ErrorKind::CollectiveMismatch, s, "d"), CollectiveMismatch);
   EXPECT_THROW(throw_error(ErrorKind::Deadlock, s, "d"), Deadlock);
