@@ -134,7 +134,7 @@ void CheckedBackend::check(const Call& call) {
                     signature(calls[0]), calls[0].seq, rank_label(static_cast<int>(r), globals[r]),
                     signature(calls[r]), calls[r].seq, *field != '\0' ? field : "splits");
   }
-  throw CollectiveMismatch(fmt::format("{}: collective mismatch: {}", call.where(), report));
+  throw CollectiveMismatch(call.site(), "collective mismatch: " + report);
 }
 
 std::shared_ptr<Backend> CheckedBackend::split(Call& call, int color, int key) {
@@ -165,9 +165,9 @@ void CheckedBackend::check_send(const Call& c) {
   if (a[0] != 1) {
     const CallDesc theirs =
         from_envelope(std::vector<int64_t>(a.begin() + 1, a.end()), OpType::Recv, c.rank);
-    throw CollectiveMismatch(fmt::format(
-        "{}: collective mismatch: {}", c.where(),
-        compare_p2p(describe(c), c.rank, global_rank(c.rank), theirs, peer, global_rank(peer))));
+    throw CollectiveMismatch(
+        c.site(), "collective mismatch: " + compare_p2p(describe(c), c.rank, global_rank(c.rank),
+                                                        theirs, peer, global_rank(peer)));
   }
 }
 
@@ -190,8 +190,7 @@ void CheckedBackend::check_recv(const Call& c) {
   ack.tag = c.tag;
   ack.inputs = {int64_tensor(answer, device_)};
   control_->send(ack);
-  if (!report.empty())
-    throw CollectiveMismatch(fmt::format("{}: collective mismatch: {}", c.where(), report));
+  if (!report.empty()) throw CollectiveMismatch(c.site(), "collective mismatch: " + report);
 }
 
 }  // namespace diffcomm::dist

@@ -425,10 +425,10 @@ class MpiBackend final : public dist::Backend {
       int got = 0;
       MPI_Get_count(&statuses[i], MPI_BYTE, &got);
       if (got != expected[i])
-        throw CollectiveMismatch(fmt::format(
-            "{}: collective mismatch: received {} bytes from rank {} but the buffer {} holds {} "
-            "(shape or dtype differs from the sender's)",
-            c.where(), got, c.root, t.str(), expected[i]));
+        throw CollectiveMismatch(
+            c.site(), fmt::format("collective mismatch: received {} bytes from rank {} but the "
+                                  "buffer {} holds {} (shape or dtype differs from the sender's)",
+                                  got, c.root, t.str(), expected[i]));
     }
   }
 

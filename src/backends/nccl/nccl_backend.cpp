@@ -100,10 +100,11 @@ std::shared_ptr<dist::Backend> NcclBackend::split(Call& c, int color, int key) {
     if (all[3 * static_cast<std::size_t>(s) + 2] != all[2])
       differ += fmt::format("{}{}", differ.empty() ? "" : ", ", s);
   if (!differ.empty())
-    throw CollectiveMismatch(fmt::format(
-        "{}: collective mismatch: member(s) {} of the group passed another member list or "
-        "split fingerprint than member 0 (this member called {}): member list differs",
-        c.where(), differ, c.signature()));
+    throw CollectiveMismatch(
+        c.site(), fmt::format("collective mismatch: member(s) {} of the group passed another "
+                              "member list or split fingerprint than member 0 (this member "
+                              "called {}): member list differs",
+                              differ, c.signature()));
 
   // 3. The split itself; NCCL orders members by (key, parent rank), as
   //    ProcessGroup::split does.
