@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <tuple>
 
@@ -43,10 +44,6 @@ struct SplitRowsFn : Function<SplitRowsFn> {
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) { return {cat(grads)}; }
 };
-
-bool contains(const std::vector<int>& v, int x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
-}
 
 }  // namespace
 
@@ -93,13 +90,6 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
       fail(fmt::format("record of item {} has rows {}, expected {}[{}, {}]", want.item_id,
                        f.rows.str(), dtype_name(prototype.dtype()), want.output_rows, hidden));
   }
-  auto bucket_rows = [&](int b) {
-    int64_t r = 0;
-    for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
-      r += plan.items[static_cast<std::size_t>(id)].output_rows;
-    return r;
-  };
-
   RoutedFeatures out;
   if (mode == FeatureExchangeMode::Local) {
     std::vector<Tensor> pieces;
@@ -113,37 +103,25 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
     std::vector<Tensor> pieces;
     for (const auto& f : producer_records) pieces.push_back(f.rows);
     Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
-    dist::Splits splits(static_cast<std::size_t>(n), 0);
-    for (int b = 0; b < plan.encoder.buckets; ++b) {
-      splits[static_cast<std::size_t>(plan.producer(b))] = bucket_rows(b);
-      for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
-        out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
-    }
-    out.rows = nn::all_gather_v(local, splits, group,
+    const Transfer in = plan.receives(exchange_rank);
+    for (int64_t id : in.items) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
+    out.rows = nn::all_gather_v(local, in.splits, group,
                                 grad == ReceiverGrad::ReplicatedOverTp ? nn::GatherGrad::Replicated
                                                                        : nn::GatherGrad::Partial);
     return out;
   }
 
-  // A2A modes: each record goes to its destinations only.
+  // A2A modes: each record goes to its destinations only, in the plan's
+  // send order (the records are the bucket, in order: validated above).
+  const Transfer sent = plan.sends(exchange_rank), in = plan.receives(exchange_rank);
+  std::map<int64_t, const Tensor*> record;  // item id -> its rows
+  for (std::size_t k = 0; k < mine.size(); ++k) record[mine[k]] = &producer_records[k].rows;
   std::vector<Tensor> pieces;
-  dist::Splits input_splits(static_cast<std::size_t>(n), 0);
-  for (int q = 0; q < n; ++q)
-    for (std::size_t k = 0; k < mine.size(); ++k)
-      if (contains(plan.destinations[static_cast<std::size_t>(mine[k])], q)) {
-        pieces.push_back(producer_records[k].rows);
-        input_splits[static_cast<std::size_t>(q)] += producer_records[k].rows.size(0);
-      }
-  dist::Splits output_splits(static_cast<std::size_t>(n), 0);
-  for (int b = 0; b < plan.encoder.buckets; ++b)
-    for (int64_t id : plan.buckets[static_cast<std::size_t>(b)])
-      if (contains(plan.destinations[static_cast<std::size_t>(id)], exchange_rank)) {
-        output_splits[static_cast<std::size_t>(plan.producer(b))] +=
-            plan.items[static_cast<std::size_t>(id)].output_rows;
-        out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
-      }
+  pieces.reserve(sent.items.size());
+  for (int64_t id : sent.items) pieces.push_back(*record.at(id));
+  for (int64_t id : in.items) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
   Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
-  out.rows = nn::all_to_all_single(local, output_splits, input_splits, group);
+  out.rows = nn::all_to_all_single(local, in.splits, sent.splits, group);
   if (grad == ReceiverGrad::ReplicatedOverTp && plan.coordinates(exchange_rank).second != 0)
     out.rows = ReplicaCopyFn{}.apply({out.rows})[0];
   return out;

@@ -335,6 +335,43 @@ void ExchangePlan::validate() const {
   check_samples(*this);
 }
 
+namespace {
+
+bool goes_to(const ExchangePlan& plan, int64_t item, int rank) {
+  if (plan.mode == FeatureExchangeMode::TpVariableAllGather) return true;
+  const std::vector<int>& d = plan.destinations[static_cast<std::size_t>(item)];
+  return std::binary_search(d.begin(), d.end(), rank);  // ascending (validate)
+}
+
+}  // namespace
+
+Transfer ExchangePlan::sends(int src) const {
+  Transfer t;
+  t.splits.assign(static_cast<std::size_t>(exchange_size), 0);
+  if (src % encoder.encoder_cp != 0) return t;  // produces no bucket
+  const std::vector<int64_t>& mine = buckets[static_cast<std::size_t>(src / encoder.encoder_cp)];
+  for (int q = 0; q < exchange_size; ++q)
+    for (int64_t id : mine)
+      if (goes_to(*this, id, q)) {
+        t.splits[static_cast<std::size_t>(q)] += items[static_cast<std::size_t>(id)].output_rows;
+        t.items.push_back(id);
+      }
+  return t;
+}
+
+Transfer ExchangePlan::receives(int dst) const {
+  Transfer t;
+  t.splits.assign(static_cast<std::size_t>(exchange_size), 0);
+  for (int b = 0; b < encoder.buckets; ++b)
+    for (int64_t id : buckets[static_cast<std::size_t>(b)])
+      if (goes_to(*this, id, dst)) {
+        t.splits[static_cast<std::size_t>(producer(b))] +=
+            items[static_cast<std::size_t>(id)].output_rows;
+        t.items.push_back(id);
+      }
+  return t;
+}
+
 PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
   validate();
   if (hidden < 0) throw InvalidArgument(fmt::format("ExchangePlan::stats: hidden {} < 0", hidden));
@@ -355,15 +392,13 @@ PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
     throw InvalidArgument(
         fmt::format("ExchangePlan::stats: {} rows of {} bytes over {} ranks exceed 2^63 bytes",
                     total_rows, row_bytes, n));
-  std::map<std::pair<int, int>, int64_t> rows;
-  for (const auto& item : items) {
-    const int src = producer(bucket_of[static_cast<std::size_t>(item.item_id)]);
-    if (mode == FeatureExchangeMode::TpVariableAllGather) {
-      for (int d = 0; d < exchange_size; ++d) rows[{src, d}] += item.output_rows;
-    } else {
-      for (int d : destinations[static_cast<std::size_t>(item.item_id)])
-        rows[{src, d}] += item.output_rows;
-    }
+  std::map<std::pair<int, int>, int64_t> rows;  // (src, dst) -> rows, as route_features sends
+  for (int b = 0; b < encoder.buckets; ++b) {
+    const int src = producer(b);
+    const Transfer t = sends(src);
+    for (int d = 0; d < exchange_size; ++d)
+      if (t.splits[static_cast<std::size_t>(d)] != 0)
+        rows[{src, d}] = t.splits[static_cast<std::size_t>(d)];
   }
   st.rows_sent.assign(n, 0);
   st.rows_received.assign(n, 0);

@@ -89,6 +89,14 @@ struct PlanStats {
   std::vector<int64_t> rows_received;  ///< per exchange rank, from other ranks
 };
 
+/// What one exchange rank sends or receives in route_features: rows per
+/// peer (the splits of its all_to_all_single / all_gather_v) and the item
+/// ids in the order of their rows.
+struct Transfer {
+  std::vector<int64_t> splits;  ///< rows per exchange rank
+  std::vector<int64_t> items;   ///< item ids, in row order (repeated once per peer they go to)
+};
+
 /// The plan of one micro-batch. Identical on every rank of the exchange.
 struct ExchangePlan {
   FeatureExchangeMode mode = FeatureExchangeMode::Local;
@@ -105,6 +113,16 @@ struct ExchangePlan {
   int producer(int bucket) const { return bucket * encoder.encoder_cp; }
   /// (cp_rank, tp_rank) of an exchange rank.
   std::pair<int, int> coordinates(int exchange_rank) const;
+  /// The rows exchange rank `src` sends: splits[q] to rank q; items grouped
+  /// by destination q ascending, each group in the bucket's order. In
+  /// TpVariableAllGather mode every rank receives the whole bucket. A rank
+  /// that produces no bucket sends nothing. route_features and stats both
+  /// read it. No validation (route_features and stats validate first);
+  /// src must lie in [0, exchange_size).
+  Transfer sends(int src) const;
+  /// The rows exchange rank `dst` receives: splits[p] from rank p; items in
+  /// bucket order (the order of the producers).
+  Transfer receives(int dst) const;
   /// Token ranges of a sample owned by an exchange rank (local order).
   std::vector<std::pair<int64_t, int64_t>> owned(int64_t batch_index, int exchange_rank) const;
   /// Traffic and balance statistics for feature rows of `hidden` elements
