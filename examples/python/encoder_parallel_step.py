@@ -1,5 +1,5 @@
 """One encoder-parallel training step in torch through diffcomm.torch, and its
-single-rank float64 reference. Used by train_step_mpi.py (under mpirun), by
+single-rank float64 reference. Used by train_step.py (under torchrun or mpirun), by
 sim_property.py (in diffcomm.sim.run) and by the tests.
 
 Model (as diffcomm's C++ training step, DESIGN.md):

@@ -84,6 +84,12 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
     """Creates this process's diffcomm world group and makes it the default
     (``group=None``).
 
+    * ``"torch"``: the data moves through a torch ProcessGroup, ``group=`` (default:
+      torch's default group; call ``torch.distributed.init_process_group`` first,
+      e.g. ``"gloo"`` under torchrun). Each primitive is one torch.distributed
+      call; diffcomm's checks, deterministic reductions and deadlines sit on
+      top as on MPI (results bit-identical to the simulated world). Checked
+      mode's fingerprints travel on a duplicate torch group.
     * ``"mpi"``: MPI_COMM_WORLD (MPI is initialised unless it already is, e.g.
       by mpi4py), or ``comm=`` an mpi4py communicator (borrowed, never freed).
     * ``"nccl"``: ``group=`` a torch.distributed ProcessGroup (default: torch's
@@ -91,13 +97,33 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
       (the vLLM PyNcclCommunicator pattern); the communicator runs on torch's
       current CUDA stream of ``device`` (default: torch.cuda.current_device()).
 
-    MPI options (``dist::Options``): ``check`` cross-rank fingerprint checks
-    (None: ``DIFFCOMM_CHECK``, else on in Debug builds), ``native_reduction``
-    MPI's own reductions (faster, not bit-identical to the simulated world),
-    ``timeout_s`` the deadline of every wait (None: ``DIFFCOMM_TIMEOUT``, else
-    600 s; expiry raises ``diffcomm.Timeout``).
+    Options of "torch" and "mpi" (``dist::Options``): ``check`` cross-rank
+    fingerprint checks (None: ``DIFFCOMM_CHECK``, else on in Debug builds),
+    ``native_reduction`` the transport's own reductions (faster, not
+    bit-identical to the simulated world), ``timeout_s`` the deadline of every
+    wait (None: ``DIFFCOMM_TIMEOUT``, else 600 s; expiry raises
+    ``diffcomm.Timeout``).
+
+    A world whose size differs from the launcher's (``WORLD_SIZE``, set by
+    torchrun) raises BackendError instead of running unrelated one-rank jobs:
+    e.g. ``"mpi"`` in processes torchrun started (each an MPI singleton).
     """
-    if backend == "mpi":
+    if backend == "torch":
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from ._torch_transport import TorchOps  # noqa: PLC0415
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidArgument(
+                "init_process_group('torch'): torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group('gloo') (or 'nccl') first; under torchrun "
+                "the environment gives it the rank and world size")
+        ops = TorchOps(group)
+        pg = _core.torch_transport.group(ops, ops.duplicate, "world", check=check,
+                                         native_reduction=native_reduction, timeout_s=timeout_s)
+        if group is None:
+            _check_launcher(pg, "torch")
+    elif backend == "mpi":
         if not _core.HAVE_MPI:
             raise _core.BackendError("diffcomm was built without MPI")
         if comm is not None:
@@ -110,6 +136,7 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
             _core.mpi.init()
             pg = _core.mpi.world(check=check, native_reduction=native_reduction,
                                  timeout_s=timeout_s)
+            _check_launcher(pg, "mpi")
         _end_job_at_exit_after_timeout()
     elif backend == "nccl":
         if not _core.HAVE_NCCL:
@@ -125,9 +152,27 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
         stream = torch.cuda.current_stream(dev).cuda_stream
         pg = _core.nccl.init_rank(box[0], size, rank, dev, stream)
     else:
-        raise InvalidArgument(f"init_process_group: unknown backend {backend!r} (mpi, nccl)")
+        raise InvalidArgument(
+            f"init_process_group: unknown backend {backend!r} (torch, mpi, nccl); for gloo, "
+            f"call torch.distributed.init_process_group('gloo') and then "
+            f"init_process_group('torch')")
     _context.set_process_group(pg)
     return pg
+
+
+def _check_launcher(pg: _core.ProcessGroup, backend: str) -> None:
+    """Refuses a world whose size is not the launcher's (WORLD_SIZE)."""
+    import os  # noqa: PLC0415
+
+    launched = os.environ.get("WORLD_SIZE")
+    if launched is None or not launched.isdigit() or int(launched) == pg.size():
+        return
+    hint = (" (each process is an MPI singleton: it was not started by mpirun); under torchrun "
+            "use torch.distributed.init_process_group('gloo') and then "
+            "diffcomm.torch.init_process_group('torch')") if backend == "mpi" else ""
+    raise _core.BackendError(
+        f"init_process_group({backend!r}): the launcher started WORLD_SIZE={launched} processes "
+        f"but the {backend} world has {pg.size()} rank(s){hint}")
 
 
 _exit_hook_registered = False

@@ -18,4 +18,5 @@ NB_MODULE(_core, m) {
   bind_encoder_parallel(m);
   bind_sim(m);
   bind_backends(m);
+  bind_torch_transport(m);
 }

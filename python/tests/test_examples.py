@@ -21,7 +21,16 @@ def test_sim_property_example():
 def test_train_step_mpi_example():
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     r = subprocess.run(["mpirun", "-np", "4", "--oversubscribe", "--mca", "btl", "self,vader",
-                        sys.executable, os.path.join(EXAMPLES, "train_step_mpi.py")],
+                        sys.executable, os.path.join(EXAMPLES, "train_step.py")],
                        capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("-> OK") == 4, r.stdout
+
+
+def test_train_step_torchrun_example():
+    # torchrun's environment (python/tests/launch.py: torchrun itself where it works).
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "python", "tests", "launch.py"), "-n",
+                        "4", "--", os.path.join(EXAMPLES, "train_step.py")],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("-> OK") == 4, r.stdout

@@ -1,6 +1,8 @@
-"""One encoder-parallel training step in torch through diffcomm.torch, under MPI.
+"""One encoder-parallel training step in torch through diffcomm.torch, launched
+by torchrun (diffcomm over torch's gloo group) or by mpirun (diffcomm over MPI).
 
-    mpirun -np 4 python examples/python/train_step_mpi.py     # cp=2 tp=2 with SP
+    torchrun --nproc_per_node 4 examples/python/train_step.py   # cp=2 tp=2 with SP
+    mpirun -np 4 python examples/python/train_step.py
 
 Every rank encodes its bucket of images, diffcomm.torch.route_features sends
 the feature rows to the decoder ranks that own their tokens, unpack_records and
@@ -20,8 +22,18 @@ import diffcomm.torch as dt  # noqa: E402
 from encoder_parallel_step import StepConfig, reference, step  # noqa: E402
 
 
+def init() -> "dt._core.ProcessGroup":
+    """diffcomm's world over what launched this process."""
+    if "OMPI_COMM_WORLD_RANK" in os.environ:
+        return dt.init_process_group("mpi")  # MPI_COMM_WORLD; or comm=<mpi4py communicator>
+    import torch.distributed as tdist  # noqa: PLC0415
+
+    tdist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_*
+    return dt.init_process_group("torch")  # diffcomm's semantics over torch's group
+
+
 def main() -> int:
-    world = dt.init_process_group("mpi")  # MPI_COMM_WORLD; or comm=<mpi4py communicator>
+    world = init()
     n = world.size()
     cp = 2 if n % 2 == 0 else 1
     cfg = StepConfig(cp=cp, tp=n // cp, sp=True, ffn=2 * (n // cp), seed=1,

@@ -1,5 +1,7 @@
-"""diffcomm.torch over MPI vs torch.distributed.nn.functional on gloo, in the
-same processes. Data and cotangents differ per rank (CASES.md 6)."""
+"""diffcomm.torch over a production transport (MPI, or torch's gloo group
+through the "torch" transport; see conftest.py) vs torch.distributed.nn.functional
+on gloo in the same processes, vs closed forms, and vs the simulated world
+bit for bit. Data and cotangents differ per rank (CASES.md 6)."""
 import os
 import subprocess
 import sys
@@ -228,6 +230,7 @@ def test_encoder_parallel_step_equals_reference():
         check(cfg, everyone)
 
 
+@pytest.mark.mpi_only
 def test_mpi4py_communicator():
     MPI = pytest.importorskip("mpi4py.MPI")
     # A split communicator (evens / odds), borrowed by diffcomm; src is global
@@ -303,3 +306,41 @@ def test_in_place_write_to_a_saved_reduction_input_raises_torchs_error():
     h.copy_(dt.all_reduce(h.detach()))  # the input rewritten after its forward use
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()  # on every rank, before any backward collective
+
+
+def _program(salt):
+    """Outputs and input gradients of a few ops on this rank's seeded data
+    (the default group: the production transport, or a simulated rank)."""
+    r, n = dt.get_rank(), dt.get_world_size()
+    g = torch.Generator().manual_seed(100 * r + salt)
+    x = torch.randn(2 * n + 1, 3, generator=g, dtype=torch.float32).requires_grad_()
+    outs = [dt.all_reduce(x), dt.all_reduce(x, op="max"), dt.all_reduce(x, op="avg")]
+    # Uneven all_to_all_single with zero splits (rank r sends (r + p) % 3 rows to p).
+    send = [(r + p) % 3 for p in range(n)]
+    recv = [(p + r) % 3 for p in range(n)]
+    y = torch.randn(sum(send), 3, generator=g, dtype=torch.float32).requires_grad_()
+    outs.append(dt.all_to_all_single(y, recv, send))
+    outs.append(dt.all_gather_v(x[: r + 1], [p + 1 for p in range(n)]))
+    outs.append(dt.reduce_scatter_single(x[: 2 * n]))
+    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    dt.backward(loss)
+    return [o.detach().clone() for o in outs] + [x.grad.clone(), y.grad.clone()]
+
+
+def test_outputs_and_gradients_bit_identical_to_the_simulated_world():
+    import diffcomm.sim  # noqa: PLC0415
+
+    mine = _program(salt=7)
+    simulated = diffcomm.sim.run(size(), lambda r, g: _program(salt=7)).results[rank()]
+    assert len(mine) == len(simulated)
+    for k, (a, b) in enumerate(zip(mine, simulated)):
+        assert torch.equal(a, b), (k, a, b)
+
+
+def test_checked_mode_shape_mismatch_raises_on_every_rank():
+    from conftest import checked_world  # noqa: PLC0415
+
+    g = checked_world()
+    x = torch.ones(3 if rank() != 1 else 4, dtype=f64)
+    with pytest.raises(diffcomm.CollectiveMismatch, match="all_reduce"):
+        dt.all_reduce(x, group=g)

@@ -1,0 +1,30 @@
+"""The last rank of a torch-transport job skips a collective the others call:
+``exit`` (its process ends: torch sees the peer gone, BackendError at once)
+or ``linger`` (it stays alive: diffcomm's deadline, Timeout). Either way the
+others end within the deadline, never hang. argv: timeout_s mode. Prints
+RESULT lines."""
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+import diffcomm
+import diffcomm.torch as dt
+
+tdist.init_process_group("gloo")
+dt.init_process_group("torch", timeout_s=float(sys.argv[1]))
+rank = dt.get_rank()
+dt.all_reduce(torch.ones(2))  # everyone is here
+if rank == dt.get_world_size() - 1:
+    print(f"RESULT rank {rank}: skipped the call", flush=True)
+    if sys.argv[2] == "linger":
+        time.sleep(2 * float(sys.argv[1]) + 2)
+    sys.exit(0)
+start = time.monotonic()
+try:
+    dt.all_reduce(torch.ones(2))
+    print(f"RESULT rank {rank}: completed", flush=True)
+except diffcomm.Error as e:
+    print(f"RESULT rank {rank}: {type(e).__name__} after {time.monotonic() - start:.1f} s: "
+          f"{str(e).splitlines()[0]}", flush=True)
