@@ -92,10 +92,12 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
       mode's fingerprints travel on a duplicate torch group.
     * ``"mpi"``: MPI_COMM_WORLD (MPI is initialised unless it already is, e.g.
       by mpi4py), or ``comm=`` an mpi4py communicator (borrowed, never freed).
-    * ``"nccl"``: ``group=`` a torch.distributed ProcessGroup (default: torch's
-      world); rank 0 of it creates an NCCL unique id, broadcast over that group
-      (the vLLM PyNcclCommunicator pattern); the communicator runs on torch's
-      current CUDA stream of ``device`` (default: torch.cuda.current_device()).
+    * ``"nccl"``: CUDA tensors over torch's own NCCL group ``group=`` (default:
+      torch's default group, which must be an NCCL group): the torch transport,
+      so diffcomm loads no NCCL library of its own and creates no second
+      communicator. (An extension built with ``DIFFCOMM_PYTHON_NCCL=ON`` links
+      diffcomm's own NCCL backend instead: rank 0 of ``group`` creates an NCCL
+      unique id broadcast over it, on torch's current stream of ``device``.)
 
     Options of "torch" and "mpi" (``dist::Options``): ``check`` cross-rank
     fingerprint checks (None: ``DIFFCOMM_CHECK``, else on in Debug builds),
@@ -108,21 +110,8 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
     torchrun) raises BackendError instead of running unrelated one-rank jobs:
     e.g. ``"mpi"`` in processes torchrun started (each an MPI singleton).
     """
-    if backend == "torch":
-        import torch.distributed as dist  # noqa: PLC0415
-
-        from ._torch_transport import TorchOps  # noqa: PLC0415
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise InvalidArgument(
-                "init_process_group('torch'): torch.distributed is not initialised: call "
-                "torch.distributed.init_process_group('gloo') (or 'nccl') first; under torchrun "
-                "the environment gives it the rank and world size")
-        ops = TorchOps(group)
-        pg = _core.torch_transport.group(ops, ops.duplicate, "world", check=check,
-                                         native_reduction=native_reduction, timeout_s=timeout_s)
-        if group is None:
-            _check_launcher(pg, "torch")
+    if backend == "torch" or (backend == "nccl" and not _core.HAVE_NCCL):
+        pg = _torch_world(backend, group, check, native_reduction, timeout_s)
     elif backend == "mpi":
         if not _core.HAVE_MPI:
             raise _core.BackendError("diffcomm was built without MPI")
@@ -138,9 +127,7 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
                                  timeout_s=timeout_s)
             _check_launcher(pg, "mpi")
         _end_job_at_exit_after_timeout()
-    elif backend == "nccl":
-        if not _core.HAVE_NCCL:
-            raise _core.BackendError("diffcomm was built without NCCL")
+    elif backend == "nccl":  # diffcomm's own NCCL backend (DIFFCOMM_PYTHON_NCCL builds)
         import torch.distributed as dist  # noqa: PLC0415
 
         tgroup = group if group is not None else dist.group.WORLD
@@ -157,6 +144,34 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
             f"call torch.distributed.init_process_group('gloo') and then "
             f"init_process_group('torch')")
     _context.set_process_group(pg)
+    return pg
+
+
+def _torch_world(backend: str, group: Any, check: Optional[bool], native_reduction: bool,
+                 timeout_s: Optional[float]) -> _core.ProcessGroup:
+    """diffcomm over a torch ProcessGroup (the torch transport); "nccl": the
+    group must be one of torch's NCCL groups (torch's own communicator and
+    NCCL library: diffcomm loads none of its own)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from ._torch_transport import TorchOps  # noqa: PLC0415
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgument(
+            f"init_process_group({backend!r}): torch.distributed is not initialised: call "
+            f"torch.distributed.init_process_group('gloo') (or 'nccl') first; under torchrun "
+            f"the environment gives it the rank and world size")
+    tgroup = group if group is not None else dist.group.WORLD
+    if backend == "nccl" and dist.get_backend(tgroup) != "nccl":
+        raise InvalidArgument(
+            f"init_process_group('nccl'): diffcomm runs over torch's NCCL group, but the group "
+            f"is {dist.get_backend(tgroup)!r}; call torch.distributed.init_process_group('nccl') "
+            f"or pass group= an NCCL group (or use 'torch' for any torch group)")
+    ops = TorchOps(group)
+    pg = _core.torch_transport.group(ops, ops.duplicate, "world", check=check,
+                                     native_reduction=native_reduction, timeout_s=timeout_s)
+    if group is None:
+        _check_launcher(pg, backend)
     return pg
 
 

@@ -14,7 +14,7 @@
 
 #include "diffcomm/backends/mpi.hpp"
 #endif
-#if DIFFCOMM_HAVE_NCCL
+#if DIFFCOMM_PYTHON_NCCL
 #include "diffcomm/backends/nccl.hpp"
 #endif
 
@@ -171,7 +171,7 @@ void bind_dist(nb::module_& m) {
 
 void bind_backends(nb::module_& m) {
   m.attr("HAVE_MPI") = bool(DIFFCOMM_HAVE_MPI);
-  m.attr("HAVE_NCCL") = bool(DIFFCOMM_HAVE_NCCL);
+  m.attr("HAVE_NCCL") = bool(DIFFCOMM_PYTHON_NCCL);  // diffcomm's own NCCL backend, linked in
   m.attr("HAVE_CUDA") = bool(DIFFCOMM_HAVE_CUDA);
   m.attr("__version__") = DIFFCOMM_VERSION;
 #if DIFFCOMM_HAVE_MPI
@@ -231,7 +231,7 @@ void bind_backends(nb::module_& m) {
       "A group over a caller's communicator given the address of its MPI_Comm handle "
       "(mpi4py: MPI._addressof(comm)); borrowed, never freed by diffcomm.");
 #endif
-#if DIFFCOMM_HAVE_NCCL
+#if DIFFCOMM_PYTHON_NCCL
   auto nccl = m.def_submodule("nccl", "The NCCL backend (CUDA tensors).");
   nccl.def("device_count", &dc::nccl::device_count);
   nccl.def("unique_id", [] {
