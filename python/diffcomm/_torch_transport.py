@@ -8,6 +8,8 @@ deadline. No semantics live here: validation, checked mode, the
 deterministic reductions (composed from ``all_to_all_single`` and
 ``all_gather_v`` unless ``native_reduction``), aliasing and the flight
 recorder are diffcomm's C++, above this transport, as for MPI and NCCL.
+Every Work is waited for in ``finish`` with diffcomm's deadline as torch's
+timeout.
 Ranks given to these methods are group-local; torch calls take global ranks.
 """
 from __future__ import annotations
@@ -47,11 +49,8 @@ class _Unpack:
     def __init__(self, work: Any, packed: torch.Tensor, outs: List[torch.Tensor]):
         self.work, self.packed, self.outs = work, packed, outs
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> None:
-        self.work.wait()
+    def wait(self, timeout: datetime.timedelta) -> None:
+        self.work.wait(timeout)
         at = 0
         for o in self.outs:
             o.view(-1).copy_(self.packed[at:at + o.numel()])
@@ -74,14 +73,21 @@ class TorchOps:
         self.device_index = torch.cuda.current_device() if self.cuda and name == "nccl" else 0
 
     # ---------------------------------------------------------- waiting
-    @staticmethod
-    def completed(works: List[Any]) -> bool:
-        return all(w.is_completed() for w in works)
-
-    @staticmethod
-    def finish(works: List[Any]) -> None:
-        for w in works:  # raises torch's error, if any
-            w.wait()
+    def finish(self, works: List[Any]) -> None:
+        """Waits for the Works of one primitive within the deadline, blocked
+        in torch's Work.wait(timeout) (no polling: a waiting rank leaves the
+        cores to the transport's threads). Raises TimeoutError past the
+        deadline (C++ turns it into diffcomm.Timeout naming the call) and
+        torch's own error otherwise."""
+        end = time.monotonic() + self.timeout_s
+        for w in works:
+            left = max(end - time.monotonic(), 0.001)
+            try:
+                w.wait(datetime.timedelta(seconds=left))
+            except RuntimeError:
+                if time.monotonic() >= end:
+                    raise TimeoutError(f"not complete within {self.timeout_s} s") from None
+                raise
 
     def _g(self, group_rank: int) -> int:
         return self.members[group_rank]
@@ -111,9 +117,11 @@ class TorchOps:
         return [dist.all_gather(views, src, group=self.group, async_op=True)]
 
     def all_gather_v(self, out, inp, splits: Sequence[int]) -> List[Any]:
-        # No torch collective gathers uneven blocks: all_to_all_single of the
-        # input repeated once per member (a collective, so its Work can be
-        # polled; gloo's point-to-point Works complete only inside wait()).
+        # Even blocks (a composed all_reduce's usual case): all_gather into
+        # views. Uneven: no torch collective gathers them, so all_to_all_single
+        # of the input repeated once per member (n copies of a block).
+        if len(set(splits)) <= 1:
+            return self.all_gather_single(out, inp)
         src = _t(inp)
         n = len(self.members)
         rows = src.shape[0] if src.dim() > 0 else 1
@@ -157,24 +165,11 @@ class TorchOps:
         return [dist.all_to_all_single(_t(out), _t(inp), list(out_splits), list(in_splits),
                                        group=self.group, async_op=True)]
 
-    # gloo's point-to-point Works complete only inside wait(): send and recv
-    # wait here, with the deadline as torch's timeout.
     def send(self, t, peer: int, tag: int) -> List[Any]:
-        self._wait(dist.isend(_t(t), self._g(peer), group=self.group, tag=tag))
-        return []
+        return [dist.isend(_t(t), self._g(peer), group=self.group, tag=tag)]
 
     def recv(self, t, peer: int, tag: int) -> List[Any]:
-        self._wait(dist.irecv(_t(t), self._g(peer), group=self.group, tag=tag))
-        return []
-
-    def _wait(self, work: Any) -> None:
-        start = time.monotonic()
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError:
-            if time.monotonic() - start >= self.timeout_s:
-                raise TimeoutError(f"no peer matched within {self.timeout_s} s") from None
-            raise
+        return [dist.irecv(_t(t), self._g(peer), group=self.group, tag=tag)]
 
     # ---------------------------------------------------------- groups
     def split(self, color: int, key: int) -> Optional["TorchOps"]:

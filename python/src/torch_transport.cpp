@@ -6,8 +6,8 @@
 // lends them to torch through DLPack and issues the torch call with
 // async_op=True. The semantics (validation, checked mode, composed
 // reductions, aliasing, flight recorder) stay in C++ above this backend, put
-// there by dist::stack_layers exactly as for MPI and NCCL; the Works the
-// Python side returns are waited for here, in the shared deadline loop.
+// there by dist::stack_layers exactly as for MPI and NCCL; every Work is
+// waited for with diffcomm's deadline as torch's timeout.
 #include <fmt/format.h>
 
 #include <memory>
@@ -17,7 +17,6 @@
 #include "bind.hpp"
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/dist/backend/layers.hpp"
-#include "diffcomm/dist/backend/wait.hpp"
 
 namespace diffcomm_python {
 namespace {
@@ -127,19 +126,14 @@ class TorchTransport final : public dc::dist::Backend {
   }
 
   // One primitive: the TorchOps method issues the torch call(s) and returns
-  // their Works, which are then waited for within the deadline.
+  // their Works; finish() waits for them with the deadline as torch's
+  // timeout (blocked in Work.wait, which releases the GIL: no polling, so a
+  // waiting rank leaves the cores to gloo's threads; polling here cost up
+  // to 4x on 2 cores). Past the deadline it raises TimeoutError: Timeout.
   template <class... Args>
   void issue(Call& c, const char* method, const Args&... args) {
     nb::gil_scoped_acquire gil;
     nb::object works = guarded(c, [&] { return ops_.attr(method)(args...); });
-    {
-      // Other Python threads run between polls; each poll takes the GIL.
-      nb::gil_scoped_release unlocked;
-      dc::dist::wait_until_done(c, timeout_s_, [&] {
-        nb::gil_scoped_acquire poll;
-        return nb::cast<bool>(guarded(c, [&] { return ops_.attr("completed")(works); }));
-      });
-    }
     guarded(c, [&] { return ops_.attr("finish")(works); });
   }
 
