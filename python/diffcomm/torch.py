@@ -122,6 +122,12 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
                                              native_reduction=native_reduction,
                                              timeout_s=timeout_s)
         else:
+            if _core.mpi.finalized():
+                raise _core.BackendError(
+                    "init_process_group('mpi'): MPI was finalised in this process "
+                    "(destroy_process_group finalises the MPI diffcomm initialised) and MPI "
+                    "cannot be initialised twice; keep the group for the whole job, or use "
+                    "init_process_group('torch'), which can be created again")
             _core.mpi.init()
             pg = _core.mpi.world(check=check, native_reduction=native_reduction,
                                  timeout_s=timeout_s)

@@ -186,6 +186,14 @@ void bind_backends(nb::module_& m) {
       },
       "MPI_Init_thread unless MPI is already initialised (e.g. by mpi4py).");
   mpi.def(
+      "finalized",
+      [] {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        return finalized != 0;
+      },
+      "Whether MPI_Finalize has run in this process (MPI cannot be initialised again).");
+  mpi.def(
       "finalize", [] { g_mpi_env.reset(); },
       "MPI_Finalize if diffcomm initialised MPI (not when mpi4py did). After a Timeout it ends "
       "the job with MPI_Abort instead (see abort_if_timed_out).");

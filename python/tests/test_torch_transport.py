@@ -70,3 +70,39 @@ def test_gloo_is_not_a_diffcomm_backend_but_the_message_says_what_is():
     with pytest.raises(diffcomm.InvalidArgument,
                        match=r"unknown backend 'gloo' \(torch, mpi, nccl\).*init_process_group"):
         dt.init_process_group("gloo")
+
+
+@pytest.mark.skipif(not diffcomm._core.HAVE_MPI, reason="needs diffcomm built with MPI")
+def test_mpi_after_destroy_raises_instead_of_aborting_the_process():
+    # MPI cannot be initialised again after MPI_Finalize: this used to abort
+    # the whole process inside MPI. (A singleton world, as a lone process.)
+    code = ("import diffcomm, diffcomm.torch as dt\n"
+            "dt.init_process_group('mpi')\n"
+            "dt.destroy_process_group()\n"
+            "try:\n"
+            "    dt.init_process_group('mpi')\n"
+            "    print('RESULT initialised again')\n"
+            "except diffcomm.BackendError as e:\n"
+            "    print('RESULT BackendError:', e)\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_")) and k not in ("WORLD_SIZE", "RANK")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert "RESULT BackendError: init_process_group('mpi'): MPI was finalised" in r.stdout, \
+        r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_torch_transport_can_be_created_again_after_destroy():
+    code = ("import os, torch, torch.distributed as tdist, diffcomm.torch as dt\n"
+            "tdist.init_process_group('gloo', rank=0, world_size=1)\n"
+            "for _ in range(2):\n"
+            "    dt.init_process_group('torch')\n"
+            "    assert dt.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]\n"
+            "    dt.destroy_process_group()\n"
+            "print('RESULT OK')\n")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert "RESULT OK" in r.stdout, r.stdout + r.stderr
