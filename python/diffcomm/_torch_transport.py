@@ -189,26 +189,24 @@ class TorchOps:
         dist.all_gather(table, mine, group=self.group)
         entries = [(int(t[0]), int(t[1]), r) for r, t in enumerate(table)]
         colors = sorted({c for c, _, _ in entries if c >= 0})
-        whole = self.group is dist.group.WORLD or \
-            len(self.members) == dist.get_world_size()
-        result = None
-        for c in colors:
-            ranks = [self.members[r] for _, r in sorted((k, r) for cc, k, r in entries if cc == c)]
-            if whole:
-                g = dist.new_group(ranks)
-            elif color == c:
-                g = _local_new_group(ranks)
-            else:
-                continue
-            if color == c:
-                result = g
-        return TorchOps(result, self.timeout_s) if result is not None else None
+        members_of = {c: [self.members[r] for _, r in sorted((k, r) for cc, k, r in entries
+                                                             if cc == c)] for c in colors}
+        if not self._spans_world():
+            return TorchOps(_local_new_group(members_of[color]), self.timeout_s) \
+                if color >= 0 else None
+        # Every process calls torch's new_group for every color, in one order.
+        groups = {c: dist.new_group(members_of[c]) for c in colors}
+        return TorchOps(groups[color], self.timeout_s) if color >= 0 else None
 
     def duplicate(self) -> "TorchOps":
         """A second torch group over the same members (checked mode's control)."""
-        if self.group is dist.group.WORLD or len(self.members) == dist.get_world_size():
-            return TorchOps(dist.new_group(self.members), self.timeout_s)
-        return TorchOps(_local_new_group(self.members), self.timeout_s)
+        new = dist.new_group if self._spans_world() else _local_new_group
+        return TorchOps(new(self.members), self.timeout_s)
+
+    def _spans_world(self) -> bool:
+        """Whether the group holds every process of torch's default group: then
+        all of them take part in torch's new_group, as it requires."""
+        return self.group is dist.group.WORLD or len(self.members) == dist.get_world_size()
 
 
 def _local_new_group(ranks: List[int]) -> Any:

@@ -19,6 +19,13 @@ HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "programs", "torch_early_exit.py")
 
 
+def run_python(code, env):
+    """stdout and the process of `code` in a fresh interpreter with `env`."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    return r.stdout, r
+
+
 def launch(n, args, timeout=120):
     cmd = [sys.executable, os.path.join(HERE, "launch.py"), "-n", str(n), "--", *args]
     start = time.monotonic()
@@ -50,8 +57,7 @@ def test_mpi_in_a_torchrun_launch_is_refused():
             "    print('RESULT BackendError:', e)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
     env.update(WORLD_SIZE="4", RANK="0")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=env).stdout
+    out, _ = run_python(code, env)
     assert ("RESULT BackendError: init_process_group('mpi'): the launcher started WORLD_SIZE=4 "
             "processes but the mpi world has 1 rank(s) (each process is an MPI singleton") in out, out
     assert "init_process_group('torch')" in out, out
@@ -86,10 +92,9 @@ def test_mpi_after_destroy_raises_instead_of_aborting_the_process():
             "    print('RESULT BackendError:', e)\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_")) and k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=env)
-    assert "RESULT BackendError: init_process_group('mpi'): MPI was finalised" in r.stdout, \
-        r.stdout + r.stderr
+    out, r = run_python(code, env)
+    assert "RESULT BackendError: init_process_group('mpi'): MPI was finalised" in out, \
+        out + r.stderr
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -103,6 +108,5 @@ def test_torch_transport_can_be_created_again_after_destroy():
             "print('RESULT OK')\n")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env=env)
-    assert "RESULT OK" in r.stdout, r.stdout + r.stderr
+    out, r = run_python(code, env)
+    assert "RESULT OK" in out, out + r.stderr
