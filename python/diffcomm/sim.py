@@ -26,9 +26,11 @@ the planner and token rules.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _context, _core, _participation
@@ -115,6 +117,65 @@ def _start_rank_threads(world: "_core.sim.ThreadedWorld", threads: List[threadin
             raise _core.BackendError(why) from e
 
 
+def _interrupt(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
+               in_fn: List[bool], done: threading.Event) -> None:
+    """After Ctrl-C: raises KeyboardInterrupt in the rank thread that runs its
+    own code (only one runs at a time: the baton holder), once per rank, until
+    the world ends. A rank waiting in diffcomm is never interrupted: the world
+    releases it (RankFailure naming the interrupted rank), so diffcomm's
+    bookkeeping is never cut in half. Gives up after INTERRUPT_GRACE_S, for a
+    rank blocked outside diffcomm (time.sleep, input()) that no exception
+    reaches; rank threads are daemons."""
+    interrupted = set()
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    while not done.is_set() and time.monotonic() < deadline:
+        r = world.running_rank()
+        if r >= 0 and in_fn[r] and r not in interrupted and threads[r].ident is not None:
+            interrupted.add(r)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threads[r].ident),
+                                                       ctypes.py_object(KeyboardInterrupt))
+        done.wait(0.01)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
+           in_fn: List[bool]) -> None:
+    """Runs the world on a driver thread while this (the calling, usually the
+    main) thread waits in short slices, so that Ctrl-C reaches Python: the
+    signal handler runs only between bytecodes, never while a thread sits in
+    world.run() in C++. On KeyboardInterrupt, see _interrupt; then re-raises
+    it here. (The wait is an Event, not Thread.join: a join that
+    KeyboardInterrupt cuts short can leave the thread marked as ended.)"""
+    failure: List[BaseException] = []
+    done = threading.Event()
+
+    def drive() -> None:
+        try:
+            world.run()
+        except BaseException as e:  # re-raised on the calling thread
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=drive, name="diffcomm-sim-world", daemon=True).start()
+    try:
+        while not done.wait(0.05):
+            pass
+    except KeyboardInterrupt:
+        _interrupt(world, threads, in_fn, done)
+        raise
+    for t in threads:
+        t.join()
+    if failure:
+        raise failure[0]
+
+
+#: Seconds run() waits, after Ctrl-C, for rank threads to end before it
+#: re-raises KeyboardInterrupt anyway (they are daemon threads).
+INTERRUPT_GRACE_S = 5.0
+
+
 def run(
     world_size: int,
     fn: Callable[[int, "_core.ProcessGroup"], Any],
@@ -131,6 +192,13 @@ def run(
     ``"random"`` (seeded) or ``"round_robin"``. ``fault=(rank, k)`` makes that
     rank fail at its k-th diffcomm call (the others get ``RankFailure``).
 
+    Ctrl-C (SIGINT) interrupts the run: the rank running its own code gets
+    KeyboardInterrupt, the world ends the others as it does for any failing
+    rank (RankFailure), and ``run`` raises KeyboardInterrupt. A rank blocked
+    outside diffcomm (``time.sleep``, ``input()``) holds the baton where no
+    exception reaches it: ``run`` raises after ``INTERRUPT_GRACE_S`` seconds,
+    leaving the rank threads (daemons) behind.
+
     Returns a RunResult. If any rank raised, re-raises the first failure in
     the world's (deterministic) order, with ``.rank`` (the rank that raised
     it) and ``.rank_errors`` (every rank's exception or None) attached;
@@ -140,6 +208,7 @@ def run(
     results: List[Any] = [None] * world_size
     errors: List[Optional[BaseException]] = [None] * world_size
     order: List[int] = []
+    in_fn = [False] * world_size  # the rank thread runs fn (may be interrupted)
 
     def body(rank: int) -> None:
         try:
@@ -149,8 +218,11 @@ def run(
             return
         _context.set_thread_group(group)
         try:
+            in_fn[rank] = True
             results[rank] = fn(rank, group)
+            in_fn[rank] = False
         except BaseException as e:  # reported, re-raised by run()
+            in_fn[rank] = False
             errors[rank] = e
             order.append(rank)
             msg = f"rank {rank}: {type(e).__name__}: {e}"
@@ -169,11 +241,7 @@ def run(
         for r in range(world_size)
     ]
     _start_rank_threads(world, threads)
-    try:
-        world.run()
-    finally:
-        for t in threads:
-            t.join()
+    _drive(world, threads, in_fn)
     if order:
         first = errors[order[0]]
         assert first is not None

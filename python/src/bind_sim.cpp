@@ -108,6 +108,8 @@ void bind_sim(nb::module_& m) {
       .def("finish", &dc::sim::ThreadedWorld::finish, "rank"_a, "failure"_a, release())
       .def("run", &dc::sim::ThreadedWorld::run, release())
       .def("cancel", &dc::sim::ThreadedWorld::cancel, "why"_a, release())
+      .def("running_rank", &dc::sim::ThreadedWorld::running_rank, release(),
+           "The rank whose thread holds the baton now, or -1.")
       .def("size", &dc::sim::ThreadedWorld::size)
       .def("error_messages", &dc::sim::ThreadedWorld::error_messages)
       .def("trace_hash", [](const dc::sim::ThreadedWorld& w) { return w.world().trace_hash(); })

@@ -1,5 +1,9 @@
 """diffcomm.sim.run: CASES.md in Python, mismatch/deadlock on every rank,
 determinism, the exchange property (hypothesis), the per-collective cost."""
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -302,3 +306,28 @@ def test_cost_per_collective(capsys):
         for n, us, per_rank in out:
             print(f"\n[cost] sim.run world {n}: {us:.0f} us per all_reduce ({per_rank:.1f} us per rank)")
     assert all(per_rank < 5000 for _, _, per_rank in out)
+
+
+# ------------------------------------------------ Ctrl-C
+@pytest.mark.parametrize("scenario,alive", [("busy", 0), ("collective", 0), ("sleeping", 4)])
+def test_ctrl_c_interrupts_run(scenario, alive):
+    # SIGINT once the ranks run: run() raises KeyboardInterrupt and every rank
+    # thread ends; a rank sleeping outside diffcomm (no exception reaches
+    # time.sleep) holds the baton, so run() raises after its grace period
+    # (2 s here) and leaves the four rank threads behind (daemons).
+    program = os.path.join(os.path.dirname(__file__), "programs", "sim_interrupt.py")
+    proc = subprocess.Popen([sys.executable, program, scenario], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline() == "READY\n"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    line = [x for x in out.splitlines() if x.startswith("INTERRUPTED")]
+    assert line, out
+    _, seconds, threads = line[0].split()
+    assert int(threads) == alive, out
+    assert float(seconds) < (5 if alive else 3), out
+    assert proc.returncode == 0, out

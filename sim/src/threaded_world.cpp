@@ -79,6 +79,11 @@ void RankChannel::finish(std::string failure) {
   cv_.notify_all();
 }
 
+bool RankChannel::running() {
+  std::lock_guard lock(mutex_);
+  return started_ && rank_turn_ && !finished_ && aborted_.empty();
+}
+
 // ---------------------------------------------------------------- backend
 namespace {
 
@@ -134,6 +139,12 @@ ThreadedWorld::ThreadedWorld(WorldOptions options)
 }
 
 ThreadedWorld::~ThreadedWorld() = default;
+
+int ThreadedWorld::running_rank() const {
+  for (std::size_t r = 0; r < state_->channels.size(); ++r)
+    if (state_->channels[r]->running()) return static_cast<int>(r);
+  return -1;
+}
 
 int ThreadedWorld::size() const { return state_->world.options().ranks; }
 const World& ThreadedWorld::world() const { return state_->world; }

@@ -42,6 +42,9 @@ class RankChannel {
   /// Rank thread: the rank function finished (failure: its message, or "").
   /// The proxy fiber then returns or throws Error(failure).
   void finish(std::string failure);
+  /// Whether the rank thread holds the baton now (running its own code, not
+  /// waiting for a call or for its start).
+  bool running();
 
   // World side (the proxy fiber).
   void serve();                 ///< hands the baton over and serves calls until finish()
@@ -88,6 +91,10 @@ class ThreadedWorld {
   /// with `why`): for a caller that cannot start every rank thread.
   void cancel(const std::string& why);
 
+  /// The rank whose thread holds the baton now, or -1 (the world's thread
+  /// runs, or the world ended): for an interrupt that must reach the one
+  /// rank running its own code (Python's Ctrl-C in diffcomm.sim.run).
+  int running_rank() const;
   int size() const;
   const World& world() const;
   std::vector<std::string> error_messages() const;
