@@ -50,14 +50,14 @@ Conventions (differences from torch.distributed.nn.functional):
 """
 from __future__ import annotations
 
-import atexit
 import collections
+import os
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _context, _core, _participation
+from . import _context, _core, _mpi_job, _participation
 from ._core import InvalidArgument
 from ._core import encoder_parallel as _ep
 from ._core import nn as _nn
@@ -100,16 +100,30 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
       unique id broadcast over it, on torch's current stream of ``device``.)
 
     Options of "torch" and "mpi" (``dist::Options``): ``check`` cross-rank
-    fingerprint checks (None: ``DIFFCOMM_CHECK``, else on in Debug builds),
+    fingerprint checks (None: ``DIFFCOMM_CHECK``, else **on**: a call whose
+    ranks disagree on op, shape, dtype, root or splits raises
+    CollectiveMismatch on every rank instead of moving wrong data. Its cost,
+    one small fingerprint exchange per call, is measured in bench/RESULTS.md:
+    tens of microseconds per call over MPI, one more gloo round trip over the
+    torch transport, lost in the noise from 1 MiB; ``check=False`` or
+    ``DIFFCOMM_CHECK=0`` for a job already known to be consistent),
     ``native_reduction`` the transport's own reductions (faster, not
     bit-identical to the simulated world), ``timeout_s`` the deadline of every
     wait (None: ``DIFFCOMM_TIMEOUT``, else 600 s; expiry raises
     ``diffcomm.Timeout``).
 
+    Under ``"mpi"``, an uncaught exception on any rank ends the whole job with
+    MPI_Abort after the traceback (the others would otherwise wait for their
+    deadline; torchrun ends a job the same way), and interpreter exit after a
+    Timeout does too; ``DIFFCOMM_ABORT_ON_EXCEPTION=0`` turns the first off
+    (see ``diffcomm._mpi_job``).
+
     A world whose size differs from the launcher's (``WORLD_SIZE``, set by
     torchrun) raises BackendError instead of running unrelated one-rank jobs:
     e.g. ``"mpi"`` in processes torchrun started (each an MPI singleton).
     """
+    if check is None and "DIFFCOMM_CHECK" not in os.environ:
+        check = True  # the Python package's default (the C++ default is on in Debug builds)
     if backend == "torch" or (backend == "nccl" and not _core.HAVE_NCCL):
         pg = _torch_world(backend, group, check, native_reduction, timeout_s)
     elif backend == "mpi":
@@ -132,7 +146,7 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
             pg = _core.mpi.world(check=check, native_reduction=native_reduction,
                                  timeout_s=timeout_s)
             _check_launcher(pg, "mpi")
-        _end_job_at_exit_after_timeout()
+        _mpi_job.install_hooks()
     elif backend == "nccl":  # diffcomm's own NCCL backend (DIFFCOMM_PYTHON_NCCL builds)
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -194,19 +208,6 @@ def _check_launcher(pg: _core.ProcessGroup, backend: str) -> None:
     raise _core.BackendError(
         f"init_process_group({backend!r}): the launcher started WORLD_SIZE={launched} processes "
         f"but the {backend} world has {pg.size()} rank(s){hint}")
-
-
-_exit_hook_registered = False
-
-
-def _end_job_at_exit_after_timeout() -> None:
-    """At interpreter exit, after a Timeout, end the MPI job (MPI_Abort)
-    instead of letting MPI_Finalize (diffcomm's or mpi4py's) wait for the
-    timed-out calls' requests forever."""
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        atexit.register(_core.mpi.abort_if_timed_out)
-        _exit_hook_registered = True
 
 
 def abort(group: Optional[_core.ProcessGroup] = None, code: int = 1) -> None:

@@ -186,6 +186,30 @@ void bind_backends(nb::module_& m) {
       },
       "MPI_Init_thread unless MPI is already initialised (e.g. by mpi4py).");
   mpi.def(
+      "initialized",
+      [] {
+        int initialized = 0;
+        MPI_Initialized(&initialized);
+        return initialized != 0;
+      },
+      "Whether MPI_Init has run in this process (by diffcomm or mpi4py).");
+  mpi.def(
+      "world_rank",
+      [] {
+        int rank = 0;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        return rank;
+      },
+      "This process's rank in MPI_COMM_WORLD (MPI must be initialised).");
+  mpi.def(
+      "world_size",
+      [] {
+        int size = 0;
+        MPI_Comm_size(MPI_COMM_WORLD, &size);
+        return size;
+      },
+      "The size of MPI_COMM_WORLD (MPI must be initialised).");
+  mpi.def(
       "finalized",
       [] {
         int finalized = 0;

@@ -108,3 +108,36 @@ def test_fiber_stacks_beyond_the_address_space_raise_backend_error():
     assert "BACKEND" in proc.stdout and "cannot allocate the fiber stack of rank" in proc.stdout, (
         proc.stdout + proc.stderr)
     assert "of 1024 (65536 bytes each" in proc.stdout, proc.stdout
+
+
+@needs_mpi
+def test_uncaught_exception_ends_the_mpi_job_at_once():
+    program = os.path.join(HERE, "programs", "uncaught_exception.py")
+    proc, out, elapsed = mpirun(3, [program])
+    assert "RuntimeError: rank 1 gave up" in out, out  # Python's traceback first
+    assert ("diffcomm: rank 1 of the MPI job raised an uncaught RuntimeError: rank 1 gave up; "
+            "ending the job with MPI_Abort (code 1)") in out, out
+    assert "NOT REACHED" not in out, out
+    assert proc.returncode != 0
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end (deadline 600 s)"
+
+
+@needs_mpi
+def test_uncaught_exception_hook_can_be_turned_off():
+    # DIFFCOMM_ABORT_ON_EXCEPTION=0: no abort; rank 1's interpreter exits
+    # through MPI_Finalize, which waits for the others, and rank 0 waits in
+    # its barrier until the deadline (1 s here, 600 s by default).
+    code = textwrap.dedent("""
+        import diffcomm.torch as dt
+        dt.init_process_group("mpi", check=False, timeout_s=1)
+        if dt.get_rank() == 1:
+            raise RuntimeError("quiet")
+        try:
+            dt.get_world().barrier()
+        except Exception as e:
+            print("RESULT", type(e).__name__, flush=True)
+    """)
+    proc, out, _ = mpirun(2, ["-c", code], env={"DIFFCOMM_ABORT_ON_EXCEPTION": "0"})
+    assert "RuntimeError: quiet" in out, out
+    assert "ending the job with MPI_Abort (code 1)" not in out, out
+    assert "RESULT Timeout" in out, out
