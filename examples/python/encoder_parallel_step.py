@@ -105,7 +105,7 @@ def reference(cfg: StepConfig) -> Tuple[List[torch.Tensor], torch.Tensor, float]
         full.append(e.detach())
         loss = loss + (e * cotangent(cfg, b, sample.seq_len)).sum() + 0.5 * ((e @ a) ** 2).sum()
     (dw,) = torch.autograd.grad(loss, [w])
-    return full, dw, float(loss)
+    return full, dw, loss.item()
 
 
 def step(rank: int, world: "diffcomm.ProcessGroup", cfg: StepConfig, lr: float = 0.0):
@@ -162,7 +162,7 @@ def step(rank: int, world: "diffcomm.ProcessGroup", cfg: StepConfig, lr: float =
     dw = dt.all_reduce(w.grad.detach().clone(), "sum", world)
     w.grad.copy_(dw)
     opt.step()
-    return e.detach(), tokens, dw, float(loss), w.detach()
+    return e.detach(), tokens, dw, loss.item(), w.detach()
 
 
 def check(cfg: StepConfig, results, tol: float = 1e-12) -> None:

@@ -1,6 +1,6 @@
 """diffcomm.torch over a production transport (MPI, or torch's gloo group
-through the "torch" transport; see conftest.py) vs torch.distributed.nn.functional
-on gloo in the same processes, vs closed forms, and vs the simulated world
+through the "torch" transport; see conftest.py) vs torch's differentiable
+collectives (oracle.py: _functional_collectives where torch has them) on gloo in the same processes, vs closed forms, and vs the simulated world
 bit for bit. Data and cotangents differ per rank (CASES.md 6)."""
 import os
 import subprocess
@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.distributed.nn.functional as tnn
 
 import diffcomm
 import diffcomm.torch as dt
+
+import oracle  # noqa: I001 (this folder's module: pytest puts the folder on sys.path)
 
 f64 = torch.float64
 
@@ -57,27 +58,27 @@ def assert_same(a, b):
 
 
 def test_all_reduce_sum():
-    assert_same(*run_both(lambda x: dt.all_reduce(x), lambda x: tnn.all_reduce(x), [data(3, 2)]))
+    assert_same(*run_both(lambda x: dt.all_reduce(x), lambda x: oracle.all_reduce(x), [data(3, 2)]))
 
 
 def test_all_reduce_avg():
     # gloo has no AVG: the oracle is torch's differentiable SUM over N.
     assert_same(*run_both(lambda x: dt.all_reduce(x, tdist.ReduceOp.AVG),
-                          lambda x: tnn.all_reduce(x) / size(), [data(5)]))
+                          lambda x: oracle.all_reduce(x) / size(), [data(5)]))
 
 
 def test_broadcast_global_and_group_src():
     for src in range(size()):
         assert_same(*run_both(lambda x: dt.broadcast(x, src=src),
-                              lambda x: tnn.broadcast(x, src=src), [data(4)]))
+                              lambda x: oracle.broadcast(x, src), [data(4)]))
         assert_same(*run_both(lambda x: dt.broadcast(x, group_src=src),
-                              lambda x: tnn.broadcast(x, src=src), [data(2, 2)]))
+                              lambda x: oracle.broadcast(x, src), [data(2, 2)]))
 
 
 def test_reduce_sum():
     dst = 2
     (yd, gd), (yt, gt) = run_both(lambda x: dt.reduce(x, dst=dst),
-                                  lambda x: tnn.reduce(x, dst), [data(3)])
+                                  lambda x: oracle.reduce(x, dst), [data(3)])
     # torch leaves non-dst outputs unspecified; diffcomm defines them as zeros.
     if rank() == dst:
         torch.testing.assert_close(yd[0], yt[0], rtol=0, atol=0)
@@ -88,13 +89,13 @@ def test_reduce_sum():
 
 
 def test_all_gather():
-    assert_same(*run_both(lambda x: dt.all_gather(x), lambda x: tnn.all_gather(x), [data(2, 3)]))
+    assert_same(*run_both(lambda x: dt.all_gather(x), lambda x: oracle.all_gather(x), [data(2, 3)]))
 
 
 def test_gather():
     dst = 1
     (yd, gd), (yt, gt) = run_both(lambda x: dt.gather(x, dst=dst),
-                                  lambda x: tnn.gather(x, dst=dst), [data(3)])
+                                  lambda x: oracle.gather(x, dst), [data(3)])
     if rank() == dst:
         for u, v in zip(yd, yt):
             torch.testing.assert_close(u, v, rtol=0, atol=0)
@@ -105,7 +106,7 @@ def test_scatter():
     src = 3
     xs = [data(2, salt=s) for s in range(size())]
     assert_same(*run_both(lambda *t: dt.scatter(list(t), src=src),
-                          lambda *t: tnn.scatter(list(t), src=src), xs))
+                          lambda *t: oracle.scatter(list(t), src), xs))
 
 
 def test_all_to_all_single_uneven():
@@ -115,44 +116,43 @@ def test_all_to_all_single_uneven():
     outs = [(s + rank()) % 3 for s in range(n)]
     x = data(sum(ins), 2)
 
-    def torch_a2a(t):
-        out = torch.empty(sum(outs), 2, dtype=f64)
-        return tnn.all_to_all_single(out, t, outs, ins)
-
-    assert_same(*run_both(lambda t: dt.all_to_all_single(t, outs, ins), torch_a2a, [x]))
+    assert_same(*run_both(lambda t: dt.all_to_all_single(t, outs, ins),
+                          lambda t: oracle.all_to_all_single(t, outs, ins), [x]))
 
 
 def test_reduce_scatter_ops_vs_all_reduce_oracle():
     # gloo has no reduce_scatter: the oracle is torch's differentiable
-    # all_reduce followed by this rank's slice.
+    # all_reduce followed by this rank's slice (and funcol's
+    # reduce_scatter_single_autograd where torch has it, which torch builds
+    # from gloo's all_reduce the same way).
     n, r = size(), rank()
     xs = [data(2, salt=s) for s in range(n)]
     assert_same(*run_both(lambda *t: dt.reduce_scatter(list(t)),
-                          lambda *t: tnn.all_reduce(torch.stack(t))[r], xs))
+                          lambda *t: oracle.all_reduce(torch.stack(t))[r], xs))
     x = data(3 * n, 2)
     assert_same(*run_both(lambda t: dt.reduce_scatter_single(t),
-                          lambda t: tnn.all_reduce(t)[3 * r:3 * r + 3], [x]))
+                          lambda t: oracle.reduce_scatter_single(t), [x]))
     assert_same(*run_both(lambda t: dt.reduce_scatter_single(t, "avg"),
-                          lambda t: tnn.all_reduce(t)[3 * r:3 * r + 3] / n, [x]))
+                          lambda t: oracle.all_reduce(t)[3 * r:3 * r + 3] / n, [x]))
     splits = [1, 0, 3, 2][:n] + [1] * max(0, n - 4)
     x = data(sum(splits), 2)
     off = sum(splits[:r])
     assert_same(*run_both(lambda t: dt.reduce_scatter_v(t, splits),
-                          lambda t: tnn.all_reduce(t)[off:off + splits[r]], [x]))
+                          lambda t: oracle.all_reduce(t)[off:off + splits[r]], [x]))
 
 
 def test_gather_variants_vs_all_gather_oracle():
     n = size()
     x = data(2, 3)
     assert_same(*run_both(lambda t: dt.all_gather_single(t),
-                          lambda t: torch.cat(tnn.all_gather(t)), [x]))
+                          lambda t: torch.cat(oracle.all_gather(t)), [x]))
     splits = [(s * 2) % 3 for s in range(n)]
     x = data(splits[rank()], 2)
 
     def torch_v(t):  # pad to the max, all_gather, unpad
         m = max(splits)
         padded = torch.cat([t, t.new_zeros(m - t.shape[0], 2)])
-        return torch.cat([y[:k] for y, k in zip(tnn.all_gather(padded), splits)])
+        return torch.cat([y[:k] for y, k in zip(oracle.all_gather(padded), splits)])
 
     assert_same(*run_both(lambda t: dt.all_gather_v(t, splits), torch_v, [x]))
 
@@ -162,8 +162,7 @@ def test_all_to_all_list_vs_single_oracle():
     xs = [data(2, salt=j) for j in range(n)]
 
     def torch_a2a(*t):
-        y = tnn.all_to_all_single(torch.empty(2 * n, dtype=f64), torch.cat(t))
-        return list(y.split(2))
+        return list(oracle.all_to_all_single(torch.cat(t), [2] * n, [2] * n).split(2))
 
     assert_same(*run_both(lambda *t: dt.all_to_all(list(t)), torch_a2a, xs))
 
