@@ -17,20 +17,45 @@ def test_sim_property_example():
     assert "equal the single-rank reference" in r.stdout
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found")
-def test_train_step_mpi_example():
+def mpirun(np, script):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    r = subprocess.run(["mpirun", "-np", "4", "--oversubscribe", "--mca", "btl", "self,vader",
-                        sys.executable, os.path.join(EXAMPLES, "train_step.py")],
-                       capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(["mpirun", "-np", str(np), "--oversubscribe", "--mca", "btl",
+                           "self,vader", sys.executable, os.path.join(EXAMPLES, script)],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def torchrun(np, script):
+    # torchrun's environment (python/tests/launch.py: torchrun itself where it works).
+    return subprocess.run([sys.executable, os.path.join(ROOT, "python", "tests", "launch.py"),
+                           "-n", str(np), "--", os.path.join(EXAMPLES, script)],
+                          capture_output=True, text=True, timeout=600)
+
+
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found")
+
+
+@needs_mpirun
+def test_train_step_mpi_example():
+    r = mpirun(4, "train_step.py")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("-> OK") == 4, r.stdout
 
 
 def test_train_step_torchrun_example():
-    # torchrun's environment (python/tests/launch.py: torchrun itself where it works).
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "python", "tests", "launch.py"), "-n",
-                        "4", "--", os.path.join(EXAMPLES, "train_step.py")],
-                       capture_output=True, text=True, timeout=600)
+    r = torchrun(4, "train_step.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("-> OK") == 4, r.stdout
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "sim"])
+def test_quickstart_example(launcher):
+    # The README's first Python program, under its three launchers.
+    if launcher == "mpirun" and shutil.which("mpirun") is None:
+        pytest.skip("mpirun not found")
+    if launcher == "sim":
+        r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "quickstart.py"), "--sim", "4"],
+                           capture_output=True, text=True, timeout=600)
+    else:
+        r = (torchrun if launcher == "torchrun" else mpirun)(4, "quickstart.py")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("-> OK") == 4, r.stdout
