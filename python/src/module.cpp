@@ -17,6 +17,7 @@ NB_MODULE(_core, m) {
   bind_nn(m);
   bind_encoder_parallel(m);
   bind_sim(m);
+  bind_equivalence(m);
   bind_backends(m);
   bind_torch_transport(m);
 }
