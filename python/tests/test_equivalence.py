@@ -3,6 +3,7 @@ the errors, and the mutation suite of examples/python/equivalence (a correct
 VLM-style step on drawn meshes; each public bug shape flagged with its
 parameter and factor or shards)."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -188,3 +189,13 @@ def test_slice_only_backward_of_the_exchange():
     adapter = report.finding(0, "encoder.adapter")
     assert not adapter.ok and adapter.differing_shards == [1]
     assert "encoder.adapter: shards dp=1 of Shard(0, dp) differ" in str(report)
+
+
+def test_readme_example():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python",
+                        "equivalence", "readme_example.py")
+    r = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[2:] == ["w: grad = 2.000 x reference = dp on mesh {dp: 2, tp: 3}",
+                         "w: grad = 4.000 x reference = dp on mesh {dp: 4, tp: 2}"], r.stdout
