@@ -135,6 +135,7 @@ struct StepArgs : diffcomm::sim::StepOptions {
   double memory_limit_gib = kDefaultMemoryLimitGiB;  // --memory-limit
   std::string fault;
   std::string trace;
+  bool equivalence = false;  // --equivalence (step only)
 };
 
 void add_step_options(CLI::App& app, StepArgs& a) {
@@ -257,6 +258,7 @@ diffcomm::sim::StepReport run_configured_step(const StepArgs& a, const ep::StepC
   diffcomm::sim::StepRunOptions options;
   if (fault) options.fault = diffcomm::sim::Fault{fault->rank, fault->at};
   options.trace_path = a.trace;
+  options.equivalence = a.equivalence;
   try {
     return diffcomm::sim::run_step_report(cfg, per_dp, options);
   } catch (const diffcomm::InvalidArgument& e) {
@@ -331,6 +333,9 @@ int run_main(int argc, char** argv) {
       ->add_option("--fault", step.fault,
                    "inject a failure: rank:R:at:K (rank R fails at its K-th call)")
       ->check(kFaultSpec);
+  step_cmd->add_flag("--equivalence", step.equivalence,
+                     "report the mesh-equivalence oracle's findings on the encoder gradient "
+                     "(factor, mesh expression, divergent replicas)");
   step_cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file")
       ->check(non_empty_path("pass a file to write the trace to, or leave --trace out"));
 

@@ -57,7 +57,42 @@ void describe_batches(StepReport& rep, const std::vector<ep::Batch>& per_dp,
   }
 }
 
+json findings_object(const MeshFindings& m) {
+  json mesh = json::object(), params = json::array();
+  for (const auto& d : m.mesh) mesh[d.name] = d.size;
+  for (const auto& f : m.params)
+    params.push_back({{"name", f.name},
+                      {"placement", f.placement.str()},
+                      {"ok", f.ok},
+                      {"max_rel_error", f.max_rel_error},
+                      {"divergent_ranks", f.divergent_ranks},
+                      {"factor", f.has_factor ? json(f.factor) : json(nullptr)},
+                      {"factor_residual", f.factor_residual},
+                      {"factor_fits", f.factor_fits},
+                      {"expressions", f.expressions},
+                      {"differing_shards", f.differing_shards},
+                      {"line", f.str(m.mesh)}});
+  return {{"mesh", mesh}, {"ok", m.ok()}, {"params", params}};
+}
+
+/// The oracle on the step's encoder gradient: every rank's dW (Replicate
+/// over {dp, cp, tp}) against the reference's.
+MeshFindings step_equivalence(const ep::StepConfig& cfg,
+                              const std::vector<ep::StepRankResult>& results,
+                              const ep::StepReference& ref, double rtol) {
+  const MeshDims mesh{{"dp", cfg.dp}, {"cp", cfg.decoder.cp}, {"tp", cfg.decoder.tp}};
+  std::vector<RankGrads> per_rank;
+  for (const auto& r : results) per_rank.push_back({{"encoder.w", {r.encoder_grad, {}}}});
+  const std::map<std::string, Tensor> reference{
+      {"encoder.w", from_vector(ref.encoder_grad, {cfg.in_features, cfg.hidden})}};
+  EquivalenceOptions options;
+  options.rtol = rtol;
+  return check_mesh(mesh, per_rank, reference, options);
+}
+
 }  // namespace
+
+std::string to_json(const MeshFindings& findings) { return findings_object(findings).dump(); }
 
 int StepReport::exit_code() const {
   if (fault && fault->triggered) return 3;
@@ -146,6 +181,8 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
     const auto ref = ep::reference_step(cfg, per_dp);
     rep.check = ep::check_step(cfg, per_dp, results, ref);
     std::tie(rep.forward_tolerance, rep.grad_tolerance) = ep::tolerance(cfg.dtype);
+    if (options.equivalence)
+      rep.equivalence = step_equivalence(cfg, results, ref, rep.grad_tolerance);
   }
   return rep;
 }
@@ -183,6 +220,7 @@ std::string to_json(const StepReport& r) {
                         {"calls", p.calls}});
   j["per_rank"] = per_rank;
   j["check"] = check_object(r);
+  if (r.equivalence) j["equivalence"] = findings_object(*r.equivalence);
   if (!r.error.empty()) j["error"] = r.error;
   if (r.fault) {
     j["fault"] = {
@@ -232,12 +270,18 @@ std::string to_text(const StepReport& r) {
       text +=
           fmt::format("note: --fault rank:{}:at:{} never triggered (that rank made fewer calls)\n",
                       r.fault->rank, r.fault->at_call);
-    text += fmt::format(
-        "check vs single-rank reference: forward max |diff| = {:.3g} (tol {:.0e}), encoder grad "
-        "max "
-        "rel diff = {:.3g} (tol {:.0e}), loss rel diff = {:.3g} -> {}\n",
-        r.check->forward_max_abs_diff, r.forward_tolerance, r.check->grad_max_rel_diff,
-        r.grad_tolerance, r.check->loss_rel_diff, r.check->passed ? "PASSED" : "FAILED");
+    if (r.equivalence)
+      text += fmt::format(
+          "check vs single-rank reference: forward max |diff| = {:.3g} (tol {:.0e}), loss rel "
+          "diff = {:.3g}\nequivalence (rtol {:.0e}):\n  {}\n-> {}\n",
+          r.check->forward_max_abs_diff, r.forward_tolerance, r.check->loss_rel_diff,
+          r.grad_tolerance, r.equivalence->str(), r.passed() ? "PASSED" : "FAILED");
+    else
+      text += fmt::format(
+          "check vs single-rank reference: forward max |diff| = {:.3g} (tol {:.0e}), encoder "
+          "grad max rel diff = {:.3g} (tol {:.0e}), loss rel diff = {:.3g} -> {}\n",
+          r.check->forward_max_abs_diff, r.forward_tolerance, r.check->grad_max_rel_diff,
+          r.grad_tolerance, r.check->loss_rel_diff, r.check->passed ? "PASSED" : "FAILED");
   }
   text += fmt::format("wall time: {:.1f} ms\n", r.wall_ms);
   if (!r.trace_path.empty()) text += fmt::format("trace: {} (open in Perfetto)\n", r.trace_path);

@@ -585,6 +585,33 @@ def step_check_fails_exit_1(cli):
 
 
 @scenario
+def step_equivalence_names_the_factor(cli):
+    # The forced Partial convention on TP replicas is tp x the reference (see
+    # step_check_fails_exit_1): --equivalence names the factor and the mesh dim.
+    args = ["step", "--ranks", 8, "--dp", 2, "--tp", 4, "--receiver-grad", "partial",
+            "--equivalence"]
+    r = cli.run(*args, rc=FAILED)
+    expect("encoder.w: grad = 4.000 x reference = tp on mesh {dp: 2, cp: 1, tp: 4}" in r.out,
+           r.describe())
+    expect("-> FAILED" in r.out, r.describe())
+    eq = cli.json(*args, rc=FAILED)["equivalence"]
+    expect(eq["ok"] is False and eq["mesh"] == {"dp": 2, "cp": 1, "tp": 4}, f"{eq}")
+    p = eq["params"][0]
+    expect(p["name"] == "encoder.w" and p["placement"] == "Replicate()" and p["ok"] is False,
+           f"{p}")
+    expect(abs(p["factor"] - 4.0) < 1e-9 and p["factor_fits"] and p["expressions"] == ["tp"],
+           f"{p}")
+    expect(abs(p["max_rel_error"] - 3.0) < 1e-9 and p["divergent_ranks"] == [], f"{p}")
+    # The mesh's own convention passes; without --equivalence there is no object.
+    eq = cli.json("step", "--ranks", 8, "--dp", 2, "--tp", 4, "--equivalence", rc=PASSED)
+    eq = eq["equivalence"]
+    expect(eq["ok"] is True and eq["params"][0]["factor"] is None, f"{eq}")
+    expect(eq["params"][0]["max_rel_error"] <= 1e-12, f"{eq}")
+    expect("equivalence" not in cli.json("step", "--ranks", 2, "--tp", 2, rc=PASSED),
+           "the equivalence object only with --equivalence")
+
+
+@scenario
 def sweep_failure_reproduces(cli):
     r = cli.run("sweep", "--seeds", "5..6", "--tp", 2, "--receiver-grad", "partial", rc=FAILED)
     expect(re.search(r"^sweep: 2 seeds, 0 passed, 2 failed$", r.out, re.M), r.describe())

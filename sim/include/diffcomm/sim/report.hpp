@@ -18,6 +18,7 @@
 #include "diffcomm/encoder_parallel/tokens.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/sim/adjoint.hpp"
+#include "diffcomm/sim/equivalence.hpp"
 #include "diffcomm/sim/world.hpp"
 
 namespace diffcomm::sim {
@@ -28,6 +29,9 @@ struct StepRunOptions {
   /// Write a Chrome trace-event JSON there when non-empty (InvalidArgument
   /// "--trace: write_trace: ..." when it cannot be written).
   std::string trace_path;
+  /// Also compare the ranks' encoder gradients with the reference through the
+  /// mesh-equivalence oracle (StepReport::equivalence).
+  bool equivalence = false;
 };
 
 /// One rank's line of the step report.
@@ -67,8 +71,14 @@ struct StepReport {
   std::string error;                     ///< first failure of the run; "" when none
   int failed_ranks = 0;                  ///< ranks that ended with an error
   std::string trace_path;
+  /// With StepRunOptions::equivalence, when the run finished: the oracle's
+  /// findings on mesh {dp, cp, tp} ("encoder.w", Replicate, rtol the dtype's
+  /// gradient tolerance).
+  std::optional<MeshFindings> equivalence;
 
-  bool passed() const { return error.empty() && check && check->passed; }
+  bool passed() const {
+    return error.empty() && check && check->passed && (!equivalence || equivalence->ok());
+  }
   /// `diffcomm-sim` exit code: 0 passed, 1 a check failed or an error ended
   /// the run, 3 an injected fault ended it.
   int exit_code() const;
@@ -93,8 +103,14 @@ StepReport run_step_report(const encoder_parallel::StepConfig& cfg,
                            const std::vector<encoder_parallel::Batch>& per_dp,
                            const StepRunOptions& options = {});
 
-/// The `--json` object (one line).
+/// The `--json` object (one line); with the oracle's findings, an
+/// "equivalence" object (see to_json(const MeshFindings&)).
 std::string to_json(const StepReport& report);
+/// The oracle's findings as JSON: {"mesh": {dim: size}, "ok", "params": [{"name",
+/// "placement", "ok", "max_rel_error", "divergent_ranks", "factor" (null
+/// when the gradients match), "factor_residual", "factor_fits",
+/// "expressions", "differing_shards", "line"}]}.
+std::string to_json(const MeshFindings& findings);
 /// The human report `diffcomm-sim step` prints.
 std::string to_text(const StepReport& report);
 /// The `check` object of the JSON report alone (what a sweep prints for a
