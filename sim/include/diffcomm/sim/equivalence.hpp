@@ -10,8 +10,8 @@
 //   - for a Shard placement, the shards that differ while the others match;
 //   - for replicas (every dim the placement does not name), the ranks whose
 //     gradient differs from their first replica.
-// Running the step (sim::World, diffcomm.sim.check_equivalence) is the
-// caller's part.
+// Running the step is equivalence_run.hpp's part (sim::World) and
+// diffcomm.sim.check_equivalence's (Python).
 #include <cstdint>
 #include <map>
 #include <string>
