@@ -3,7 +3,7 @@ same step on one rank (diffcomm.sim.check_equivalence; the comparison itself is
 C++, sim/include/diffcomm/sim/equivalence.hpp)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _core
 
@@ -100,7 +100,7 @@ def _run(step: Callable[..., Any], dims: List[Tuple[str, int]], seed: int,
 
 def check_equivalence(step: Callable[[int, "_core.DeviceMesh", int], Mapping[str, Any]],
                       meshes: Sequence[Mapping[str, int]], seed: int = 0,
-                      rtol: float = 1e-12, *, factor_rtol: float = 1e-9,
+                      rtol: float = 1e-12, *, factor_rtol: Optional[float] = None,
                       schedule: str = "random") -> EquivalenceReport:
     """Runs ``step(rank, mesh, seed)`` in the simulated world on one rank (the
     reference: every dim 1) and on each mesh of ``meshes`` (dicts of dim sizes,
@@ -113,13 +113,15 @@ def check_equivalence(step: Callable[[int, "_core.DeviceMesh", int], Mapping[str
     diffcomm tensors and ``Replicate()``, ``Shard(dim, mesh_dim)`` or
     ``Partial(mesh_dim)``. A gradient passes at max|g - r| / max|r| <= rtol; a
     failure is explained by a least-squares scalar factor and the mesh
-    expressions it equals within ``factor_rtol`` (ties listed), by the
+    expressions it equals within ``factor_rtol`` (default: the larger of
+    1e-9 and rtol; ties listed), by the
     differing shards of a Shard placement, and by the replicas that disagree.
 
     Raises what the step raises (with ``.rank``), and InvalidArgument naming
     the parameter, the rank and expected vs received when the gradients do
     not fit the placements or the reference.
     """
+    factor_rtol = max(1e-9, rtol) if factor_rtol is None else factor_rtol
     names: List[str] = []
     for mesh in meshes:
         names += [n for n in mesh if n not in names]

@@ -87,6 +87,7 @@ MeshFindings step_equivalence(const ep::StepConfig& cfg,
       {"encoder.w", from_vector(ref.encoder_grad, {cfg.in_features, cfg.hidden})}};
   EquivalenceOptions options;
   options.rtol = rtol;
+  options.factor_rtol = std::max(options.factor_rtol, rtol);  // float32 and 16-bit steps
   return check_mesh(mesh, per_rank, reference, options);
 }
 

@@ -602,6 +602,11 @@ def step_equivalence_names_the_factor(cli):
     expect(abs(p["factor"] - 4.0) < 1e-9 and p["factor_fits"] and p["expressions"] == ["tp"],
            f"{p}")
     expect(abs(p["max_rel_error"] - 3.0) < 1e-9 and p["divergent_ranks"] == [], f"{p}")
+    # float32: the factor is matched within the dtype's gradient tolerance (1e-4).
+    r = cli.run("step", "--ranks", 4, "--tp", 4, "--dtype", "float32", "--receiver-grad",
+                "partial", "--equivalence", rc=FAILED)
+    expect("encoder.w: grad = 4.000 x reference = tp on mesh {dp: 1, cp: 1, tp: 4}" in r.out,
+           r.describe())
     # The mesh's own convention passes; without --equivalence there is no object.
     eq = cli.json("step", "--ranks", 8, "--dp", 2, "--tp", 4, "--equivalence", rc=PASSED)
     eq = eq["equivalence"]

@@ -73,7 +73,7 @@ struct StepReport {
   std::string trace_path;
   /// With StepRunOptions::equivalence, when the run finished: the oracle's
   /// findings on mesh {dp, cp, tp} ("encoder.w", Replicate, rtol the dtype's
-  /// gradient tolerance).
+  /// gradient tolerance, factor_rtol the larger of 1e-9 and that).
   std::optional<MeshFindings> equivalence;
 
   bool passed() const {
