@@ -72,6 +72,22 @@ def test_partial_reduced_twice_is_dp_times_the_reference():
     assert "dp or tp (a tie" in str(report.meshes[1])
 
 
+def test_float32_factor_is_matched_within_rtol():
+    # float32 rounding leaves ~1e-7 between g and 4 r: not a multiple at the
+    # float64 factor tolerance (1e-9), tp x at the default max(1e-9, rtol).
+    x = torch.sin(torch.arange(24, dtype=torch.float32).reshape(8, 3) * 3.3)
+
+    def step(rank, mesh, seed):
+        n, k = mesh.size("tp"), mesh.coordinate("tp")
+        g = x[k * 8 // n:(k + 1) * 8 // n].sum(0)
+        return {"w": (dt.all_reduce(g, "sum", mesh.group("tp")), dsim.Partial("tp"))}
+
+    strict = dsim.check_equivalence(step, [{"tp": 4}], rtol=1e-5, factor_rtol=1e-9)
+    assert not strict.finding(0, "w").factor_fits
+    f = dsim.check_equivalence(step, [{"tp": 4}], rtol=1e-5).finding(0, "w")
+    assert f.factor_fits and f.expressions == ["tp"]
+
+
 def test_divergent_replicas_are_named():
     def step(rank, mesh, seed):
         g = COLUMN_SUMS.clone()
