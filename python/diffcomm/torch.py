@@ -363,6 +363,12 @@ def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.T
     for x in xs:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"diffcomm.torch: expected torch.Tensor inputs, got {type(x).__name__}")
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
+        # Nothing to differentiate: diffcomm records no node for inputs that
+        # do not require grad, and the bridge would only add torch's
+        # autograd.Function machinery to the call (outputs are
+        # non-differentiable either way).
+        return tuple(_core.to_torch(o) for o in run([to_diffcomm(x) for x in xs]))
     return _Bridge.apply(run, group._cohort_id if group is not None else None, *xs)
 
 
