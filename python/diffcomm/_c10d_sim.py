@@ -21,6 +21,7 @@ Imported lazily (by ``sim.run(torch_distributed=True)`` only): it needs torch >=
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -103,12 +104,14 @@ class SimProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int, group: "_core.ProcessGroup"):
         super().__init__(rank, size)
         self._group = group
+        self._members = group.members()
+        self._group_rank = rank  # for __repr__, also after the world ended
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
 
     def __repr__(self) -> str:
-        return f"SimProcessGroup(rank={self.rank()}, members={self._group.members()})"
+        return f"SimProcessGroup(group rank {self._group_rank} of global ranks {self._members})"
 
     # --- reductions
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> "dist.Work":
@@ -207,7 +210,8 @@ class SimProcessGroup(dist.ProcessGroup):
         n = self.size()
         ins = list(input_split_sizes) or [input.shape[0] // n] * n
         outs = list(output_split_sizes) or [output.shape[0] // n] * n
-        x = _core.from_dlpack(input.detach().contiguous().reshape(input.shape[0], -1))
+        width = math.prod(input.shape[1:])
+        x = _core.from_dlpack(input.detach().contiguous().reshape(input.shape[0], width))
         y = _nn.all_to_all_single(x, outs, ins, self._group)
         _into(output, y)
         return _done([output])

@@ -1,0 +1,258 @@
+"""Unmodified torch.distributed code in the simulated world (the c10d backend
+"diffcomm_sim", diffcomm/_c10d_sim.py): every op against closed forms at worlds
+1, 3 and 4, mismatches and deadlocks reported on every rank, seeded trace
+hashes, the functional collectives, and Megatron-style tensor-parallel mappings
+against a single-rank float64 reference."""
+import math
+
+import pytest
+import torch
+
+import diffcomm
+import diffcomm.sim as sim
+
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
+needs_torch2 = pytest.mark.skipif(not TORCH2, reason="the c10d backend needs torch >= 2")
+
+if TORCH2:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+WORLDS = [1, 3, 4]
+
+
+def run(n, fn, seed=0, **kw):
+    """fn() in every rank of an n-rank world with torch.distributed initialised."""
+    return sim.run(n, lambda rank, group: fn(rank), seed=seed, torch_distributed=True, **kw)
+
+
+@pytest.mark.skipif(TORCH2, reason="checks the refusal on torch 1.x")
+def test_old_torch_refused_naming_the_version():
+    with pytest.raises(diffcomm.InvalidArgument, match=r"torch >= 2\.0"):
+        sim.run(1, lambda rank, group: None, torch_distributed=True)
+
+
+# ----------------------------------------------------------------- values
+@needs_torch2
+@pytest.mark.parametrize("n", WORLDS)
+def test_rank_size_and_default_group(n):
+    res = run(n, lambda r: (dist.get_rank(), dist.get_world_size(),
+                            dist.get_backend(), dist.is_initialized()))
+    assert res.results == [(r, n, "diffcomm_sim", True) for r in range(n)]
+
+
+@needs_torch2
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"])
+def test_all_reduce_ops(n, op):
+    def fn(r):
+        t = torch.tensor([r + 1.0, 2.0 * (r + 1)], dtype=torch.float64)
+        red = dist._make_nccl_premul_sum(0.5) if op == "PREMUL_SUM" else getattr(dist.ReduceOp, op)
+        dist.all_reduce(t, op=red)
+        return t.tolist()
+
+    s = n * (n + 1) / 2
+    expected = {"SUM": [s, 2 * s], "AVG": [s / n, 2 * s / n],
+                "PRODUCT": [math.factorial(n), math.factorial(n) * 2 ** n],
+                "MIN": [1.0, 2.0], "MAX": [n, 2.0 * n], "PREMUL_SUM": [0.5 * s, s]}[op]
+    for got in run(n, fn).results:
+        assert got == pytest.approx(expected, rel=1e-12)
+
+
+@needs_torch2
+@pytest.mark.parametrize("n", WORLDS)
+def test_broadcast_reduce_async(n):
+    def fn(r):
+        b = torch.full((2, 2), float(r))
+        dist.broadcast(b, src=n - 1)
+        x = torch.tensor([float(r + 1)])
+        dist.reduce(x, dst=n - 1)
+        w = dist.all_reduce(torch.ones(3), async_op=True)
+        w.wait()
+        dist.barrier()
+        return b.unique().item(), x.item(), w.is_completed()
+
+    for r, (b, x, done) in enumerate(run(n, fn).results):
+        assert b == n - 1 and done
+        assert x == (n * (n + 1) / 2 if r == n - 1 else r + 1)  # non-root: unchanged
+
+
+@needs_torch2
+@pytest.mark.parametrize("n", WORLDS)
+def test_gathers(n):
+    def fn(r):
+        mine = torch.tensor([[r, 10.0 * r]])                          # (1, 2)
+        outs = [torch.zeros(1, 2) for _ in range(n)]
+        dist.all_gather(outs, mine)
+        flat = torch.zeros(n, 2)
+        dist.all_gather_into_tensor(flat, mine)
+        uneven = [torch.zeros(s + 1) for s in range(n)]              # rank s sends s+1 values
+        dist.all_gather(uneven, torch.full((r + 1,), float(r)))
+        g = [torch.zeros(1, 2) for _ in range(n)] if r == 0 else None
+        dist.gather(mine, g, dst=0)
+        return torch.cat(outs), flat, torch.cat(uneven), g and torch.cat(g)
+
+    rows = torch.tensor([[s, 10.0 * s] for s in range(n)])
+    uneven = torch.cat([torch.full((s + 1,), float(s)) for s in range(n)])
+    for r, (outs, flat, unev, g) in enumerate(run(n, fn).results):
+        assert torch.equal(outs, rows) and torch.equal(flat, rows) and torch.equal(unev, uneven)
+        assert (g is None) == (r != 0) and (r != 0 or torch.equal(g, rows))
+
+
+@needs_torch2
+@pytest.mark.parametrize("n", WORLDS)
+def test_scatter_and_reduce_scatters(n):
+    def fn(r):
+        out = torch.zeros(2)
+        src = [torch.tensor([s, -s], dtype=torch.float32) for s in range(n)] if r == 0 else None
+        dist.scatter(out, src, src=0)
+        rs = torch.zeros(2)
+        dist.reduce_scatter(rs, [torch.full((2,), 100.0 * r + s) for s in range(n)])
+        rst = torch.zeros(1)
+        dist.reduce_scatter_tensor(rst, torch.arange(float(n)) + r)
+        return out.tolist(), rs.tolist(), rst.item()
+
+    total_r = sum(100.0 * s for s in range(n))
+    for r, (out, rs, rst) in enumerate(run(n, fn).results):
+        assert out == [r, -r]
+        assert rs == [total_r + n * r] * 2                            # sum_s (100 s + r)
+        assert rst == n * r + n * (n - 1) / 2                         # sum_s (r + s)
+
+
+def _a2a_split(i, j):
+    """Rows rank i sends to rank j: uneven, with zeros."""
+    return (i + 2 * j) % 3
+
+
+def _a2a_rows(i, j):
+    return [100.0 * i + 10 * j + k for k in range(_a2a_split(i, j))]
+
+
+@needs_torch2
+@pytest.mark.parametrize("n", WORLDS)
+def test_all_to_all(n):
+    def fn(r):
+        ins = [_a2a_split(r, j) for j in range(n)]
+        outs = [_a2a_split(i, r) for i in range(n)]
+        x = torch.tensor(sum((_a2a_rows(r, j) for j in range(n)), [])).reshape(-1, 1).repeat(1, 2)
+        y = torch.zeros(sum(outs), 2)
+        dist.all_to_all_single(y, x, outs, ins)
+        even = torch.zeros(n * 2)
+        dist.all_to_all_single(even, torch.arange(n * 2.0) + 100 * r)
+        lst = [torch.zeros(1) for _ in range(n)]
+        dist.all_to_all(lst, [torch.tensor([10.0 * r + j]) for j in range(n)])
+        return y, even.tolist(), torch.cat(lst).tolist()
+
+    for r, (y, even, lst) in enumerate(run(n, fn).results):
+        want = torch.tensor(sum((_a2a_rows(i, r) for i in range(n)), []))
+        assert torch.equal(y, want.reshape(-1, 1).repeat(1, 2))
+        assert even == [100.0 * i + 2 * r + k for i in range(n) for k in range(2)]
+        assert lst == [10.0 * i + r for i in range(n)]
+
+
+@needs_torch2
+def test_new_group_and_subgroups_take_global_ranks():
+    def fn(r):
+        g = dist.new_group([0, 2])
+        x = torch.tensor([float(r)])
+        if r in (0, 2):
+            dist.broadcast(x, src=2, group=g)                        # global rank 2
+            dist.all_reduce(x, group=g)
+        sub, _ = dist.new_subgroups(2)                               # {0,1} and {2,3}
+        y = torch.tensor([float(r)])
+        dist.all_reduce(y, group=sub)
+        return x.item(), y.item(), dist.get_rank(sub)
+
+    res = run(4, fn).results
+    assert [x for x, _, _ in res] == [4.0, 1.0, 4.0, 3.0]
+    assert [y for _, y, _ in res] == [1.0, 1.0, 5.0, 5.0]
+    assert [g for _, _, g in res] == [0, 1, 0, 1]
+
+
+@needs_torch2
+def test_point_to_point_refused_not_hung():
+    def fn(r):
+        if r == 0:
+            dist.send(torch.ones(1), dst=1)
+        else:
+            dist.recv(torch.ones(1), src=0)
+
+    with pytest.raises(NotImplementedError, match=r"torch\.distributed\.(send|recv)"):
+        run(2, fn)
+
+
+# ------------------------------------------------------ reports, not hangs
+def _errors(excinfo):
+    return excinfo.value.rank_errors
+
+
+@needs_torch2
+def test_broadcast_against_all_reduce_is_a_mismatch_on_every_rank():
+    def fn(r):
+        t = torch.ones(2)
+        if r == 1:
+            dist.broadcast(t, src=0)
+        else:
+            dist.all_reduce(t)
+
+    with pytest.raises(diffcomm.CollectiveMismatch) as e:
+        run(4, fn)
+    assert all(isinstance(x, diffcomm.CollectiveMismatch) for x in _errors(e))
+    text = str(e.value)
+    assert "broadcast" in text and "all_reduce" in text
+
+
+@needs_torch2
+def test_different_tensor_size_is_a_mismatch_on_every_rank():
+    def fn(r):
+        dist.all_reduce(torch.ones(3 if r == 3 else 2))
+
+    with pytest.raises(diffcomm.CollectiveMismatch) as e:
+        run(4, fn)
+    assert all(isinstance(x, diffcomm.CollectiveMismatch) for x in _errors(e))
+    assert "rank 3" in str(e.value)
+
+
+@needs_torch2
+def test_skipped_collective_is_a_deadlock_report():
+    def fn(r):
+        if r != 3:  # rank 3 skips it and ends
+            dist.all_reduce(torch.ones(2))
+
+    with pytest.raises(diffcomm.Deadlock) as e:
+        run(4, fn)
+    errors = _errors(e)
+    assert all(isinstance(x, diffcomm.Deadlock) for x in errors[:3]) and errors[3] is None
+    report = str(e.value)
+    for r in range(3):
+        assert f"rank {r}: waiting in all_reduce" in report, report
+    assert "rank 3: finished" in report
+
+
+@needs_torch2
+def test_a_rank_that_raises_releases_the_others():
+    def fn(r):
+        if r == 2:
+            raise ValueError("boom on 2")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(ValueError, match="boom on 2") as e:
+        run(3, fn)
+    assert isinstance(_errors(e)[0], diffcomm.RankFailure)
+    assert "boom on 2" in str(_errors(e)[0])
+
+
+@needs_torch2
+def test_same_seed_same_trace_hash():
+    def fn(r):
+        t = torch.full((4,), float(r))
+        for _ in range(3):
+            dist.all_reduce(t)
+            out = torch.zeros(4 * dist.get_world_size())
+            dist.all_gather_into_tensor(out, t)
+        return t.sum().item()
+
+    a, b = run(4, fn, seed=7), run(4, fn, seed=7)
+    assert a.trace_hash == b.trace_hash and a.results == b.results
+    assert a.results[0] == 4 * (0 + 1 + 2 + 3) * 16
+
