@@ -27,11 +27,25 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as _c10d
 
 from . import _core
-from . import nn as _nn
+
+
+def require_torch() -> None:
+    """Raises InvalidArgument naming the torch version this backend needs."""
+    major = int(torch.__version__.split(".")[0])
+    if major < 2 or not torch.distributed.is_available():
+        raise _core.InvalidArgument(
+            f"diffcomm.sim.run(torch_distributed=True) needs torch >= 2.0 with torch.distributed "
+            f"(this is torch {torch.__version__}): c10d accepts Python process groups from 2.0 on")
+
+
+require_torch()  # here, before anything below needs torch 2 (importing this module on 1.x raises)
+
+import torch.distributed as dist  # noqa: E402
+from torch.distributed import distributed_c10d as _c10d  # noqa: E402
+
+from . import nn as _nn  # noqa: E402
 
 BACKEND = "diffcomm_sim"
 
@@ -41,15 +55,6 @@ _local = threading.local()
 _install_lock = threading.Lock()
 _install_count = 0
 _saved: Dict[str, Any] = {}
-
-
-def require_torch() -> None:
-    """Raises InvalidArgument naming the torch version this backend needs."""
-    major = int(torch.__version__.split(".")[0])
-    if major < 2 or not dist.is_available():
-        raise _core.InvalidArgument(
-            f"diffcomm.sim.run(torch_distributed=True) needs torch >= 2.0 with torch.distributed "
-            f"(this is torch {torch.__version__}): c10d accepts Python process groups from 2.0 on")
 
 
 # ------------------------------------------------------------- op plumbing
