@@ -112,6 +112,13 @@ class SimProcessGroup(dist.ProcessGroup):
         self._members = group.members()
         self._group_rank = rank  # for __repr__, also after the world ended
 
+    @property
+    def group_name(self) -> str:
+        """c10d's name of the group, which the functional collectives resolve
+        groups by; a Python group's C++ name is not set (as in torch's threaded
+        group), so it comes from this rank's c10d state."""
+        return _c10d._world.pg_names[self]
+
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
 

@@ -256,3 +256,169 @@ def test_same_seed_same_trace_hash():
     assert a.trace_hash == b.trace_hash and a.results == b.results
     assert a.results[0] == 4 * (0 + 1 + 2 + 3) * 16
 
+
+
+# ------------------------------------------------- functional collectives
+def _funcol(name, old):
+    """torch 2.15 renamed *_tensor to *_single (the old names warn): the newest one there is."""
+    return getattr(funcol, name, None) or getattr(funcol, old)
+
+
+@needs_torch2
+def test_functional_collectives_and_their_autograd(n=4):
+    def fn(r):
+        g = dist.group.WORLD
+        x = torch.tensor([r + 1.0, -(r + 1.0)], dtype=torch.float64)
+        ar = funcol.all_reduce(x, "sum", g)
+        ag = _funcol("all_gather_single", "all_gather_tensor")(x, 0, g)
+        rs = _funcol("reduce_scatter_single", "reduce_scatter_tensor")(
+            torch.arange(2.0 * n) + r, "sum", 0, g)
+        x1 = x.clone().requires_grad_()       # L1 = sum_r w_r . all_gather(x)
+        gather = _funcol("all_gather_single_autograd", "all_gather_tensor_autograd")
+        (gather(x1, 0, g) * (r + 1) * torch.arange(2.0 * n)).sum().backward()
+        x2 = torch.arange(2.0 * n, dtype=torch.float64).requires_grad_()
+        scatter = _funcol("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd")
+        y2 = scatter(x2, "sum", 0, g)
+        (y2 * (r + 1) * torch.tensor([1.0, 2.0])).sum().backward()
+        x3 = torch.zeros(n, dtype=torch.float64).requires_grad_()
+        y3 = funcol.all_to_all_single_autograd(x3, None, None, g)
+        (y3 * (torch.arange(n) + 10.0 * r)).sum().backward()
+        return [t.wait() if hasattr(t, "wait") else t for t in (ar, ag, rs, y2)] + \
+            [x1.grad, x2.grad, x3.grad]
+
+    s = n * (n + 1) / 2
+    for r, (ar, ag, rs, y2, g1, g2, g3) in enumerate(run(n, fn).results):
+        assert ar.tolist() == [s, -s]
+        assert ag.tolist() == sum(([k + 1.0, -(k + 1.0)] for k in range(n)), [])
+        assert rs.tolist() == [n * (2 * r + i) + n * (n - 1) / 2 for i in range(2)]
+        assert y2.tolist() == [n * (2 * r + i) for i in range(2)]
+        assert g1.tolist() == [s * (2 * r + i) for i in range(2)]             # reduce_scatter(w)
+        assert g2.tolist() == sum(([k + 1.0, 2 * (k + 1.0)] for k in range(n)), [])  # all_gather(c)
+        assert g3.tolist() == [r + 10.0 * j for j in range(n)]               # v_j[r]
+
+
+# ----------------------------------- Megatron-style tensor-parallel mappings
+# Written as Megatron-Core writes them: plain torch.distributed calls inside
+# torch.autograd.Function, the group passed in.
+class _CopyToTP(torch.autograd.Function if TORCH2 else object):
+    """Forward identity, backward all_reduce (copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function if TORCH2 else object):
+    """Forward all_reduce, backward identity (reduce_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _all_gather_dim0(x, group):
+    out = torch.empty((dist.get_world_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x, group):
+    out = torch.empty((x.shape[0] // dist.get_world_size(group),) + x.shape[1:], dtype=x.dtype)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _GatherFromSP(torch.autograd.Function if TORCH2 else object):
+    """gather_from_sequence_parallel_region: all_gather on dim 0, backward reduce_scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_dim0(g, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function if TORCH2 else object):
+    """reduce_scatter_to_sequence_parallel_region: reduce_scatter on dim 0, backward all_gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_dim0(g, ctx.group), None
+
+
+S, H, F = 8, 3, 16  # sequence, hidden, ffn: divisible by every tp size below
+
+
+def _mlp_problem(dp_index):
+    """X, W1, W2 and the output cotangent G of one data-parallel replica, float64."""
+    gen = torch.Generator().manual_seed(1000 + dp_index)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64)
+            for shape in ((S, H), (H, F), (F, H), (S, H))]
+
+
+def _reference(dp_index):
+    """Single-rank forward and gradients of L = <X W1 W2, G>."""
+    X, W1, W2, G = [t.requires_grad_() for t in _mlp_problem(dp_index)]
+    out = X @ W1 @ W2
+    (out * G).sum().backward()
+    return out.detach(), X.grad, W1.grad, W2.grad
+
+
+def _tp_group(world, tp):
+    return dist.group.WORLD if tp == world else dist.new_subgroups(tp)[0]
+
+
+def _mlp_shards(rank, tp, sequence_parallel):
+    X, W1, W2, G = _mlp_problem(rank // tp)
+    t, s, f = rank % tp, S // tp, F // tp
+    x = (X[t * s:(t + 1) * s] if sequence_parallel else X).clone().requires_grad_()
+    w1 = W1[:, t * f:(t + 1) * f].clone().requires_grad_()
+    w2 = W2[t * f:(t + 1) * f].clone().requires_grad_()
+    return x, w1, w2, G[t * s:(t + 1) * s] if sequence_parallel else G
+
+
+@needs_torch2
+@pytest.mark.parametrize("world,tp", [(4, 4), (8, 8), (8, 4)])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_megatron_mlp_matches_single_rank(world, tp, sequence_parallel):
+    """Column- then row-parallel MLP. Without SP: copy_to / reduce_from; with SP:
+    gather_from_sequence_parallel / reduce_scatter_to_sequence_parallel."""
+    def fn(rank):
+        group = _tp_group(world, tp)
+        x, w1, w2, g = _mlp_shards(rank, tp, sequence_parallel)
+        if sequence_parallel:
+            out = _ReduceScatterToSP.apply(_GatherFromSP.apply(x, group) @ w1 @ w2, group)
+        else:
+            out = _ReduceFromTP.apply(_CopyToTP.apply(x, group) @ w1 @ w2, group)
+        (out * g).sum().backward()
+        return out.detach(), x.grad, w1.grad, w2.grad
+
+    for rank, (out, gx, gw1, gw2) in enumerate(run(world, fn, seed=world + tp).results):
+        ref_out, ref_x, ref_w1, ref_w2 = _reference(rank // tp)
+        t, s, f = rank % tp, S // tp, F // tp
+        rows = slice(t * s, (t + 1) * s) if sequence_parallel else slice(None)
+        torch.testing.assert_close(out, ref_out[rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx, ref_x[rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw1, ref_w1[:, t * f:(t + 1) * f], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw2, ref_w2[t * f:(t + 1) * f], rtol=1e-12, atol=1e-12)
