@@ -351,7 +351,9 @@ def _create(opts: Any, backend_options: Any) -> SimProcessGroup:
         group = group or world
     else:
         group = _local.pending.pop(tuple(sorted(ranks)))
-    return SimProcessGroup(opts.group_rank, opts.group_size, group)
+    pg = SimProcessGroup(opts.group_rank, opts.group_size, group)
+    _local.made.append(pg)
+    return pg
 
 
 def _install() -> None:
@@ -398,6 +400,7 @@ def rank_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any]) 
     run fn, destroy the process group (also when fn raises)."""
     _local.world_group = group
     _local.pending = {}
+    _local.made = []
     _local.c10d_world = _RankWorld()
     try:
         dist.init_process_group(BACKEND, rank=rank, world_size=group.size(),
@@ -407,8 +410,14 @@ def rank_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any]) 
         finally:
             dist.destroy_process_group()
     finally:
+        # torch may keep a group alive past destroy_process_group (DeviceMesh's
+        # cache, the per-thread C++ name registry of an ended thread); the
+        # diffcomm groups must not outlive the world, so the groups let go of them.
+        for pg in _local.made:
+            pg._group = None
         _local.world_group = None
         _local.pending = {}
+        _local.made = []
         _local.c10d_world = None
 
 

@@ -422,3 +422,45 @@ def test_megatron_mlp_matches_single_rank(world, tp, sequence_parallel):
         torch.testing.assert_close(gx, ref_x[rows], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(gw1, ref_w1[:, t * f:(t + 1) * f], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(gw2, ref_w2[t * f:(t + 1) * f], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------- device mesh and DTensor
+@needs_torch2
+def test_init_device_mesh_2d_groups():
+    def fn(r):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = torch.tensor([float(r)])
+        dist.all_reduce(x, group=mesh["tp"].get_group())
+        y = torch.tensor([float(r)])
+        dist.all_reduce(y, group=mesh["dp"].get_group())
+        return x.item(), y.item()
+
+    assert run(4, fn).results == [(1.0, 2.0), (1.0, 4.0), (5.0, 2.0), (5.0, 4.0)]
+
+
+@needs_torch2
+def test_dtensor_redistribute_and_backward(n=4):
+    def fn(r):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+        mesh = init_device_mesh("cpu", (n,))
+        full = torch.arange(16.0, dtype=torch.float64).reshape(8, 2)
+        sharded = distribute_tensor(full, mesh, [Shard(0)])
+        replicated = sharded.redistribute(mesh, [Replicate()])
+        partial = DTensor.from_local(torch.arange(4.0) * (r + 1), mesh, [Partial()])
+        x = distribute_tensor(full.clone(), mesh, [Shard(0)]).requires_grad_()
+        w = torch.arange(16.0, dtype=torch.float64).reshape(8, 2) % 5
+        (x.redistribute(mesh, [Replicate()]).to_local() * w).sum().backward()
+        return (sharded.to_local(), replicated.to_local(), sharded.full_tensor(),
+                partial.redistribute(mesh, [Replicate()]).to_local(),
+                partial.redistribute(mesh, [Shard(0)]).to_local(), x.grad.full_tensor(), w)
+
+    full = torch.arange(16.0, dtype=torch.float64).reshape(8, 2)
+    s = n * (n + 1) / 2
+    for r, (local, rep, whole, p_rep, p_shard, grad, w) in enumerate(run(n, fn).results):
+        assert torch.equal(local, full[2 * r:2 * r + 2])
+        assert torch.equal(rep, full) and torch.equal(whole, full)
+        assert p_rep.tolist() == [s * k for k in range(4)]          # Partial -> Replicate: sum
+        assert p_shard.tolist() == [s * r]                           # Partial -> Shard: reduce_scatter
+        assert torch.equal(grad, w)                                  # Replicate's cotangent, sliced back
