@@ -243,6 +243,28 @@ def test_a_rank_that_raises_releases_the_others():
 
 
 @needs_torch2
+def test_fault_injection_reaches_torch_code():
+    def fn(r):
+        for _ in range(3):
+            dist.all_reduce(torch.ones(2))
+
+    with pytest.raises(diffcomm.Error) as e:
+        run(4, fn, seed=1, fault=(2, 2))
+    assert "injected fault" in str(_errors(e)[2])
+    assert all(isinstance(_errors(e)[r], diffcomm.RankFailure) for r in (0, 1, 3))
+
+
+@needs_torch2
+def test_torch_is_left_as_it_was():
+    """Outside the rank threads, torch.distributed is untouched during and after a run."""
+    from torch.distributed import distributed_c10d as c10d
+    before = c10d._world
+    seen = run(2, lambda r: dist.is_initialized()).results
+    assert seen == [True, True]
+    assert c10d._world is before and not dist.is_initialized()
+
+
+@needs_torch2
 def test_same_seed_same_trace_hash():
     def fn(r):
         t = torch.full((4,), float(r))
