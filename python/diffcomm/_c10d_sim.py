@@ -21,6 +21,7 @@ Imported lazily (by ``sim.run(torch_distributed=True)`` only): it needs torch >=
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 import threading
@@ -103,6 +104,22 @@ def _done(result: Any) -> "dist.Work":
     return torch._C._distributed_c10d._create_work_from_future(fut)
 
 
+def _as_torch_call(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Puts the torch.distributed call in front of the world's report on the
+    raising rank: the report names diffcomm's ops (an all_gather_into_tensor
+    runs as all_gather_single), the user wrote torch's."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: "SimProcessGroup", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except (_core.CollectiveMismatch, _core.Deadlock) as e:
+                raise type(e)(f"torch.distributed.{name} on the group of global ranks "
+                              f"{self._members} (group rank {self._group_rank}): {e}") from None
+        return call
+    return wrap
+
+
 def _unsupported(op: str) -> NotImplementedError:
     return NotImplementedError(
         f"diffcomm_sim: torch.distributed.{op} is not supported by the simulated world's c10d "
@@ -137,6 +154,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return f"SimProcessGroup(group rank {self._group_rank} of global ranks {self._members})"
 
     # --- reductions
+    @_as_torch_call("all_reduce")
     def allreduce(self, tensors: List[torch.Tensor], opts: Any = None) -> "dist.Work":
         op = _reduce_op(opts.reduceOp, "all_reduce")
         for t in tensors:
@@ -146,6 +164,7 @@ class SimProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> "dist.Work":
         return self.allreduce(tensors, opts)
 
+    @_as_torch_call("reduce")
     def reduce(self, tensors: List[torch.Tensor], opts: Any = None) -> "dist.Work":
         op = _reduce_op(opts.reduceOp, "reduce")
         for t in tensors:
@@ -154,16 +173,19 @@ class SimProcessGroup(dist.ProcessGroup):
                 _into(t, y)
         return _done(tensors)
 
+    @_as_torch_call("broadcast")
     def broadcast(self, tensors: List[torch.Tensor], opts: Any = None) -> "dist.Work":
         for t in tensors:
             _into(t, _nn.broadcast(_dc(t), opts.rootRank, self._group))
         return _done(tensors)
 
+    @_as_torch_call("barrier")
     def barrier(self, opts: Any = None) -> "dist.Work":
         self._group.barrier()
         return _done(None)
 
     # --- gathers
+    @_as_torch_call("all_gather")
     def allgather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                   opts: Any = None) -> "dist.Work":
         for outs, x in zip(outputs, inputs):
@@ -177,6 +199,7 @@ class SimProcessGroup(dist.ProcessGroup):
                 _into(o, y)
         return _done(outputs)
 
+    @_as_torch_call("all_gather_into_tensor")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> "dist.Work":
         _into(output, _nn.all_gather_single(_dc(input), self._group))
@@ -188,6 +211,7 @@ class SimProcessGroup(dist.ProcessGroup):
             self.all_gather_single(o, x, opts)
         return _done(outputs)
 
+    @_as_torch_call("gather")
     def gather(self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor],
                opts: Any = None) -> "dist.Work":
         ys = _nn.gather(_dc(inputs[0]), opts.rootRank, self._group)
@@ -196,6 +220,7 @@ class SimProcessGroup(dist.ProcessGroup):
                 _into(o, y)
         return _done(outputs)
 
+    @_as_torch_call("scatter")
     def scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
                 opts: Any = None) -> "dist.Work":
         out = outputs[0]
@@ -206,6 +231,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     # --- reduce-scatters
+    @_as_torch_call("reduce_scatter")
     def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
                        opts: Any = None) -> "dist.Work":
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
@@ -213,6 +239,7 @@ class SimProcessGroup(dist.ProcessGroup):
             _into(out, _nn.reduce_scatter([_dc(x) for x in xs], self._group, op))
         return _done(outputs)
 
+    @_as_torch_call("reduce_scatter_tensor")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> "dist.Work":
         op = _reduce_op(opts.reduceOp, "reduce_scatter_tensor")
@@ -226,6 +253,7 @@ class SimProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     # --- all-to-all
+    @_as_torch_call("all_to_all_single")
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Optional[List[int]],
                           input_split_sizes: Optional[List[int]], opts: Any = None) -> "dist.Work":
@@ -239,6 +267,7 @@ class SimProcessGroup(dist.ProcessGroup):
         _into(output, y)
         return _done([output])
 
+    @_as_torch_call("all_to_all")
     def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor],
                  opts: Any = None) -> "dist.Work":
         ys = _nn.all_to_all([_dc(x) for x in inputs], self._group,

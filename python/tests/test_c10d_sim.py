@@ -199,7 +199,27 @@ def test_broadcast_against_all_reduce_is_a_mismatch_on_every_rank():
         run(4, fn)
     assert all(isinstance(x, diffcomm.CollectiveMismatch) for x in _errors(e))
     text = str(e.value)
-    assert "broadcast" in text and "all_reduce" in text
+    assert "broadcast" in text and "all_reduce" in text and "op differs" in text
+    assert "torch.distributed.broadcast on the group of global ranks [0, 1, 2, 3]" in \
+        str(_errors(e)[1])
+
+
+@needs_torch2
+def test_mismatch_in_a_subgroup_names_the_torch_call_and_global_ranks():
+    def fn(r):
+        g = dist.new_group([1, 3])
+        if r == 1:
+            dist.all_reduce(torch.ones(2), group=g)
+        elif r == 3:
+            dist.all_gather_into_tensor(torch.zeros(4), torch.ones(2), group=g)
+
+    with pytest.raises(diffcomm.CollectiveMismatch) as e:
+        run(4, fn)
+    errors = _errors(e)
+    assert errors[0] is None and errors[2] is None
+    assert "torch.distributed.all_reduce on the group of global ranks [1, 3]" in str(errors[1])
+    assert "torch.distributed.all_gather_into_tensor on the group of global ranks [1, 3] " \
+        "(group rank 1)" in str(errors[3])
 
 
 @needs_torch2
