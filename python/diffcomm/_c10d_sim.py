@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import math
 import sys
 import threading
@@ -396,11 +397,24 @@ def _create(opts: Any, backend_options: Any) -> SimProcessGroup:
     return pg
 
 
+def _import_before_ranks() -> None:
+    """Imports, on the calling thread, torch modules whose functions take
+    ``group=group.WORLD`` as a default argument, evaluated at import: imported
+    first by a rank thread, they would bind that rank's default group into
+    every rank's calls (the others then fail with "not initialized in the world
+    group map"). Imported here, outside the ranks, the default is None: each
+    rank's own default group."""
+    for module in ("torch.distributed.nn.functional",):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
 def _install() -> None:
     """Process-wide setup, once for any number of concurrent runs (counted)."""
     global _install_count
     with _install_lock:
         if _install_count == 0:
+            _import_before_ranks()
             if BACKEND.upper() not in dist.Backend._plugins:
                 dist.Backend.register_backend(BACKEND, _create, extended_api=True,
                                               devices=["cpu"])

@@ -506,3 +506,21 @@ def test_dtensor_redistribute_and_backward(n=4):
         assert p_rep.tolist() == [s * k for k in range(4)]          # Partial -> Replicate: sum
         assert p_shard.tolist() == [s * r]                           # Partial -> Shard: reduce_scatter
         assert torch.equal(grad, w)                                  # Replicate's cotangent, sliced back
+
+
+@needs_torch2
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch 2.15 deprecates the module
+def test_torch_distributed_nn_functional(n=4):
+    def fn(r):
+        import torch.distributed.nn.functional as tnf
+        x = torch.tensor([r + 1.0, 2.0], dtype=torch.float64, requires_grad=True)
+        y = tnf.all_reduce(x)                                        # backward: all_reduce
+        parts = tnf.all_gather(x)                                    # backward: reduce_scatter
+        ((r + 1) * y.sum() + sum((k + 1) * p[0] for k, p in enumerate(parts))).backward()
+        return y.detach().tolist(), x.grad.tolist()
+
+    s = n * (n + 1) / 2
+    for r, (y, g) in enumerate(run(n, fn).results):
+        assert y == [s, 2.0 * n]
+        # d/dx_r: sum_k (k+1) [1, 1] from all_reduce, plus sum_k (r+1) [1, 0] from the gathers
+        assert g == [s + n * (r + 1), s]
