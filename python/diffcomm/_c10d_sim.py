@@ -442,6 +442,13 @@ def _uninstall() -> None:
 def installed() -> Iterator[None]:
     """The backend and the per-thread c10d state, for the duration of one run."""
     require_torch()
+    if _c10d._is_barrier_after_init() == 1:
+        # A store-based barrier blocks the rank holding the baton, outside the
+        # world's view: the other ranks could never arrive (a hang, not a report).
+        raise _core.InvalidArgument(
+            "diffcomm.sim.run(torch_distributed=True): unset TORCH_DIST_INIT_BARRIER (=1 makes "
+            "init_process_group/new_group wait in a store barrier, which the simulated world, "
+            "one rank at a time, can never complete)")
     _install()
     try:
         yield

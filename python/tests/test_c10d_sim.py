@@ -170,6 +170,13 @@ def test_new_group_and_subgroups_take_global_ranks():
 
 
 @needs_torch2
+def test_init_barrier_refused_not_hung(monkeypatch):
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+    with pytest.raises(diffcomm.InvalidArgument, match="TORCH_DIST_INIT_BARRIER"):
+        run(2, lambda r: None)
+
+
+@needs_torch2
 def test_point_to_point_refused_not_hung():
     def fn(r):
         if r == 0:
