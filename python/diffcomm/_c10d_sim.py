@@ -26,7 +26,7 @@ import importlib
 import math
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -207,7 +207,8 @@ class SimProcessGroup(dist.ProcessGroup):
         return _done([output])
 
     def allgather_into_tensor_coalesced(self, outputs: List[torch.Tensor],
-                                        inputs: List[torch.Tensor], opts: Any = None) -> "dist.Work":
+                                        inputs: List[torch.Tensor],
+                                        opts: Any = None) -> "dist.Work":
         for o, x in zip(outputs, inputs):
             self.all_gather_single(o, x, opts)
         return _done(outputs)
@@ -248,7 +249,8 @@ class SimProcessGroup(dist.ProcessGroup):
         return _done([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs: List[torch.Tensor],
-                                        inputs: List[torch.Tensor], opts: Any = None) -> "dist.Work":
+                                        inputs: List[torch.Tensor],
+                                        opts: Any = None) -> "dist.Work":
         for o, x in zip(outputs, inputs):
             self.reduce_scatter_single(o, x, opts)
         return _done(outputs)
@@ -338,11 +340,12 @@ class _PerThreadWorld:
     ``_world`` on every call. Our ranks are threads of one process, so each
     needs its own: every attribute access is forwarded to the calling
     thread's ``_RankWorld`` (a fresh one per rank thread, made by
-    rank_session) or, on any other thread, to the ``_World`` that was there before, so
-    code outside the simulation sees torch unchanged. (torch's threaded
-    test group swaps ``_world`` the same way.) The C++ group-name registry (used by
-    the functional collectives) is made per-thread the same way, with
-    torch's ``_set_thread_isolation_mode``.
+    rank_session) or, on any other thread, to the ``_World`` that was there
+    before, so code outside the simulation sees torch unchanged. (torch's
+    threaded test group swaps ``_world`` too, for a per-thread copy of its
+    fields.) The C++ group-name registry, which the functional collectives
+    resolve groups by, is made per-thread with torch's
+    ``_set_thread_isolation_mode``.
     """
 
     def __init__(self, fallback: Any):
@@ -386,12 +389,9 @@ def _create(opts: Any, backend_options: Any) -> SimProcessGroup:
         raise _core.InvalidArgument(
             f"torch.distributed backend '{BACKEND}' works only inside "
             "diffcomm.sim.run(..., torch_distributed=True)")
-    ranks = list(opts.global_ranks_in_group)
-    if not ranks or ranks == list(range(world.size())):
-        group = _local.pending.pop(tuple(ranks), None) if ranks else None
-        group = group or world
-    else:
-        group = _local.pending.pop(tuple(sorted(ranks)))
+    ranks = tuple(sorted(opts.global_ranks_in_group))
+    # [] is the default group: the world; a new_group's came from the hook.
+    group = _local.pending.pop(ranks) if ranks else world
     pg = SimProcessGroup(opts.group_rank, opts.group_size, group)
     _local.made.append(pg)
     return pg

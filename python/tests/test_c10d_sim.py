@@ -511,8 +511,8 @@ def test_dtensor_redistribute_and_backward(n=4):
         assert torch.equal(local, full[2 * r:2 * r + 2])
         assert torch.equal(rep, full) and torch.equal(whole, full)
         assert p_rep.tolist() == [s * k for k in range(4)]          # Partial -> Replicate: sum
-        assert p_shard.tolist() == [s * r]                           # Partial -> Shard: reduce_scatter
-        assert torch.equal(grad, w)                                  # Replicate's cotangent, sliced back
+        assert p_shard.tolist() == [s * r]                           # Partial -> Shard
+        assert torch.equal(grad, w)                                  # cotangent, sliced back
 
 
 @needs_torch2
