@@ -256,6 +256,43 @@ def test_skipped_collective_is_a_deadlock_report():
     assert "rank 3: finished" in report
 
 
+def _train(rank, early_stop_rank=None):
+    """An ordinary data-parallel loop at any world size: average the gradient,
+    step, and gather every rank's last loss at the end. Rank early_stop_rank
+    leaves the loop one step early: the bug under test."""
+    w = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    x = torch.arange(3.0, dtype=torch.float64) + rank
+    loss = None
+    for step in range(3):
+        if rank == early_stop_rank and step == 2:
+            break
+        loss = ((w * x).sum() - 1.0) ** 2
+        w.grad = None
+        loss.backward()
+        dist.all_reduce(w.grad, op=dist.ReduceOp.AVG)
+        with torch.no_grad():
+            w -= 0.01 * w.grad
+    losses = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    dist.all_gather_into_tensor(losses, loss.detach().reshape(1))
+    return w.detach(), losses
+
+
+@needs_torch2
+def test_data_parallel_loop_at_world_8_and_its_bug_reported_on_every_rank():
+    xs = [torch.arange(3.0, dtype=torch.float64) + r for r in range(8)]
+    w, last = torch.zeros(3, dtype=torch.float64), None
+    for _ in range(3):  # the single-process reference: the mean of the 8 gradients
+        last = torch.stack([((w * x).sum() - 1.0) ** 2 for x in xs])
+        w = w - 0.01 * torch.stack([2 * ((w * x).sum() - 1.0) * x for x in xs]).mean(0)
+    for got_w, losses in run(8, _train, seed=3).results:
+        torch.testing.assert_close(got_w, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(losses, last, rtol=1e-12, atol=1e-12)
+    with pytest.raises(diffcomm.CollectiveMismatch) as e:
+        run(8, lambda r: _train(r, early_stop_rank=5), seed=3)
+    assert all(isinstance(x, diffcomm.CollectiveMismatch) for x in _errors(e))
+    assert "all_reduce" in str(e.value) and "all_gather_single" in str(e.value)
+
+
 @needs_torch2
 def test_a_rank_that_raises_releases_the_others():
     def fn(r):
