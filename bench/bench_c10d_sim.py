@@ -10,6 +10,10 @@ Work: `iters` calls of an 8-byte all_reduce (one float64) and of a 64 KiB
 all_to_all_single (16384 float32 per rank, equal splits), between barriers.
 Printed: the median over repetitions of the wall time per collective (all
 ranks; one rank runs at a time in both, as both hold the GIL) and per rank.
+A third row, diffcomm_raw, runs the same collectives on diffcomm's own ops in
+the same world (no torch.distributed): the rest of the diffcomm_sim time is
+c10d's Python path (torch.distributed's wrapper, the Python-group
+trampoline, a Work) and the DLPack lending and output copy.
 
   python bench/bench_c10d_sim.py            # torch >= 2 (PyPI), diffcomm installed
 """
@@ -53,6 +57,33 @@ def diffcomm_sim(op, iters):
     return max(res.results)
 
 
+def diffcomm_raw(op, iters):
+    """The same collectives straight on diffcomm's ops in the same world (no c10d,
+    no copy into an output): the world's own share of the diffcomm_sim time."""
+    from diffcomm import _core, nn  # noqa: PLC0415
+
+    def fn(rank, group):
+        if op == "all_reduce_8B":
+            x = _core.from_dlpack(torch.ones(1, dtype=torch.float64))
+
+            def call():
+                nn.all_reduce(x, group)
+        else:
+            x = _core.from_dlpack(torch.ones(16384, dtype=torch.float32))
+            splits = [16384 // WORLD] * WORLD
+
+            def call():
+                nn.all_to_all_single(x, splits, splits, group)
+        group.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        group.barrier()
+        return (time.perf_counter() - t0) / iters
+
+    return max(sim.run(WORLD, fn, seed=1, trace=False).results)
+
+
 def threaded_pg(op, iters):
     """The same program on torch's threaded group, as its MultiThreadedTestCase sets it up."""
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg  # noqa: PLC0415
@@ -94,10 +125,11 @@ def main():
     print(f"world {WORLD}, torch {torch.__version__}, {a.reps} interleaved repetitions of "
           f"{a.iters} calls; median us per collective (all ranks) and per rank")
     for op in ("all_reduce_8B", "all_to_all_single_64KiB"):
-        times = {"diffcomm_sim": [], "threaded_pg": []}
+        times = {"diffcomm_sim": [], "threaded_pg": [], "diffcomm_raw": []}
         for _ in range(a.reps):
             times["diffcomm_sim"].append(diffcomm_sim(op, a.iters))
             times["threaded_pg"].append(threaded_pg(op, a.iters))
+            times["diffcomm_raw"].append(diffcomm_raw(op, a.iters))
         for name, ts in times.items():
             us = statistics.median(ts) * 1e6
             print(f"{op:26s} {name:13s} {us:9.1f} us per collective {us / WORLD:8.1f} us per rank")
