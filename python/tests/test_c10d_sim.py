@@ -187,6 +187,15 @@ def test_point_to_point_refused_not_hung():
     with pytest.raises(NotImplementedError, match=r"torch\.distributed\.(send|recv)"):
         run(2, fn)
 
+    def batch(r):  # torch asks the group for a C++ backend first: its RuntimeError, no hang
+        ops = [dist.P2POp(dist.isend, torch.ones(1), 1 - r),
+               dist.P2POp(dist.irecv, torch.zeros(1), 1 - r)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        run(2, batch)
+
 
 # ------------------------------------------------------ reports, not hangs
 def _errors(excinfo):
