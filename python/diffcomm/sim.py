@@ -186,6 +186,7 @@ def run(
     schedule: str = "random",
     fault: Optional[Tuple[int, int]] = None,
     trace: bool = True,
+    torch_distributed: bool = False,
 ) -> RunResult:
     """Runs ``fn(rank, group)`` for every rank of a simulated world.
 
@@ -201,11 +202,21 @@ def run(
     exception reaches it: ``run`` raises after ``INTERRUPT_GRACE_S`` seconds,
     leaving the rank threads (daemons) behind.
 
+    ``torch_distributed=True`` (torch >= 2): in every rank thread,
+    torch.distributed is initialised with the c10d backend ``"diffcomm_sim"``
+    (default group = this simulated world) before fn runs and destroyed after,
+    so unmodified torch.distributed code runs with the guarantees above.
+
     Returns a RunResult. If any rank raised, re-raises the first failure in
     the world's (deterministic) order, with ``.rank`` (the rank that raised
     it) and ``.rank_errors`` (every rank's exception or None) attached;
     diffcomm errors keep their class (CollectiveMismatch, Deadlock, ...).
     """
+    if torch_distributed:  # the c10d backend: diffcomm/_c10d_sim.py
+        from . import _c10d_sim  # noqa: PLC0415 (torch >= 2 only: imported on request)
+
+        return _c10d_sim.run(lambda body: run(world_size, body, seed=seed, schedule=schedule,
+                                              fault=fault, trace=trace), fn)
     world = _core.sim.ThreadedWorld(world_size, seed, schedule, fault, trace)
     results: List[Any] = [None] * world_size
     errors: List[Optional[BaseException]] = [None] * world_size
