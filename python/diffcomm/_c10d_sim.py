@@ -26,7 +26,7 @@ import importlib
 import math
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -116,6 +116,7 @@ def _as_torch_call(name: str) -> Callable[[Callable[..., Any]], Callable[..., An
         @functools.wraps(method)
         def call(self: "SimProcessGroup", *args: Any, **kwargs: Any) -> Any:
             try:
+                self._p2p.run()  # posted sends/recvs come first, as issued
                 return method(self, *args, **kwargs)
             except (_core.CollectiveMismatch, _core.Deadlock) as e:
                 raise type(e)(f"torch.distributed.{name} on the group of global ranks "
@@ -127,7 +128,77 @@ def _as_torch_call(name: str) -> Callable[[Callable[..., Any]], Callable[..., An
 def _unsupported(op: str) -> NotImplementedError:
     return NotImplementedError(
         f"diffcomm_sim: torch.distributed.{op} is not supported by the simulated world's c10d "
-        f"backend (diffcomm's Python binding has no point-to-point ops yet)")
+        f"backend")
+
+
+class _P2PQueue:
+    """One rank's posted sends and receives on one group.
+
+    diffcomm's send/recv are rendezvous calls (a send returns when the recv
+    took it), while c10d's isend/irecv return at once and complete on wait().
+    So a posted op runs when the rank waits on any of its Works or calls a
+    collective on the group, together with everything posted before it, in
+    one order every rank agrees on: by peer pair (pairs of group-local ranks
+    in ascending order), within a pair the lower rank's sends then its
+    receives, the higher rank's receives then its sends, each direction in
+    posting order (torch's non-overtaking rule). Every pattern of posted ops
+    whose waits come after all the posts (batch_isend_irecv, rings, halo
+    exchanges) completes; one that waits on a send before posting the receive
+    its peer waits for (safe only with a buffering transport like gloo's) is
+    reported as Deadlock, as it would hang on an unbuffered one (NCCL)."""
+
+    def __init__(self, owner: "SimProcessGroup", rank: int):
+        # The owner, not its diffcomm group: the group is released (set to
+        # None) when the rank ends, and a second reference here would keep it.
+        self._owner, self._rank = owner, rank
+        self._posted: List[Tuple[str, torch.Tensor, int, int]] = []
+
+    def post(self, kind: str, tensors: List[torch.Tensor], peer: int, tag: int) -> "dist.Work":
+        if len(tensors) != 1:
+            raise NotImplementedError(f"diffcomm_sim: {kind} of {len(tensors)} tensors "
+                                      f"(the simulated world has one CPU tensor per rank)")
+        if peer == self._rank:
+            raise ValueError(f"diffcomm_sim: {kind} to or from itself (group rank {peer})")
+        self._posted.append((kind, tensors[0], peer, tag))
+        return _P2PWork(self, tensors)
+
+    def run(self) -> None:
+        posted, self._posted = self._posted, []
+        me, group = self._rank, self._owner._group
+
+        def order(i: int) -> Tuple[int, int, int, int]:
+            kind, _, peer, _ = posted[i]
+            first = "send" if me < peer else "recv"  # the lower rank sends first
+            return (min(me, peer), max(me, peer), 0 if kind == first else 1, i)
+
+        for i in sorted(range(len(posted)), key=order):
+            kind, t, peer, tag = posted[i]
+            if kind == "send":
+                group.send(_dc(t), peer, tag)
+            elif t.is_contiguous():
+                group.recv(_dc(t), peer, tag)  # in place, through DLPack
+            else:
+                buf = t.contiguous()
+                group.recv(_dc(buf), peer, tag)
+                t.copy_(buf)
+
+
+class _P2PWork(dist.Work):
+    """A posted send/recv: wait() runs this rank's posted ops (_P2PQueue)."""
+
+    def __init__(self, queue: _P2PQueue, tensors: List[torch.Tensor]):
+        super().__init__()
+        self._queue, self._tensors = queue, tensors
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._queue.run()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._queue._posted
+
+    def result(self) -> List[torch.Tensor]:
+        return self._tensors
 
 
 # ------------------------------------------------------------ the group
@@ -143,6 +214,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self._group = group
         self._members = group.members()
         self._group_rank = rank  # for __repr__, also after the world ended
+        self._p2p = _P2PQueue(self, rank)
 
     @property
     def group_name(self) -> str:
@@ -153,6 +225,14 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
+
+    def _get_backend(self, device: Any) -> "SimProcessGroup":
+        """c10d asks a group for its per-device backend object (e.g.
+        batch_isend_irecv, for ``supports_coalescing``); this group is its own
+        backend on the CPU (no coalescing: posted ops run on wait, in order)."""
+        if torch.device(device).type != "cpu":
+            raise NotImplementedError(f"diffcomm_sim: tensors on {device} (CPU tensors only)")
+        return self
 
     def __repr__(self) -> str:
         return f"SimProcessGroup(group rank {self._group_rank} of global ranks {self._members})"
@@ -283,12 +363,12 @@ class SimProcessGroup(dist.ProcessGroup):
             _into(o, y)
         return _done(outputs)
 
-    # --- not in the simulated world's binding: refuse, never hang
-    def send(self, tensors: Any, dst: int, tag: int = 0) -> "dist.Work":
-        raise _unsupported("send")
+    # --- point to point: posted, run when waited on (see _P2PQueue)
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0) -> "dist.Work":
+        return self._p2p.post("send", tensors, dst, tag)
 
-    def recv(self, tensors: Any, src: int, tag: int = 0) -> "dist.Work":
-        raise _unsupported("recv")
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0) -> "dist.Work":
+        return self._p2p.post("recv", tensors, src, tag)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> "dist.Work":
         raise _unsupported("recv (any source)")

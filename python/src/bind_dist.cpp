@@ -132,6 +132,22 @@ void bind_dist(nb::module_& m) {
       .def(
           "barrier", [](const ProcessGroup& g) { dc::dist::barrier(g); }, release())
       .def(
+          "send",
+          [](const ProcessGroup& g, const dc::Tensor& t, int dst, int tag) {
+            dc::dist::send(g, t, dst, tag);
+          },
+          "tensor"_a, "dst"_a, "tag"_a = 0, release(),
+          "Sends tensor to group-local rank dst; blocks until a matching recv takes it "
+          "(dist::send: rendezvous, no buffering).")
+      .def(
+          "recv",
+          [](const ProcessGroup& g, const dc::Tensor& t, int src, int tag) {
+            dc::dist::recv(g, t, src, tag);
+          },
+          "tensor"_a, "src"_a, "tag"_a = 0, release(),
+          "Receives into tensor (in place; same shape and dtype as sent) from group-local rank "
+          "src (dist::recv).")
+      .def(
           "backward_pending", [](const ProcessGroup& g) { g.cohort()->backward_pending(); },
           release(),
           "Runs, with zero cotangents, the backward of every differentiable collective of this "

@@ -177,24 +177,70 @@ def test_init_barrier_refused_not_hung(monkeypatch):
 
 
 @needs_torch2
-def test_point_to_point_refused_not_hung():
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_point_to_point(n):
+    # Hand-computed: a blocking ring (even ranks send first), a symmetric
+    # isend/irecv exchange waited after posting, batch_isend_irecv the other
+    # way round, a tagged pair, and a non-contiguous recv buffer; then a
+    # collective on the same group.
     def fn(r):
-        if r == 0:
-            dist.send(torch.ones(1), dst=1)
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        x = torch.full((3,), float(r))
+        ring = torch.empty(3)
+        if r % 2 == 0 and r != n - 1:
+            dist.send(x, nxt)
+            dist.recv(ring, prv)
         else:
-            dist.recv(torch.ones(1), src=0)
+            dist.recv(ring, prv)
+            dist.send(x, nxt)
+        z = torch.empty(3)
+        for w in [dist.isend(x * 10, nxt), dist.irecv(z, prv)]:
+            w.wait()
+        b = torch.empty(3)
+        ops = [dist.P2POp(dist.isend, x * 100, prv), dist.P2POp(dist.irecv, b, nxt)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        strided = torch.zeros(3, 2)
+        reqs = [dist.irecv(strided[:, 1], prv, tag=7), dist.isend(x + 1, nxt, tag=7)]
+        for w in reqs:
+            w.wait()
+        total = x.clone()
+        dist.all_reduce(total)
+        return ring, z, b, strided, total
 
-    with pytest.raises(NotImplementedError, match=r"torch\.distributed\.(send|recv)"):
-        run(2, fn)
+    for r, (ring, z, b, strided, total) in enumerate(run(n, fn)):
+        prv, nxt = (r - 1) % n, (r + 1) % n
+        assert ring.tolist() == [float(prv)] * 3
+        assert z.tolist() == [10.0 * prv] * 3
+        assert b.tolist() == [100.0 * nxt] * 3
+        assert strided[:, 1].tolist() == [prv + 1.0] * 3 and strided[:, 0].tolist() == [0.0] * 3
+        assert total.tolist() == [float(sum(range(n)))] * 3
 
-    def batch(r):  # torch asks the group for a C++ backend first: its RuntimeError, no hang
-        ops = [dist.P2POp(dist.isend, torch.ones(1), 1 - r),
-               dist.P2POp(dist.irecv, torch.zeros(1), 1 - r)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
 
-    with pytest.raises((RuntimeError, NotImplementedError)):
-        run(2, batch)
+@needs_torch2
+def test_point_to_point_misuse_is_reported_not_hung():
+    def both_send_first(r):  # safe only on a buffering transport: a hang on NCCL
+        dist.send(torch.ones(4), 1 - r)
+        dist.recv(torch.empty(4), 1 - r)
+
+    with pytest.raises(diffcomm.Deadlock):
+        run(2, both_send_first)
+
+    def size_differs(r):
+        if r == 0:
+            dist.send(torch.ones(4), 1)
+        else:
+            dist.recv(torch.empty(5), 0)
+
+    with pytest.raises(diffcomm.CollectiveMismatch):
+        run(2, size_differs)
+
+    def never_received(r):
+        if r == 0:
+            dist.isend(torch.ones(2), 1).wait()
+
+    with pytest.raises((diffcomm.Deadlock, diffcomm.RankFailure)):
+        run(2, never_received)
 
 
 # ------------------------------------------------------ reports, not hangs
