@@ -115,14 +115,33 @@ def _as_torch_call(name: str) -> Callable[[Callable[..., Any]], Callable[..., An
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def call(self: "SimProcessGroup", *args: Any, **kwargs: Any) -> Any:
+            calls = getattr(_local, "torch_calls", None)
+            me = self._members[self._group_rank]
+            where = f"torch.distributed.{name} on the group of global ranks {self._members}"
+            if calls is not None:
+                calls[me] = where
             try:
                 self._p2p.run()  # posted sends/recvs come first, as issued
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
             except (_core.CollectiveMismatch, _core.Deadlock) as e:
-                raise type(e)(f"torch.distributed.{name} on the group of global ranks "
-                              f"{self._members} (group rank {self._group_rank}): {e}") from None
+                # (the entry stays: the other ranks' reports list this call too)
+                raise type(e)(f"{where} (group rank {self._group_rank}): {e}"
+                              f"{_pending_torch_calls(calls, e)}") from None
+            if calls is not None:
+                calls.pop(me, None)
+            return result
         return call
     return wrap
+
+
+def _pending_torch_calls(calls: Optional[Dict[int, str]], error: Exception) -> str:
+    """For a Deadlock: every rank's pending torch.distributed call, by global
+    rank (the world's own report above names diffcomm's ops)."""
+    if calls is None or not isinstance(error, _core.Deadlock) or _local.world_group is None:
+        return ""
+    lines = [f"  rank {r}: {calls.get(r, 'no torch.distributed call (finished or elsewhere)')}"
+             for r in range(_local.world_group.size())]
+    return "\npending torch.distributed calls:\n" + "\n".join(lines)
 
 
 def _unsupported(op: str) -> NotImplementedError:
@@ -540,10 +559,14 @@ def installed() -> Iterator[None]:
         _uninstall()
 
 
-def rank_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any]) -> Any:
+def rank_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any],
+                 torch_calls: Optional[Dict[int, str]] = None) -> Any:
     """In a rank thread: init torch.distributed on this rank's simulated world,
-    run fn, destroy the process group (also when fn raises)."""
+    run fn, destroy the process group (also when fn raises). ``torch_calls``:
+    the run's table of each rank's torch.distributed call in progress (for
+    Deadlock reports), shared by the rank threads."""
     _local.world_group = group
+    _local.torch_calls = torch_calls
     _local.pending = {}
     _local.made = []
     _local.c10d_world = _RankWorld()
@@ -561,6 +584,7 @@ def rank_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any]) 
         for pg in _local.made:
             pg._group = None
         _local.world_group = None
+        _local.torch_calls = None
         _local.pending = {}
         _local.made = []
         _local.c10d_world = None
@@ -571,5 +595,7 @@ def run(sim_run: Callable[[Callable[[int, Any], Any]], Any],
     """``sim.run(..., torch_distributed=True)``: ``sim_run(body)`` is the plain
     run with the caller's options; every rank's body is fn inside a torch.distributed
     session on its simulated world."""
+    torch_calls: Dict[int, str] = {}
     with installed():
-        return sim_run(lambda rank, group: rank_session(rank, group, lambda: fn(rank, group)))
+        return sim_run(lambda rank, group: rank_session(rank, group, lambda: fn(rank, group),
+                                                        torch_calls))

@@ -309,6 +309,22 @@ def test_skipped_collective_is_a_deadlock_report():
     for r in range(3):
         assert f"rank {r}: waiting in all_reduce" in report, report
     assert "rank 3: finished" in report
+    # ... and every rank's pending call in torch's terms, on every raising rank
+    for err in errors[:3]:
+        text = str(err)
+        torch_part = text.split("pending torch.distributed calls:\n", 1)[1]
+        for r in range(3):
+            assert (f"rank {r}: torch.distributed.all_reduce on the group of global ranks "
+                    f"[0, 1, 2, 3]") in torch_part, text
+        assert "rank 3: no torch.distributed call (finished or elsewhere)" in torch_part, text
+
+    def gather_vs_skip(r):  # the torch name, not diffcomm's (all_gather_single)
+        if r < 2:
+            dist.all_gather_into_tensor(torch.empty(4), torch.ones(2))
+
+    with pytest.raises(diffcomm.Deadlock) as e:
+        run(3, gather_vs_skip)
+    assert "rank 1: torch.distributed.all_gather_into_tensor" in str(e.value), str(e.value)
 
 
 def _train(rank, early_stop_rank=None):
