@@ -10,7 +10,8 @@ Work: `iters` calls of an 8-byte all_reduce (one float64) and of a 64 KiB
 all_to_all_single (16384 float32 per rank, equal splits), between barriers.
 Printed: the median over repetitions of the wall time per collective (all
 ranks; one rank runs at a time in both, as both hold the GIL) and per rank.
-A third row, diffcomm_raw, runs the same collectives on diffcomm's own ops in
+local_tensor runs them on torch's LocalTensor (every rank's shard in one
+thread; uniform SPMD code only). diffcomm_raw runs the same collectives on diffcomm's own ops in
 the same world (no torch.distributed): the rest of the diffcomm_sim time is
 c10d's Python path (torch.distributed's wrapper, the Python-group
 trampoline, a Work) and the DLPack lending and output copy.
@@ -116,6 +117,38 @@ def threaded_pg(op, iters):
     return max(results)
 
 
+def local_tensor(op, iters):
+    """The same collectives on torch's LocalTensor (one thread runs every rank's
+    shard, torch >= 2.10): a "fake" default group, LocalTensorMode over the 8
+    ranks. Only uniform SPMD code runs there (no per-rank control flow, no
+    mismatch or deadlock reports), so it is the floor of a single-threaded
+    simulation rather than an alternative for divergent programs."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode  # noqa: PLC0415
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC0415
+
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    try:
+        if op == "all_reduce_8B":
+            x = LocalTensor({r: torch.ones(1, dtype=torch.float64) for r in range(WORLD)})
+
+            def call():
+                dist.all_reduce(x)
+        else:
+            x = LocalTensor({r: torch.ones(16384) for r in range(WORLD)})
+            y = LocalTensor({r: torch.empty(16384) for r in range(WORLD)})
+
+            def call():
+                dist.all_to_all_single(y, x)
+        with LocalTensorMode(WORLD):
+            call()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            return (time.perf_counter() - t0) / iters
+    finally:
+        dist.destroy_process_group()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=5)
@@ -125,10 +158,11 @@ def main():
     print(f"world {WORLD}, torch {torch.__version__}, {a.reps} interleaved repetitions of "
           f"{a.iters} calls; median us per collective (all ranks) and per rank")
     for op in ("all_reduce_8B", "all_to_all_single_64KiB"):
-        times = {"diffcomm_sim": [], "threaded_pg": [], "diffcomm_raw": []}
+        times = {"diffcomm_sim": [], "threaded_pg": [], "local_tensor": [], "diffcomm_raw": []}
         for _ in range(a.reps):
             times["diffcomm_sim"].append(diffcomm_sim(op, a.iters))
             times["threaded_pg"].append(threaded_pg(op, a.iters))
+            times["local_tensor"].append(local_tensor(op, a.iters))
             times["diffcomm_raw"].append(diffcomm_raw(op, a.iters))
         for name, ts in times.items():
             us = statistics.median(ts) * 1e6
