@@ -48,7 +48,10 @@ void step(const dist::ProcessGroup& g, const std::string& scenario, double deadl
   if (g.rank() == 3) {
     if (scenario == "return-early") throw Early{};
     if (scenario == "throw") throw std::runtime_error("rank 3: CUDA out of memory (simulated)");
-    if (scenario == "stall-then-exit") sleep_s(deadline + 0.5);  // back while 0-2 still live
+    // Back while 0-2 still live (they wait their deadline after a Timeout):
+    // 1.5 s past the deadline, so a loaded machine that starts 0-2's barrier
+    // late still sees their deadline expire first (0.5 s was too little).
+    if (scenario == "stall-then-exit") sleep_s(deadline + 1.5);
     if (scenario == "stall-forever") sleep_s(600);
   }
   if (g.rank() != 3 || !starts_with(scenario, "skip-barrier")) dist::barrier(g);
