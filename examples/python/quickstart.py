@@ -73,6 +73,10 @@ def main():
         world = dt.init_process_group("torch")             # diffcomm over torch's group
     check(world.rank(), world.size(), train(world.rank(), world))
     dt.destroy_process_group()
+    if "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # torch's own group too: torch 1.13's gloo group left for interpreter
+        # exit can end the process in std::terminate (a joinable thread).
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

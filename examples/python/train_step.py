@@ -50,9 +50,14 @@ def main() -> int:
 
     w0, _ = weights(cfg)
     assert torch.allclose(w_new, w0 - lr * dw_ref, rtol=0, atol=1e-12)
-    print(f"rank {world.rank()}/{n}: {len(tokens)} shard rows, loss term {loss:.6g}, "
-          f"encoder grad rel diff vs single-rank reference {err:.2e} -> OK", flush=True)
+    line = (f"rank {world.rank()}/{n}: {len(tokens)} shard rows, loss term {loss:.6g}, "
+            f"encoder grad rel diff vs single-rank reference {err:.2e} -> OK\n")
+    os.write(1, line.encode())  # one write: ranks under a launcher share the terminal
     dt.destroy_process_group()
+    if "OMPI_COMM_WORLD_RANK" not in os.environ:
+        # torch's own group too: torch 1.13's gloo group left for interpreter
+        # exit can end the process in std::terminate (a joinable thread).
+        torch.distributed.destroy_process_group()
     return 0
 
 
