@@ -644,14 +644,14 @@ def test_torch_distributed_nn_functional(n=4):
 # ------------------------------------------------- the documented example
 @needs_torch2
 def test_the_documented_example_passes():
-    """README.md, 'Test your torch.distributed code': its pytest file runs and passes."""
+    """docs/python.md, 'Test your torch.distributed code': its pytest file runs and passes."""
     pytest.importorskip("hypothesis")
     import os
     import re
-    doc = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "python.md")
     with open(doc) as f:
         section = f.read().split("## Test your torch.distributed code", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace = {"__name__": "documented_example"}
-    exec(compile(code, "README.md (Test your torch.distributed code)", "exec"), namespace)
+    exec(compile(code, "docs/python.md (Test your torch.distributed code)", "exec"), namespace)
     namespace["test_tp_mlp_matches_single_rank"]()

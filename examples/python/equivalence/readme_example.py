@@ -1,4 +1,4 @@
-"""README "Check your step against one rank": a column-parallel linear layer
+"""docs/python.md "Check your step against one rank": a column-parallel linear layer
 on data-parallel rows, checked on two meshes; then the same step with its loss
 normalized by the rank's own rows, which the check names as dp x."""
 import torch
