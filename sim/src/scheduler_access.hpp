@@ -24,7 +24,7 @@ struct SchedulerAccess {
   /// Prefetches the records the next end() and begin() write (the last
   /// call's and the next one's). Reads only `recorder`.
   static void prefetch(const FlightRecorder& recorder) noexcept {
-    constexpr std::size_t kCapacity = FlightRecorder::kCapacity;
+    constexpr std::size_t kCapacity = FlightRecorder::kSimCapacity;
     const char* last = reinterpret_cast<const char*>(
         recorder.ring_.data() + (recorder.next_id_ + kCapacity - 2) % kCapacity);
     const char* next =

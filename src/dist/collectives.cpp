@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <numeric>
 
 #include "diffcomm/error.hpp"
@@ -274,17 +275,34 @@ class Checker {
     g_.stats().record(g_.name(), op_cstr(call_.op), sent, received);
     if (!no_aliasing_) stage_aliased_inputs(call_);
     FlightRecorder& recorder = g_.flight_recorder();
+    if (recorder.detailed())
+      recorder.note_group(call_.group, call_.rank, [this] { return g_.members(); });
     const std::size_t slot = recorder.begin(call_);
+    // The errors that dump the recorder (when a dump directory is set) are
+    // kept and rethrown after the handler: the file is written outside any
+    // catch block, and a failure to write never replaces the error.
+    std::exception_ptr dumped;
     try {
       to_backend();
     } catch (const Timeout& e) {
       // No fiber switch happens in these handlers (the simulated world never
       // raises Timeout; rethrowing does not yield).
       recorder.end(slot, FlightRecord::State::Failed);
-      throw Timeout(e.site(), fmt::format("{}\n{}", e.detail(), recorder.dump()));
+      dumped = std::make_exception_ptr(
+          Timeout(e.site(), fmt::format("{}\n{}", e.detail(), recorder.dump())));
+    } catch (const CollectiveMismatch&) {
+      recorder.end(slot, FlightRecord::State::Failed);
+      dumped = std::current_exception();
+    } catch (const BackendError&) {
+      recorder.end(slot, FlightRecord::State::Failed);
+      dumped = std::current_exception();
     } catch (...) {
       recorder.end(slot, FlightRecord::State::Failed);
       throw;
+    }
+    if (dumped) {
+      recorder.dump_on_error();
+      std::rethrow_exception(dumped);
     }
     recorder.end(slot, FlightRecord::State::Completed);
     for (const Tensor& t : call_.outputs) t.bump_version();  // written in place

@@ -50,4 +50,27 @@ double Options::resolved_timeout_s() const {
   return 600.0;
 }
 
+std::size_t Options::resolved_flight_recorder_size() const {
+  if (flight_recorder_size) {
+    if (*flight_recorder_size == 0)
+      throw InvalidArgument("Options::flight_recorder_size = 0: expected at least 1 entry");
+    return *flight_recorder_size;
+  }
+  if (const char* env = std::getenv("DIFFCOMM_FR_SIZE")) {
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(env, &end, 10);
+    if (end == env || *end != '\0' || v == 0 || env[0] == '-')
+      throw InvalidArgument(
+          fmt::format("DIFFCOMM_FR_SIZE='{}': expected a number of entries >= 1", env));
+    return static_cast<std::size_t>(v);
+  }
+  return 2000;
+}
+
+std::string Options::resolved_flight_recorder_dump_dir() const {
+  if (flight_recorder_dump_dir) return *flight_recorder_dump_dir;
+  if (const char* env = std::getenv("DIFFCOMM_FR_DUMP_DIR")) return env;
+  return "";
+}
+
 }  // namespace diffcomm::dist

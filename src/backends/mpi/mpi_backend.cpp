@@ -665,18 +665,33 @@ std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const std::string& na
   };
   return dist::stack_layers(data, options, control, Device::cpu());
 }
+
+// The rank's flight recorder (Options' size and dump directory), named by
+// its rank in MPI_COMM_WORLD: dumps are DIR/rank-<world rank>.json.
+std::shared_ptr<dist::FlightRecorder> make_recorder(const dist::Options& options) {
+  auto recorder = std::make_shared<dist::FlightRecorder>(options);
+  int rank = 0;
+  int size = 0;
+  check_plain(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+  check_plain(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
+  recorder->set_identity(rank, size);
+  return recorder;
+}
 }  // namespace
 
 dist::ProcessGroup world(const dist::Options& options) {
   require_initialised("mpi::world");
-  return dist::ProcessGroup(make_backend(MPI_COMM_WORLD, "world", options), "world", nullptr);
+  auto recorder = make_recorder(options);
+  return dist::ProcessGroup(make_backend(MPI_COMM_WORLD, "world", options), "world", nullptr,
+                            std::move(recorder));
 }
 
 dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Options& options) {
   require_initialised("mpi::from_comm");
   if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::from_comm: MPI_COMM_NULL");
+  auto recorder = make_recorder(options);
   auto backend = make_backend(comm, name, options);
-  return dist::ProcessGroup(std::move(backend), std::move(name), nullptr);
+  return dist::ProcessGroup(std::move(backend), std::move(name), nullptr, std::move(recorder));
 }
 
 int64_t max_count() { return g_max_count; }

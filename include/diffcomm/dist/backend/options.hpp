@@ -2,7 +2,9 @@
 // Options of the production backends (MPI, NCCL): cross-rank checking,
 // reduction mode and the deadline of every wait. The simulated world needs
 // none of them: it always checks, is always deterministic and never waits.
+#include <cstddef>
 #include <optional>
+#include <string>
 
 namespace diffcomm::dist {
 
@@ -27,12 +29,26 @@ struct Options {
   /// values raise InvalidArgument where the group is created): every wait
   /// has a deadline.
   std::optional<double> timeout_s;
+  /// Entries of each rank's flight recorder ring (FlightRecorder). Unset:
+  /// the environment variable DIFFCOMM_FR_SIZE, else 2000 (torch's default).
+  /// Must be >= 1 (InvalidArgument where the group is created).
+  std::optional<std::size_t> flight_recorder_size;
+  /// Directory where every rank writes its flight recorder as
+  /// DIR/rank-<global rank>.json when a call raises Timeout,
+  /// CollectiveMismatch or BackendError (schema: FlightRecorder::write_json).
+  /// Unset: the environment variable DIFFCOMM_FR_DUMP_DIR, else no dumps.
+  std::optional<std::string> flight_recorder_dump_dir;
 
   /// check, resolved as documented above.
   bool resolved_check() const;
   /// timeout_s, resolved as documented above. Throws InvalidArgument for a
   /// value that is not a finite number of seconds > 0.
   double resolved_timeout_s() const;
+  /// flight_recorder_size, resolved as documented above. Throws
+  /// InvalidArgument for 0 or a DIFFCOMM_FR_SIZE that is not a count.
+  std::size_t resolved_flight_recorder_size() const;
+  /// flight_recorder_dump_dir, resolved as documented above ("" = no dumps).
+  std::string resolved_flight_recorder_dump_dir() const;
 };
 
 }  // namespace diffcomm::dist

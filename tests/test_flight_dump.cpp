@@ -1,0 +1,246 @@
+// The flight recorder's ring, watermarks and JSON dump (issue 22, item 1):
+// calls recorded by hand (expected values written out below, not computed
+// by the recorder), a dump written and read back field by field, and the
+// one-line errors of truncated and malformed files.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/backend/options.hpp"
+#include "diffcomm/dist/flight_dump.hpp"
+#include "diffcomm/dist/flight_recorder.hpp"
+#include "diffcomm/error.hpp"
+#include "diffcomm/tensor.hpp"
+
+namespace diffcomm::dist {
+namespace {
+
+using testing::HasSubstr;
+
+dist::Options sized(std::size_t n) {
+  dist::Options o;
+  o.flight_recorder_size = n;
+  o.flight_recorder_dump_dir = "";
+  return o;
+}
+
+// Records one completed call `op` #seq on `group` (rank 1 of 4 there).
+void record(FlightRecorder& fr, const char* group, OpType op, uint64_t seq,
+            const Tensor& t = zeros({2, 3})) {
+  fr.note_group(group, 1, [] { return std::vector<int>{4, 5, 6, 7}; });
+  Call c;
+  c.op = op;
+  c.seq = seq;
+  c.group = group;
+  c.rank = 1;
+  c.group_size = 4;
+  c.dtype = t.dtype();
+  c.inputs = TensorList(t);
+  c.outputs = TensorList(t);
+  fr.end(fr.begin(c), FlightRecord::State::Completed);
+}
+
+const DumpedGroup& group(const FlightDump& d, const std::string& name) {
+  for (const DumpedGroup& g : d.groups)
+    if (g.group.name == name) return g;
+  throw std::runtime_error("no group " + name);
+}
+
+TEST(FlightRecorder, RingKeepsTheNewestCallsAndTheWatermarkIsTheOldestKept) {
+  FlightRecorder fr(sized(3));
+  EXPECT_EQ(fr.capacity(), 3u);
+  for (uint64_t s = 0; s < 5; ++s) record(fr, "world", OpType::AllReduce, s);
+  const auto recs = fr.records();
+  ASSERT_EQ(recs.size(), 3u);
+  EXPECT_EQ(recs[0].seq, 2u);
+  EXPECT_EQ(recs[2].seq, 4u);
+  EXPECT_EQ(recs[0].id, 3u);
+  const FlightDump d = snapshot_flight_dump(fr);
+  EXPECT_EQ(group(d, "world").watermark, 2u);
+  EXPECT_EQ(group(d, "world").group.calls, 5u);
+  EXPECT_EQ(group(d, "world").group.members, (std::vector<int>{4, 5, 6, 7}));
+}
+
+TEST(FlightRecorder, AGroupWhoseCallsLeftTheRingHasItsCallCountAsWatermark) {
+  FlightRecorder fr(sized(2));
+  record(fr, "tp", OpType::Broadcast, 0);
+  record(fr, "tp", OpType::Broadcast, 1);
+  record(fr, "world", OpType::Barrier, 0);
+  record(fr, "world", OpType::Barrier, 1);
+  const FlightDump d = snapshot_flight_dump(fr);
+  EXPECT_EQ(group(d, "tp").watermark, 2u);  // calls 0 and 1 evicted: nothing known
+  EXPECT_EQ(group(d, "world").watermark, 0u);
+}
+
+TEST(FlightRecorder, SendRecvHaveTheirOwnWatermark) {
+  FlightRecorder fr(sized(8));
+  record(fr, "world", OpType::AllReduce, 0);
+  record(fr, "world", OpType::Send, 0);
+  record(fr, "world", OpType::Send, 1);
+  const FlightDump d = snapshot_flight_dump(fr);
+  EXPECT_EQ(group(d, "world").watermark, 0u);
+  EXPECT_EQ(group(d, "world").p2p_watermark, 0u);
+  EXPECT_EQ(group(d, "world").group.calls, 1u);
+  EXPECT_EQ(group(d, "world").group.p2p_calls, 2u);
+}
+
+TEST(FlightRecorder, SimulatedWorldRecordersAreSmallAndKeepNoShapes) {
+  FlightRecorder fr([](const void*) { return 0.0; }, nullptr);
+  EXPECT_EQ(fr.capacity(), FlightRecorder::kSimCapacity);
+  EXPECT_FALSE(fr.detailed());
+  record(fr, "world", OpType::AllReduce, 0);
+  EXPECT_TRUE(fr.records()[0].input_shapes.empty());
+  EXPECT_TRUE(fr.groups().empty());
+}
+
+FlightDump one_of_each() {
+  FlightDump d;
+  d.rank = 3;
+  d.world_size = 4;
+  d.capacity = 2000;
+  DumpedGroup g;
+  g.group = {"tp{2,3}", {2, 3}, 1, 7, 2};
+  g.watermark = 5;
+  g.p2p_watermark = 1;
+  d.groups.push_back(g);
+  FlightRecord r;
+  r.id = 9;
+  r.group = "tp{2,3}";
+  r.group_rank = 1;
+  r.group_size = 2;
+  r.op = OpType::AllToAllSingle;
+  r.seq = 6;
+  r.dtype = DType::BFloat16;
+  r.numel = 12;
+  r.input_shapes = {{4, 3}};
+  r.output_shapes = {{5, 3}};
+  r.input_splits = SplitList(std::vector<int64_t>{1, 3});
+  r.output_splits = SplitList(std::vector<int64_t>{2, 3});
+  r.reduce_op = ReduceOp::premul_sum(0.25);
+  r.members = {0, 1};
+  r.members_are_ranks = true;
+  r.backward_of = CallId{OpType::AllGatherV, 4};
+  r.state = FlightRecord::State::Issued;
+  r.start_s = 1.5;
+  r.bytes_sent = 18;
+  r.bytes_received = 30;
+  d.entries.push_back(r);
+  return d;
+}
+
+TEST(FlightDump, JsonRoundTripKeepsEveryField) {
+  const FlightDump back = parse_flight_dump(flight_dump_json(one_of_each()), "x.json");
+  EXPECT_EQ(back.version, 1);
+  EXPECT_EQ(back.rank, 3);
+  EXPECT_EQ(back.world_size, 4);
+  EXPECT_EQ(back.capacity, 2000u);
+  ASSERT_EQ(back.groups.size(), 1u);
+  EXPECT_EQ(back.groups[0].group.members, (std::vector<int>{2, 3}));
+  EXPECT_EQ(back.groups[0].group.calls, 7u);
+  EXPECT_EQ(back.groups[0].watermark, 5u);
+  EXPECT_EQ(back.groups[0].p2p_watermark, 1u);
+  ASSERT_EQ(back.entries.size(), 1u);
+  const FlightRecord& r = back.entries[0];
+  EXPECT_EQ(r.op, OpType::AllToAllSingle);
+  EXPECT_EQ(r.seq, 6u);
+  EXPECT_EQ(r.dtype, DType::BFloat16);
+  EXPECT_EQ(r.input_shapes, (std::vector<Shape>{{4, 3}}));
+  EXPECT_EQ(r.output_shapes, (std::vector<Shape>{{5, 3}}));
+  EXPECT_EQ(r.input_splits.to_vector(), (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(r.output_splits.to_vector(), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(r.reduce_op, ReduceOp::premul_sum(0.25));
+  EXPECT_EQ(r.members, (std::vector<int64_t>{0, 1}));
+  EXPECT_TRUE(r.members_are_ranks);
+  ASSERT_TRUE(r.backward_of.has_value());
+  EXPECT_EQ(r.backward_of->op, OpType::AllGatherV);
+  EXPECT_EQ(r.backward_of->seq, 4u);
+  EXPECT_EQ(r.state, FlightRecord::State::Issued);
+  EXPECT_EQ(r.start_s, 1.5);
+  EXPECT_EQ(r.bytes_received, 30u);
+}
+
+TEST(FlightDump, TruncatedFileNamesTheFileAndTheByteOffset) {
+  const std::string text = flight_dump_json(one_of_each());
+  try {
+    (void)parse_flight_dump(std::string_view(text).substr(0, 100), "rank-3.json");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank-3.json: byte offset 100: truncated"));
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+  }
+}
+
+TEST(FlightDump, MissingFieldOrWrongVersionIsOneLineNamingWhere) {
+  std::string text = flight_dump_json(one_of_each());
+  std::string no_op = text;
+  no_op.replace(no_op.find("\"op\":"), 4, "\"xx\"");
+  EXPECT_THROW(
+      {
+        try {
+          (void)parse_flight_dump(no_op, "f.json");
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("f.json: entries[0]: missing field 'op'"));
+          throw;
+        }
+      },
+      InvalidArgument);
+  std::string v2 = text;
+  v2.replace(v2.find("\"version\":1"), 11, "\"version\":2");
+  EXPECT_THROW((void)parse_flight_dump(v2, "f.json"), InvalidArgument);
+  EXPECT_THROW((void)parse_flight_dump("[1,2]", "f.json"), InvalidArgument);
+  try {
+    (void)parse_flight_dump("{\"a\": x}", "g.json");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("g.json: byte offset 6: not valid JSON"));
+  }
+}
+
+TEST(FlightDump, DumpWritesRankFileIntoTheDirectory) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fr-test-" + std::to_string(::getpid()))).string();
+  FlightRecorder fr(sized(4));
+  fr.set_identity(6, 8);
+  record(fr, "world", OpType::AllReduce, 0);
+  const std::string path = fr.dump(dir);
+  EXPECT_EQ(path, dir + "/rank-6.json");
+  const FlightDump d = read_flight_dump(path);
+  EXPECT_EQ(d.rank, 6);
+  EXPECT_EQ(d.world_size, 8);
+  ASSERT_EQ(d.entries.size(), 1u);
+  EXPECT_EQ(d.entries[0].input_shapes, (std::vector<Shape>{{2, 3}}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FlightDump, DumpOnErrorNeverThrows) {
+  dist::Options o = sized(4);
+  o.flight_recorder_dump_dir = "/proc/no/such/dir";
+  FlightRecorder fr(o);
+  record(fr, "world", OpType::Barrier, 0);
+  EXPECT_NO_THROW(fr.dump_on_error());
+}
+
+TEST(FlightRecorderOptions, SizeFromEnvironmentDefault2000) {
+  ::unsetenv("DIFFCOMM_FR_SIZE");
+  EXPECT_EQ(dist::Options{}.resolved_flight_recorder_size(), 2000u);
+  ::setenv("DIFFCOMM_FR_SIZE", "17", 1);
+  EXPECT_EQ(dist::Options{}.resolved_flight_recorder_size(), 17u);
+  EXPECT_EQ(FlightRecorder().capacity(), 17u);
+  ::setenv("DIFFCOMM_FR_SIZE", "0", 1);
+  EXPECT_THROW((void)dist::Options{}.resolved_flight_recorder_size(), InvalidArgument);
+  ::setenv("DIFFCOMM_FR_SIZE", "ten", 1);
+  EXPECT_THROW((void)dist::Options{}.resolved_flight_recorder_size(), InvalidArgument);
+  ::unsetenv("DIFFCOMM_FR_SIZE");
+  ::setenv("DIFFCOMM_FR_DUMP_DIR", "/tmp/x", 1);
+  EXPECT_EQ(dist::Options{}.resolved_flight_recorder_dump_dir(), "/tmp/x");
+  ::unsetenv("DIFFCOMM_FR_DUMP_DIR");
+}
+
+}  // namespace
+}  // namespace diffcomm::dist
