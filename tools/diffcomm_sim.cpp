@@ -2,7 +2,8 @@
 // sizes, adjoint checks of single ops, seed sweeps, and the token rule.
 //
 // Exit codes: 0 checks passed; 1 a check failed; 2 bad arguments; 3 an
-// injected fault ended the run.
+// injected fault ended the run. `replay DIR` (production flight recorder
+// dumps): 0 ok, 3 mismatch or deadlock, 4 incomplete, 2 bad input.
 #include <fmt/format.h>
 #include <unistd.h>
 #if defined(__GLIBC__)
@@ -25,6 +26,7 @@
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
+#include "diffcomm/sim/replay.hpp"
 #include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/world.hpp"
@@ -321,6 +323,15 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
   return s;
 }
 
+// `replay DIR`: the dumps' verdict, as text or JSON; the verdict's exit code.
+int run_replay(const std::string& dir, uint64_t seed, bool json) {
+  diffcomm::sim::ReplayOptions options;
+  options.seed = seed;
+  const auto report = diffcomm::sim::replay(diffcomm::sim::read_dumps(dir), options);
+  std::cout << (json ? diffcomm::sim::replay_json(report) : diffcomm::sim::replay_text(report));
+  return report.exit_code();
+}
+
 int run_main(int argc, char** argv) {
   CLI::App app{"diffcomm-sim: simulated encoder-parallel steps, adjoint checks and sweeps"};
   app.require_subcommand(1);
@@ -375,6 +386,17 @@ int run_main(int argc, char** argv) {
                        "also print block_tokens and the spans (offset:tokens in the block; a "
                        "Qwen3-VL video has one per temporal group)");
 
+  std::string replay_dir;
+  uint64_t replay_seed = 0;
+  bool replay_json = false;
+  auto* replay_cmd = app.add_subcommand(
+      "replay",
+      "replay production flight recorder dumps (DIR/rank-<r>.json) in the simulated world");
+  replay_cmd->add_option("dir", replay_dir, "directory of the dumps (DIFFCOMM_FR_DUMP_DIR)")
+      ->required();
+  replay_cmd->add_option("--seed", replay_seed, "seed of the simulated world")->check(kSeed);
+  replay_cmd->add_flag("--json", replay_json, "print JSON");
+
   // CLI11 reports a first word that is no subcommand as "A subcommand is
   // required": name it instead.
   if (argc > 1 && argv[1][0] != '-') {
@@ -382,8 +404,8 @@ int run_main(int argc, char** argv) {
     const auto subs = app.get_subcommands([&](CLI::App* sub) { return sub->check_name(first); });
     if (subs.empty()) {
       std::cerr << fmt::format(
-          "diffcomm-sim: bad argument: unknown subcommand '{}' (expected step, check, sweep or "
-          "tokens; see --help)\n",
+          "diffcomm-sim: bad argument: unknown subcommand '{}' (expected step, check, sweep, "
+          "tokens or replay; see --help)\n",
           first);
       return kBadArgs;
     }
@@ -452,6 +474,7 @@ int run_main(int argc, char** argv) {
                                count - static_cast<uint64_t>(failures), failures);
       return failures ? kFailed : kPassed;
     }
+    if (*replay_cmd) return run_replay(replay_dir, replay_seed, replay_json);
     if (*tokens_cmd) {
       if (tokens_images.empty()) tokens_images = ep::default_image_sizes_path();
       if (tokens_images.empty())

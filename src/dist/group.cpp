@@ -63,6 +63,9 @@ ErrorSite site_of(const ProcessGroup& g, const char* op) {
 const std::shared_ptr<Cohort>& ProcessGroup::cohort() const { return state_->cohort; }
 uint64_t ProcessGroup::next_seq() const { return state_->seq++; }
 uint64_t ProcessGroup::next_p2p_seq() const { return state_->p2p_seq++; }
+void ProcessGroup::resume_numbering(uint64_t seq, bool p2p) const {
+  (p2p ? state_->p2p_seq : state_->seq) = seq;
+}
 const std::optional<CallId>& ProcessGroup::backward_of() const { return state_->backward_of; }
 void ProcessGroup::set_last_call(CallId call) const { state_->last_call = call; }
 

@@ -104,6 +104,11 @@ class ProcessGroup {
   /// send/recv involves two members only and must not shift the numbering of
   /// the group's collectives.
   uint64_t next_p2p_seq() const;
+  /// Numbers this rank's next collective on this group `seq` (`p2p`: its
+  /// next send/recv): how a replay (sim/replay.hpp) issues each recorded
+  /// call under its recorded number. Members must agree, as on any call
+  /// number (the simulated world pairs collectives by number).
+  void resume_numbering(uint64_t seq, bool p2p = false) const;
   /// What the funnel marks this rank's next call with (see BackwardOf).
   const std::optional<CallId>& backward_of() const;
   /// The funnel records each numbered collective (see last_call()).

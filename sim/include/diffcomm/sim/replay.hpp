@@ -1,0 +1,75 @@
+#pragma once
+// Replay of production flight recorder dumps (dist/flight_dump.hpp) in the
+// simulated world: each rank's recorded calls become its program, run with
+// zero payloads of the recorded shapes, so the world's own checks give the
+// report checked mode would have given: the first call the members disagree
+// on (in the simulated world's wording), or the deadlock with every rank's
+// pending call, or ok. Calls before a group's latest watermark are unknown
+// on some member: they are not replayed, and a clean replay of what remains
+// is `incomplete`, never a mismatch.
+//
+// Limits: groups are created before the window (every non-world group of
+// the dumps, by name, with its recorded global members), so new_group and
+// split calls themselves are not compared; send/recv are replayed in
+// recorded order.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/flight_dump.hpp"
+
+namespace diffcomm::sim {
+
+enum class Verdict { Ok, Mismatch, Deadlock, Incomplete };
+
+/// "ok", "mismatch", "deadlock", "incomplete".
+const char* verdict_name(Verdict v);
+
+/// A rank's state when the replay deadlocked.
+struct PendingCall {
+  int rank = 0;           ///< global rank
+  bool finished = false;  ///< its recorded program ended (no pending call)
+  std::string group;      ///< the call it waits in (unset when finished)
+  uint64_t call = 0;
+  std::string op;
+  std::vector<int> not_reached;  ///< members of that group waiting elsewhere or finished
+};
+
+struct ReplayReport {
+  Verdict verdict = Verdict::Ok;
+  std::string group;  ///< the call the verdict is about ("" for ok)
+  std::optional<uint64_t> call;
+  std::string op;
+  std::vector<int> ranks;  ///< global ranks: the disagreeing pair, the ranks that never
+                           ///< reached the pending call, or the ranks whose ring lost calls
+  std::string field;       ///< mismatch: "dtype", "shape", "splits", "op", ...
+  std::string message;     ///< the simulated world's message (first line)
+  std::vector<PendingCall> pending;  ///< deadlock: every rank
+  /// 0 ok, 3 mismatch or deadlock, 4 incomplete (diffcomm-sim replay's exit code).
+  int exit_code() const;
+};
+
+struct ReplayOptions {
+  uint64_t seed = 0;  ///< the simulated world's seed (interleaving)
+};
+
+/// Reads DIR/rank-0.json ... rank-<N-1>.json, N the world size the files
+/// record. Throws InvalidArgument (one line naming the file) for a missing
+/// rank file, a file that is corrupt or truncated (with its byte offset), or
+/// files that disagree on the world size or on a group's members.
+std::vector<dist::FlightDump> read_dumps(const std::string& dir);
+
+/// Replays `dumps` (one per global rank, in rank order, as read_dumps
+/// returns them). Throws InvalidArgument when the recorded calls cannot be
+/// rebuilt (a rank's own call fails its local checks: a corrupt dump).
+ReplayReport replay(const std::vector<dist::FlightDump>& dumps, const ReplayOptions& options = {});
+
+/// The report as JSON: {"verdict", "group", "call", "op", "ranks", "field",
+/// "message", "pending": [{"rank", "finished", "group", "call", "op",
+/// "not_reached"}]}; call is null when unset.
+std::string replay_json(const ReplayReport& report);
+/// The report as text for a terminal (a few lines; the table for a deadlock).
+std::string replay_text(const ReplayReport& report);
+
+}  // namespace diffcomm::sim

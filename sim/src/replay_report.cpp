@@ -1,0 +1,103 @@
+// Reading a dump directory and writing a replay's report (replay.hpp).
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "diffcomm/error.hpp"
+#include "diffcomm/sim/replay.hpp"
+
+namespace diffcomm::sim {
+namespace {
+namespace fs = std::filesystem;
+
+std::string rank_file(const std::string& dir, int rank) {
+  return (fs::path(dir) / fmt::format("rank-{}.json", rank)).string();
+}
+
+// Every file must agree with rank 0's world size and on each group's members.
+void check_consistent(const std::vector<dist::FlightDump>& dumps, const std::string& dir) {
+  for (std::size_t r = 0; r < dumps.size(); ++r) {
+    const dist::FlightDump& d = dumps[r];
+    const std::string file = rank_file(dir, static_cast<int>(r));
+    if (d.rank != static_cast<int>(r))
+      throw InvalidArgument(fmt::format("{}: records rank {}", file, d.rank));
+    if (d.world_size != dumps[0].world_size)
+      throw InvalidArgument(fmt::format("{}: world size {} but rank-0.json records {}", file,
+                                        d.world_size, dumps[0].world_size));
+    for (const dist::DumpedGroup& g : d.groups)
+      for (int m : g.group.members)
+        if (m < 0 || m >= d.world_size)
+          throw InvalidArgument(fmt::format("{}: group '{}' has member {} outside the world of {}",
+                                            file, g.group.name, m, d.world_size));
+  }
+}
+}  // namespace
+
+std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
+  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
+  const std::string first = rank_file(dir, 0);
+  if (!fs::exists(first)) throw InvalidArgument(fmt::format("{}: missing (no rank 0 dump)", first));
+  std::vector<dist::FlightDump> dumps;
+  dumps.push_back(dist::read_flight_dump(first));
+  const int n = dumps[0].world_size;
+  if (n < 1 || n > 16384)
+    throw InvalidArgument(fmt::format("{}: world size {} outside 1..16384", first, n));
+  for (int r = 1; r < n; ++r) {
+    const std::string file = rank_file(dir, r);
+    if (!fs::exists(file))
+      throw InvalidArgument(fmt::format("{}: missing (the world has {} ranks)", file, n));
+    dumps.push_back(dist::read_flight_dump(file));
+  }
+  check_consistent(dumps, dir);
+  return dumps;
+}
+
+std::string replay_json(const ReplayReport& rep) {
+  nlohmann::json pending = nlohmann::json::array();
+  for (const PendingCall& p : rep.pending) {
+    nlohmann::json j = {{"rank", p.rank}, {"finished", p.finished}};
+    if (!p.finished) {
+      j["group"] = p.group;
+      j["call"] = p.call;
+      j["op"] = p.op;
+      j["not_reached"] = p.not_reached;
+    }
+    pending.push_back(std::move(j));
+  }
+  nlohmann::json j = {{"verdict", verdict_name(rep.verdict)},
+                      {"group", rep.group},
+                      {"call", nullptr},
+                      {"op", rep.op},
+                      {"ranks", rep.ranks},
+                      {"field", rep.field},
+                      {"message", rep.message},
+                      {"pending", std::move(pending)}};
+  if (rep.call) j["call"] = *rep.call;
+  return j.dump(2) + "\n";
+}
+
+std::string replay_text(const ReplayReport& rep) {
+  std::string s = fmt::format("verdict: {}\n", verdict_name(rep.verdict));
+  if (!rep.group.empty()) {
+    s += fmt::format("call: {}", rep.op.empty() ? "?" : rep.op);
+    if (rep.call) s += fmt::format(" #{}", *rep.call);
+    s += fmt::format(" on group '{}'\n", rep.group);
+  }
+  if (!rep.ranks.empty()) s += fmt::format("ranks: {}\n", fmt::join(rep.ranks, ","));
+  if (!rep.field.empty()) s += fmt::format("field: {}\n", rep.field);
+  if (!rep.message.empty()) s += rep.message + "\n";
+  for (const PendingCall& p : rep.pending) {
+    if (p.finished) {
+      s += fmt::format("  rank {}: finished its recorded calls\n", p.rank);
+      continue;
+    }
+    s += fmt::format("  rank {}: waits in {} #{} on '{}'", p.rank, p.op, p.call, p.group);
+    if (!p.not_reached.empty())
+      s += fmt::format(" (never reached by rank(s) {})", fmt::join(p.not_reached, ","));
+    s += "\n";
+  }
+  return s;
+}
+
+}  // namespace diffcomm::sim
