@@ -13,6 +13,7 @@
 #include "diffcomm/dist/flight_dump.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/replay.hpp"
+#include "diffcomm/sim/replay_edit.hpp"
 
 namespace diffcomm::sim {
 namespace {
@@ -175,6 +176,40 @@ TEST(ReadDumps, MissingRankFileIsOneLineNamingIt) {
     EXPECT_THAT(e.what(), HasSubstr("rank-1.json: byte offset 27: truncated"));
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST(ReplayEdit, InsertingTheMissingBarrierEndsTheDeadlock) {
+  auto d = world_of(3);
+  for (int r = 0; r < 3; ++r) add(d, r, OpType::AllReduce, 0);
+  add(d, 0, OpType::Barrier, 1, {}, DType::Float32, /*issued=*/true);
+  add(d, 2, OpType::Barrier, 1, {}, DType::Float32, /*issued=*/true);
+  apply_edit(d, parse_replay_edit(ReplayEdit::Kind::InsertBarrier, "1:world:1"));
+  EXPECT_EQ(replay(d).verdict, Verdict::Ok);
+}
+
+TEST(ReplayEdit, DroppingAnExtraCallRenumbersTheRest) {
+  auto d = world_of(2);
+  for (int r = 0; r < 2; ++r) add(d, r, OpType::AllReduce, 0);
+  add(d, 1, OpType::Broadcast, 1);  // only rank 1 broadcasts: op differs at #1
+  d[1].entries.back().root = 0;
+  add(d, 0, OpType::Barrier, 1);
+  add(d, 1, OpType::Barrier, 2);
+  EXPECT_EQ(replay(d).field, "op");
+  apply_edit(d, parse_replay_edit(ReplayEdit::Kind::Drop, "1:world:1"));
+  EXPECT_EQ(d[1].entries.back().seq, 1u);
+  EXPECT_EQ(replay(d).verdict, Verdict::Ok);
+  EXPECT_THROW(apply_edit(d, parse_replay_edit(ReplayEdit::Kind::Drop, "1:world:9")),
+               InvalidArgument);
+}
+
+TEST(ReplayEdit, SpecIsRankGroupCall) {
+  const ReplayEdit e = parse_replay_edit(ReplayEdit::Kind::Drop, "2:a:b:3");
+  EXPECT_EQ(e.rank, 2);
+  EXPECT_EQ(e.group, "a:b");
+  EXPECT_EQ(e.call, 3u);
+  EXPECT_THROW((void)parse_replay_edit(ReplayEdit::Kind::Drop, "x:world:1"), InvalidArgument);
+  EXPECT_THROW((void)parse_replay_edit(ReplayEdit::Kind::Drop, "1:world"), InvalidArgument);
+  EXPECT_THROW((void)parse_replay_edit(ReplayEdit::Kind::Drop, "-1:world:1"), InvalidArgument);
 }
 
 }  // namespace

@@ -1273,14 +1273,14 @@ TEST(SimFlightRecorder, TimesAreTheRanksSimulatedClock) {
 }
 
 // A recorder with its own clock records begin/end times from it, keeps the
-// last kCapacity calls oldest first, and dumps one line per call.
+// last kSimCapacity calls oldest first, and dumps one line per call.
 TEST(FlightRecorder, OwnClockRingAndDump) {
   double t = 1.5;
   dist::FlightRecorder rec([](const void* c) { return *static_cast<const double*>(c); }, &t);
   dist::Call call;
   call.op = dist::OpType::Barrier;
   call.group = "world";
-  const std::size_t n = dist::FlightRecorder::kCapacity + 3;
+  const std::size_t n = dist::FlightRecorder::kSimCapacity + 3;
   for (std::size_t i = 0; i < n; ++i) {
     call.seq = i;
     const std::size_t slot = rec.begin(call);
@@ -1289,7 +1289,7 @@ TEST(FlightRecorder, OwnClockRingAndDump) {
             i + 1 == n ? dist::FlightRecord::State::Failed : dist::FlightRecord::State::Completed);
   }
   const auto recs = rec.records();
-  ASSERT_EQ(recs.size(), dist::FlightRecorder::kCapacity);
+  ASSERT_EQ(recs.size(), dist::FlightRecorder::kSimCapacity);
   EXPECT_EQ(recs.front().id, 4u);  // the first 3 were overwritten
   EXPECT_EQ(recs.back().id, n);
   EXPECT_EQ(recs.back().seq, n - 1);

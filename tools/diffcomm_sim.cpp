@@ -11,6 +11,7 @@
 #endif
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -27,6 +28,7 @@
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/replay.hpp"
+#include "diffcomm/sim/replay_edit.hpp"
 #include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/world.hpp"
@@ -323,13 +325,46 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
   return s;
 }
 
-// `replay DIR`: the dumps' verdict, as text or JSON; the verdict's exit code.
-int run_replay(const std::string& dir, uint64_t seed, bool json) {
-  diffcomm::sim::ReplayOptions options;
-  options.seed = seed;
-  const auto report = diffcomm::sim::replay(diffcomm::sim::read_dumps(dir), options);
-  std::cout << (json ? diffcomm::sim::replay_json(report) : diffcomm::sim::replay_text(report));
-  return report.exit_code();
+struct ReplayArgs {
+  std::string dir;
+  uint64_t seed = 0;
+  std::string seeds;  // A..B: one replay per seed
+  std::vector<std::string> drops, barriers;
+  bool json = false;
+};
+
+// `replay DIR`: the (edited) dumps' verdict, as text or JSON, and its exit
+// code; with --seeds one line per seed and the worst exit code.
+int run_replay(const ReplayArgs& a) {
+  namespace sim = diffcomm::sim;
+  auto dumps = sim::read_dumps(a.dir);
+  for (const auto& d : a.drops)
+    sim::apply_edit(dumps, sim::parse_replay_edit(sim::ReplayEdit::Kind::Drop, d));
+  for (const auto& b : a.barriers)
+    sim::apply_edit(dumps, sim::parse_replay_edit(sim::ReplayEdit::Kind::InsertBarrier, b));
+  sim::ReplayOptions options;
+  if (a.seeds.empty()) {
+    options.seed = a.seed;
+    const auto report = sim::replay(dumps, options);
+    std::cout << (a.json ? sim::replay_json(report) : sim::replay_text(report));
+    return report.exit_code();
+  }
+  std::string why;
+  const auto range = parse_seed_range(a.seeds, &why);  // the validator accepted it
+  if (!range) throw BadArgs(fmt::format("--seeds '{}': {}", a.seeds, why));
+  int worst = 0;
+  for (uint64_t s = range->lo;; ++s) {
+    options.seed = s;
+    const auto report = sim::replay(dumps, options);
+    std::cout << fmt::format("seed {}: {}", s, sim::verdict_name(report.verdict));
+    if (!report.op.empty())
+      std::cout << fmt::format(" ({} #{} on '{}')", report.op, report.call.value_or(0),
+                               report.group);
+    std::cout << "\n";
+    worst = std::max(worst, report.exit_code());
+    if (s == range->hi) break;
+  }
+  return worst;
 }
 
 int run_main(int argc, char** argv) {
@@ -386,16 +421,20 @@ int run_main(int argc, char** argv) {
                        "also print block_tokens and the spans (offset:tokens in the block; a "
                        "Qwen3-VL video has one per temporal group)");
 
-  std::string replay_dir;
-  uint64_t replay_seed = 0;
-  bool replay_json = false;
+  ReplayArgs replay_args;
   auto* replay_cmd = app.add_subcommand(
       "replay",
       "replay production flight recorder dumps (DIR/rank-<r>.json) in the simulated world");
-  replay_cmd->add_option("dir", replay_dir, "directory of the dumps (DIFFCOMM_FR_DUMP_DIR)")
+  replay_cmd->add_option("dir", replay_args.dir, "directory of the dumps (DIFFCOMM_FR_DUMP_DIR)")
       ->required();
-  replay_cmd->add_option("--seed", replay_seed, "seed of the simulated world")->check(kSeed);
-  replay_cmd->add_flag("--json", replay_json, "print JSON");
+  replay_cmd->add_option("--seed", replay_args.seed, "seed of the simulated world")->check(kSeed);
+  replay_cmd->add_option("--seeds", replay_args.seeds, "A..B: replay under each seed")
+      ->check(kSeedRange);
+  replay_cmd->add_option("--drop", replay_args.drops,
+                         "RANK:GROUP:CALL: what if that rank had not made that call");
+  replay_cmd->add_option("--insert-barrier", replay_args.barriers,
+                         "RANK:GROUP:CALL: what if that rank called a barrier there first");
+  replay_cmd->add_flag("--json", replay_args.json, "print JSON");
 
   // CLI11 reports a first word that is no subcommand as "A subcommand is
   // required": name it instead.
@@ -474,7 +513,7 @@ int run_main(int argc, char** argv) {
                                count - static_cast<uint64_t>(failures), failures);
       return failures ? kFailed : kPassed;
     }
-    if (*replay_cmd) return run_replay(replay_dir, replay_seed, replay_json);
+    if (*replay_cmd) return run_replay(replay_args);
     if (*tokens_cmd) {
       if (tokens_images.empty()) tokens_images = ep::default_image_sizes_path();
       if (tokens_images.empty())

@@ -1,0 +1,34 @@
+#pragma once
+// What-if edits of flight recorder dumps before a replay (replay.hpp): test
+// a fix without redeploying. `--drop RANK:GROUP:CALL` removes a rank's
+// recorded collective; `--insert-barrier RANK:GROUP:CALL` makes the rank
+// call a barrier on GROUP as call CALL, before what it recorded there. The
+// rank's later collectives on that group are renumbered as the edited
+// program would number them (one less after a drop, one more after an
+// insertion).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/flight_dump.hpp"
+
+namespace diffcomm::sim {
+
+struct ReplayEdit {
+  enum class Kind { Drop, InsertBarrier };
+  Kind kind = Kind::Drop;
+  int rank = 0;       ///< global rank
+  std::string group;  ///< group name
+  uint64_t call = 0;  ///< per-group collective number
+};
+
+/// Parses "RANK:GROUP:CALL" (the group is everything between the first and
+/// the last colon). Throws InvalidArgument naming `spec` when malformed.
+ReplayEdit parse_replay_edit(ReplayEdit::Kind kind, const std::string& spec);
+
+/// Applies `edit` to `dumps` (one per global rank). Throws InvalidArgument
+/// when the rank is outside the world, or (drop) the rank recorded no
+/// collective CALL on GROUP, or (insert) no group GROUP is in its dump.
+void apply_edit(std::vector<dist::FlightDump>& dumps, const ReplayEdit& edit);
+
+}  // namespace diffcomm::sim
