@@ -168,6 +168,15 @@ TEST(ReadDumps, MissingRankFileIsOneLineNamingIt) {
   }
   (void)dist::write_flight_dump(d[1], dir);
   EXPECT_EQ(read_dumps(dir).size(), 3u);
+  d[1].groups[0].group.members = {0, 2, 1};
+  (void)dist::write_flight_dump(d[1], dir);
+  try {
+    (void)read_dumps(dir);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank-1.json: group 'world' has members [0,2,1] but "
+                                    "rank-0.json records [0,1,2]"));
+  }
   std::ofstream(dir + "/rank-1.json") << "{\"format\": \"diffcomm-flight";
   try {
     (void)read_dumps(dir);

@@ -2,7 +2,9 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/replay.hpp"
@@ -17,7 +19,16 @@ std::string rank_file(const std::string& dir, int rank) {
 
 // Every file must agree with rank 0's world size and on each group's members.
 void check_consistent(const std::vector<dist::FlightDump>& dumps, const std::string& dir) {
+  std::map<std::string, std::pair<std::size_t, const std::vector<int>*>> first_seen;
   for (std::size_t r = 0; r < dumps.size(); ++r) {
+    for (const dist::DumpedGroup& g : dumps[r].groups) {
+      const auto [it, fresh] = first_seen.try_emplace(g.group.name, r, &g.group.members);
+      if (!fresh && *it->second.second != g.group.members)
+        throw InvalidArgument(fmt::format(
+            "{}: group '{}' has members [{}] but rank-{}.json records [{}]",
+            rank_file(dir, static_cast<int>(r)), g.group.name, fmt::join(g.group.members, ","),
+            it->second.first, fmt::join(*it->second.second, ",")));
+    }
     const dist::FlightDump& d = dumps[r];
     const std::string file = rank_file(dir, static_cast<int>(r));
     if (d.rank != static_cast<int>(r))

@@ -122,7 +122,10 @@ class FlightRecorder {
   std::vector<FlightRecord> records() const;
   /// The groups noted so far, by name (detailed recorders; else empty).
   std::vector<RecordedGroup> groups() const;
+  /// This rank's global rank: set_identity()'s, else its rank in the first
+  /// group noted (by name), else -1.
   int global_rank() const;
+  /// The world size set_identity() recorded (0 when unset).
   int world_size() const { return world_size_; }
 
   /// The newest kTextEntries records, one line each, oldest first:
