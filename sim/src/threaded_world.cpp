@@ -193,11 +193,14 @@ void ThreadedWorld::run() {
       // Non-owning handles into the world, kept valid by `state`.
       std::shared_ptr<dist::Backend> real(state, &world_group.backend());
       std::shared_ptr<dist::Stats> stats(state, &world_group.stats());
+      // The rank's simulated-world recorder (small, its simulated clock),
+      // not a production one (DIFFCOMM_FR_SIZE entries per rank).
+      std::shared_ptr<dist::FlightRecorder> recorder(state, &world_group.flight_recorder());
       {
         std::lock_guard lock(state->mutex);
         state->groups[slot] = dist::ProcessGroup(
             std::make_shared<BatonBackend>(state, state->channels[slot], std::move(real)),
-            world_group.name(), std::move(stats));
+            world_group.name(), std::move(stats), std::move(recorder));
       }
       state->channels[slot]->serve();
     });
