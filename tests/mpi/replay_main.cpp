@@ -138,8 +138,9 @@ int main(int argc, char** argv) {
   std::printf("RESULT rank %d: %s\n", rank, result.c_str());
   std::fflush(stdout);
   if (scenario == "healthy" && result.starts_with("none")) return 0;  // MPI_Finalize
-  // A peer may still wait in a call until its deadline: outlive it, then
-  // leave without MPI_Finalize (a fence over every process).
-  std::this_thread::sleep_for(std::chrono::duration<double>(deadline + 2.0));
+  // A peer may still wait in a call until its deadline (late under load):
+  // outlive it with a margin, then leave without MPI_Finalize (a fence over
+  // every process).
+  std::this_thread::sleep_for(std::chrono::duration<double>(deadline + 5.0));
   std::_Exit(0);
 }
