@@ -16,6 +16,8 @@
 //
 // REPLAY_SMALL_RING=R gives global rank R a flight recorder of 2 entries (a
 // ring that lost calls the others hold: the replay must say incomplete).
+// REPLAY_NO_REQUEST=1 skips the dump on request: only the funnel's dumps on
+// errors are left.
 // Every rank prints "RESULT rank R: <kind>|<group>|<call>|<op>|<detail line>".
 #include <fmt/format.h>
 #include <mpi.h>
@@ -134,7 +136,8 @@ int main(int argc, char** argv) {
                          s.call ? std::to_string(*s.call) : "", s.op, first_line(e.detail()));
   }
   const std::string dir = options.resolved_flight_recorder_dump_dir();
-  if (world && !dir.empty()) (void)world->flight_recorder().dump(dir);  // on request
+  const bool on_request = std::getenv("REPLAY_NO_REQUEST") == nullptr;
+  if (world && !dir.empty() && on_request) (void)world->flight_recorder().dump(dir);
   std::printf("RESULT rank %d: %s\n", rank, result.c_str());
   std::fflush(stdout);
   if (scenario == "healthy" && result.starts_with("none")) return 0;  // MPI_Finalize

@@ -28,6 +28,10 @@ EXPECTED = {
 }
 
 
+# Members of the failing call where not the whole world (the others raise nothing).
+MEMBERS = {"a2a-splits": [1, 2, 3]}
+
+
 def run_job(mpirun, np_, program, scenario, env_extra):
     env = dict(os.environ, **env_extra)
     cmd = [a if a != "4" else str(np_) for a in mpirun] + [program, scenario]
@@ -88,7 +92,22 @@ def main():
             if p.returncode != 2 or "rank-2.json: missing" not in p.stderr:
                 sys.exit(f"FAIL: a missing rank file gave exit {p.returncode}: {p.stderr}")
     if exp["verdict"] == "mismatch":
-        checked = checked_mismatch(run_job(mpirun, np_, program, scenario, {"DIFFCOMM_CHECK": "1"}))
+        with tempfile.TemporaryDirectory() as dumps:
+            # Checked mode, no dump on request: every member of the call must
+            # have dumped by itself when it raised CollectiveMismatch.
+            extra = {"DIFFCOMM_CHECK": "1", "DIFFCOMM_FR_DUMP_DIR": dumps,
+                     "REPLAY_NO_REQUEST": "1"}
+            checked = checked_mismatch(run_job(mpirun, np_, program, scenario, extra))
+            files = sorted(os.listdir(dumps))
+            want = sorted(f"rank-{r}.json" for r in MEMBERS.get(scenario, range(np_)))
+            if files != want:
+                sys.exit(f"FAIL: on CollectiveMismatch the funnel dumped {files}, expected {want}")
+            if len(want) == np_:  # the whole world dumped: those dumps replay the same
+                p = subprocess.run([sim, "replay", dumps, "--json"], capture_output=True, text=True)
+                again = json.loads(p.stdout)
+                again = {k: again[k] for k in ("group", "call", "op", "ranks", "field")}
+                if again != checked:
+                    sys.exit(f"FAIL: the funnel's dumps replay to {again}, checked mode {checked}")
         replayed = dict(group=rep["group"], call=rep["call"], op=rep["op"], ranks=rep["ranks"],
                         field=rep["field"])
         if checked != replayed:
