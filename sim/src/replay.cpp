@@ -256,13 +256,19 @@ ReplayReport replay(const std::vector<dist::FlightDump>& dumps, const ReplayOpti
   wo.seed = options.seed;
   wo.trace = false;
   World world(wo);
+  ReplayReport rep;
   try {
     world.run([&](Rank& rank) { run_rank(rank, run); });
+    rep = incomplete_or_ok(run.plans);
   } catch (const Error& e) {
     // Reading the world's report only: nothing here blocks or yields.
-    return verdict_of(e, run);
+    rep = verdict_of(e, run);
   }
-  return incomplete_or_ok(run.plans);
+  for (const dist::FlightDump& d : dumps)
+    for (const std::string& u : d.unknown)
+      if (std::find(rep.unknown.begin(), rep.unknown.end(), u) == rep.unknown.end())
+        rep.unknown.push_back(u);
+  return rep;
 }
 
 }  // namespace diffcomm::sim

@@ -8,6 +8,7 @@
 
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/replay.hpp"
+#include "diffcomm/sim/torch_flight_dump.hpp"
 
 namespace diffcomm::sim {
 namespace {
@@ -48,7 +49,7 @@ void check_consistent(const std::vector<dist::FlightDump>& dumps, const std::str
 std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
   if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
   const std::string first = rank_file(dir, 0);
-  if (!fs::exists(first)) throw InvalidArgument(fmt::format("{}: missing (no rank 0 dump)", first));
+  if (!fs::exists(first)) return read_torch_dumps(dir);
   std::vector<dist::FlightDump> dumps;
   dumps.push_back(dist::read_flight_dump(first));
   const int n = dumps[0].world_size;
@@ -83,7 +84,8 @@ std::string replay_json(const ReplayReport& rep) {
                       {"ranks", rep.ranks},
                       {"field", rep.field},
                       {"message", rep.message},
-                      {"pending", std::move(pending)}};
+                      {"pending", std::move(pending)},
+                      {"unknown", rep.unknown}};
   if (rep.call) j["call"] = *rep.call;
   return j.dump(2) + "\n";
 }
@@ -108,6 +110,7 @@ std::string replay_text(const ReplayReport& rep) {
       s += fmt::format(" (never reached by rank(s) {})", fmt::join(p.not_reached, ","));
     s += "\n";
   }
+  for (const std::string& u : rep.unknown) s += fmt::format("not recorded, so not compared: {}\n", u);
   return s;
 }
 

@@ -48,6 +48,11 @@ struct FlightDump {
   std::size_t capacity = 0;
   std::vector<DumpedGroup> groups;    ///< by name
   std::vector<FlightRecord> entries;  ///< oldest first
+  /// Set by readers, not written: who wrote the dump ("diffcomm", or
+  /// "torch flight recorder 2.10") and what it does not record, one phrase
+  /// each (sim/torch_flight_dump.hpp), which a replay cannot compare.
+  std::string producer = "diffcomm";
+  std::vector<std::string> unknown;
 };
 
 /// The recorder's current content as a dump (groups' watermarks computed).

@@ -46,6 +46,9 @@ struct ReplayReport {
   std::string field;       ///< mismatch: "dtype", "shape", "splits", "op", ...
   std::string message;     ///< the simulated world's message (first line)
   std::vector<PendingCall> pending;  ///< deadlock: every rank
+  /// What the dumps do not record and the replay therefore did not compare
+  /// (torch's dumps: splits, roots, reduce ops, ...; empty for diffcomm's).
+  std::vector<std::string> unknown;
   /// 0 ok, 3 mismatch or deadlock, 4 incomplete (diffcomm-sim replay's exit code).
   int exit_code() const;
 };
@@ -55,7 +58,8 @@ struct ReplayOptions {
 };
 
 /// Reads DIR/rank-0.json ... rank-<N-1>.json, N the world size the files
-/// record. Throws InvalidArgument (one line naming the file) for a missing
+/// record, or, when DIR holds no rank-0.json, PyTorch Flight Recorder dumps
+/// (torch_flight_dump.hpp). Throws InvalidArgument (one line naming the file) for a missing
 /// rank file, a file that is corrupt or truncated (with its byte offset), or
 /// files that disagree on the world size or on a group's members.
 std::vector<dist::FlightDump> read_dumps(const std::string& dir);
@@ -67,7 +71,7 @@ ReplayReport replay(const std::vector<dist::FlightDump>& dumps, const ReplayOpti
 
 /// The report as JSON: {"verdict", "group", "call", "op", "ranks", "field",
 /// "message", "pending": [{"rank", "finished", "group", "call", "op",
-/// "not_reached"}]}; call is null when unset.
+/// "not_reached"}], "unknown": [what the dumps lack]}; call is null when unset.
 std::string replay_json(const ReplayReport& report);
 /// The report as text for a terminal (a few lines; the table for a deadlock).
 std::string replay_text(const ReplayReport& report);
