@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import _context, _core, _participation
 from ._core import encoder_parallel as _ep
 from ._equivalence import EquivalenceReport, Partial, Replicate, Shard, check_equivalence  # noqa
+from ._replay import PendingCall, ReplayReport, replay  # noqa
 
 # The planner and the token rules.
 Batch = _ep.Batch
@@ -65,6 +66,7 @@ __all__ = [
     "plan_exchange", "select_feature_exchange", "receiver_grad_for", "owned_ranges", "mode_name",
     "smart_resize", "image_tokens", "image_patches", "required_seq_multiple",
     "check_equivalence", "EquivalenceReport", "Replicate", "Shard", "Partial",
+    "replay", "ReplayReport", "PendingCall",
 ]
 
 

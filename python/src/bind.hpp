@@ -62,6 +62,7 @@ void bind_nn(nb::module_& m);
 void bind_encoder_parallel(nb::module_& m);
 void bind_sim(nb::module_& m);
 void bind_equivalence(nb::module_& m);
+void bind_replay(nb::module_& m);
 void bind_torch_transport(nb::module_& m);
 
 }  // namespace diffcomm_python

@@ -18,6 +18,7 @@ NB_MODULE(_core, m) {
   bind_encoder_parallel(m);
   bind_sim(m);
   bind_equivalence(m);
+  bind_replay(m);
   bind_backends(m);
   bind_torch_transport(m);
 }
