@@ -226,6 +226,47 @@ TEST(FlightDump, DumpOnErrorNeverThrows) {
   EXPECT_NO_THROW(fr.dump_on_error());
 }
 
+// A rank ending on an uncaught C++ exception (std::terminate) leaves its
+// dump: diffcomm's terminate handler writes every recorder that has a dump
+// directory, then the previous handler ends the process as before.
+void die_uncaught(const std::string& dir) {
+  dist::Options o = sized(4);
+  o.flight_recorder_dump_dir = dir;
+  auto fr = FlightRecorder::for_rank(o, 3, 4);
+  record(*fr, "world", OpType::AllReduce, 0);
+  std::terminate();
+}
+
+TEST(FlightRecorderDeathTest, UncaughtErrorDumpsAtExit) {
+  GTEST_FLAG_SET(death_test_style, "fast");  // fork: the child shares `dir`
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fr-exit-" + std::to_string(::getpid()))).string();
+  EXPECT_DEATH(die_uncaught(dir), "");
+  const FlightDump d = read_flight_dump(dir + "/rank-3.json");  // written by the child
+  EXPECT_EQ(d.world_size, 4);
+  ASSERT_EQ(d.entries.size(), 1u);
+  EXPECT_EQ(d.entries[0].op, OpType::AllReduce);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FlightRecorder, DumpAllOnErrorAsksOnlyRecordersWithADumpDirectory) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fr-all-" + std::to_string(::getpid()))).string();
+  const int before = FlightRecorder::dump_all_on_error();
+  dist::Options o = sized(4);
+  o.flight_recorder_dump_dir = dir;
+  {
+    auto with_dir = FlightRecorder::for_rank(o, 1, 2);
+    auto without = FlightRecorder::for_rank(sized(4), 0, 2);
+    record(*with_dir, "world", OpType::Barrier, 0);
+    EXPECT_EQ(FlightRecorder::dump_all_on_error(), before + 1);
+    EXPECT_TRUE(std::filesystem::exists(dir + "/rank-1.json"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/rank-0.json"));
+  }
+  EXPECT_EQ(FlightRecorder::dump_all_on_error(), before);  // destroyed: unregistered
+  std::filesystem::remove_all(dir);
+}
+
 TEST(FlightRecorderOptions, SizeFromEnvironmentDefault2000) {
   ::unsetenv("DIFFCOMM_FR_SIZE");
   EXPECT_EQ(dist::Options{}.resolved_flight_recorder_size(), 2000u);

@@ -68,8 +68,9 @@ TEST(Unpickle, TruncatedStreamNamesTheFileAndOffset) {
 
 TEST(Unpickle, RefusesGlobalsSoReadingNeverRunsCode) {
   // pickle.dumps(b'by', protocol=2) calls _codecs.encode through GLOBAL + REDUCE
-  const std::string bytes = from_hex("8002635f636f646563730a656e636f64650a71005802000000627971015806"
-                                     "0000006c6174696e3171028671035271042e");
+  const std::string bytes = from_hex(
+      "8002635f636f646563730a656e636f64650a71005802000000627971015806"
+      "0000006c6174696e3171028671035271042e");
   try {
     detail::unpickle(bytes, "evil.pkl");
     FAIL() << "no error";
@@ -112,7 +113,7 @@ TEST(TorchFlightDump, GroupsCallsAndStatesAreMapped) {
   EXPECT_EQ(first.seq, 0u);  // torch's collective_seq_id 1
   EXPECT_EQ(first.input_shapes, std::vector<Shape>{{3}});
   EXPECT_EQ(first.state, dist::FlightRecord::State::Completed);
-  EXPECT_EQ(d.entries[1].dtype, DType::Float64);  // the float64 broadcast
+  EXPECT_EQ(d.entries[1].dtype, DType::Float64);          // the float64 broadcast
   EXPECT_EQ(d.entries.back().op, dist::OpType::Barrier);  // issued, never waited for
   EXPECT_EQ(d.entries.back().state, dist::FlightRecord::State::Issued);
   // the subgroup's int64 all_reduce is on group '1' as its call #0
@@ -132,11 +133,10 @@ struct Expected {
 };
 
 TEST(TorchFlightDump, BrokenJobsReplayToTheirFailure) {
-  const std::vector<Expected> cases{
-      {"dtype-pkl", Verdict::Mismatch, "all_reduce", {0, 1}, "dtype"},
-      {"size-json", Verdict::Mismatch, "all_reduce", {0, 2}, "shape"},
-      {"op-pkl", Verdict::Mismatch, "broadcast", {0, 1}, "op"},
-      {"skip-pkl", Verdict::Deadlock, "barrier", {2}, ""}};
+  const std::vector<Expected> cases{{"dtype-pkl", Verdict::Mismatch, "all_reduce", {0, 1}, "dtype"},
+                                    {"size-json", Verdict::Mismatch, "all_reduce", {0, 2}, "shape"},
+                                    {"op-pkl", Verdict::Mismatch, "broadcast", {0, 1}, "op"},
+                                    {"skip-pkl", Verdict::Deadlock, "barrier", {2}, ""}};
   for (const Expected& c : cases) {
     const ReplayReport rep = replay(read_dumps(fixture(c.dir)));
     EXPECT_EQ(rep.verdict, c.verdict) << c.dir << ": " << replay_text(rep);
@@ -158,8 +158,8 @@ TEST(TorchFlightDump, OneRanksWrappedRingIsIncompleteNotAMismatch) {
 
 // A copy of fixture `from` in a fresh directory, for damaging.
 std::string copy_of(const std::string& from) {
-  const fs::path dir = fs::temp_directory_path() /
-                       ("diffcomm-torch-fr-" + std::to_string(::getpid()) + "-" + from);
+  const fs::path dir =
+      fs::temp_directory_path() / ("diffcomm-torch-fr-" + std::to_string(::getpid()) + "-" + from);
   fs::remove_all(dir);
   fs::copy(fixture(from), dir);
   return dir.string();

@@ -57,7 +57,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _context, _core, _mpi_job, _participation
+from . import _context, _core, _exit_dump, _mpi_job, _participation
 from ._core import InvalidArgument
 from ._core import encoder_parallel as _ep
 from ._core import nn as _nn
@@ -163,6 +163,7 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
             f"init_process_group: unknown backend {backend!r} (torch, mpi, nccl); for gloo, "
             f"call torch.distributed.init_process_group('gloo') and then "
             f"init_process_group('torch')")
+    _exit_dump.install_hook()  # after _mpi_job's: the dump is written before MPI_Abort
     _context.set_process_group(pg)
     return pg
 

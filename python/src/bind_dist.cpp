@@ -103,6 +103,24 @@ std::unique_ptr<dc::mpi::Environment> g_mpi_env;
 
 void bind_dist(nb::module_& m) {
   bind_reduce_op(m);
+  nb::class_<dc::dist::FlightRecorder>(
+      m, "FlightRecorder",
+      "A rank's flight recorder (dist/flight_recorder.hpp): its last calls, shared by every group "
+      "of the rank.")
+      .def_prop_ro("capacity", &dc::dist::FlightRecorder::capacity, "Ring size (entries).")
+      .def_prop_ro("dump_dir", &dc::dist::FlightRecorder::dump_dir,
+                   "Where errors dump ('' = nowhere): DIFFCOMM_FR_DUMP_DIR.")
+      .def("dump",
+           nb::overload_cast<const std::string&>(&dc::dist::FlightRecorder::dump, nb::const_),
+           "dir"_a,
+           "Writes this rank's dump as dir/rank-<global rank>.json (flight_dump.hpp's schema); "
+           "returns its path. Never communicates. Raises InvalidArgument when it cannot write.")
+      .def("__str__", nb::overload_cast<>(&dc::dist::FlightRecorder::dump, nb::const_),
+           "The newest 64 records, one line each.");
+  m.def("dump_flight_recorders_on_error", &dc::dist::FlightRecorder::dump_all_on_error,
+        "Every live production recorder with a dump directory writes its dump; the package's "
+        "sys.excepthook calls it for a rank ending on an uncaught exception.");
+
   nb::class_<ProcessGroup>(m, "ProcessGroup",
                            "A diffcomm process group (ranks in every call are group-local).")
       .def("rank", &ProcessGroup::rank, "This process's (thread's) rank in the group.")
@@ -120,6 +138,8 @@ void bind_dist(nb::module_& m) {
                                       " is not a member of group '" + g.name() + "'");
           },
           "global_rank"_a, "Group-local rank of a member given its global rank.")
+      .def("flight_recorder", &ProcessGroup::flight_recorder, nb::rv_policy::reference_internal,
+           "This rank's flight recorder (shared by all its groups).")
       .def_prop_ro("name", &ProcessGroup::name)
       .def_prop_ro("backend_name", [](const ProcessGroup& g) { return g.backend().backend_name(); })
       .def(

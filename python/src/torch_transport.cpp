@@ -17,6 +17,7 @@
 #include "bind.hpp"
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/dist/backend/layers.hpp"
+#include "diffcomm/dist/flight_recorder.hpp"
 
 namespace diffcomm_python {
 namespace {
@@ -169,7 +170,9 @@ void bind_torch_transport(nb::module_& m) {
           return std::make_shared<TorchTransport>(make_control(), deadline);
         };
         auto backend = dc::dist::stack_layers(transport, o, control, transport->control_device());
-        return ProcessGroup(std::move(backend), name, nullptr);
+        // Options{}: DIFFCOMM_FR_SIZE / DIFFCOMM_FR_DUMP_DIR; dumps named by the torch rank.
+        auto recorder = dc::dist::FlightRecorder::for_rank(o, transport->rank(), transport->size());
+        return ProcessGroup(std::move(backend), name, nullptr, std::move(recorder));
       },
       "ops"_a, "make_control"_a, "name"_a = "torch", "check"_a = nb::none(),
       "native_reduction"_a = false, "timeout_s"_a = nb::none(),

@@ -71,13 +71,15 @@ Json load(const std::string& path, int rank) {
       j = Json::parse(bytes);
     } catch (const Json::parse_error& e) {
       // e.byte counts the characters read (1-based); the offset is 0-based.
-      throw InvalidArgument(fmt::format("{}: JSON syntax error at offset {}", path,
-                                        e.byte > 0 ? e.byte - 1 : 0));
+      throw InvalidArgument(
+          fmt::format("{}: JSON syntax error at offset {}", path, e.byte > 0 ? e.byte - 1 : 0));
     }
   }
   if (!j.is_object() || !j.contains("entries") || !j.at("entries").is_array())
-    throw InvalidArgument(fmt::format("{}: not a torch flight recorder dump (no entries list; "
-                                      "rank {} from its name)", path, rank));
+    throw InvalidArgument(
+        fmt::format("{}: not a torch flight recorder dump (no entries list; "
+                    "rank {} from its name)",
+                    path, rank));
   return j;
 }
 
@@ -91,14 +93,16 @@ std::vector<TorchFile> list_files(const std::string& dir) {
     const std::string n = f.path().filename().string();
     if (!f.is_regular_file() || !std::regex_match(n, m, name)) continue;
     if (!by_rank.empty() && m[1] != prefix)
-      throw InvalidArgument(fmt::format("{}: dumps with two name prefixes, '{}' and '{}'", dir,
-                                        prefix, m[1].str()));
+      throw InvalidArgument(
+          fmt::format("{}: dumps with two name prefixes, '{}' and '{}'", dir, prefix, m[1].str()));
     prefix = m[1];
     by_rank[std::stoi(m[2])] = f.path().string();
   }
   if (by_rank.empty())
-    throw InvalidArgument(fmt::format("{}: no flight recorder dumps (rank-<r>.json, or torch's "
-                                      "<prefix><rank>)", dir));
+    throw InvalidArgument(
+        fmt::format("{}: no flight recorder dumps (rank-<r>.json, or torch's "
+                    "<prefix><rank>)",
+                    dir));
   std::vector<TorchFile> files;
   for (const auto& [r, path] : by_rank) files.push_back({path, r, load(path, r)});
   return files;
@@ -121,8 +125,9 @@ void check_no_gap(const std::vector<TorchFile>& files, int world, const std::str
   const std::string example = fs::path(files.front().path).filename().string();
   for (int r = 0; r < world; ++r)
     if (have.count(r) == 0)
-      throw InvalidArgument(fmt::format(
-          "{}: no dump of rank {} (the world has {} ranks; found e.g. {})", dir, r, world, example));
+      throw InvalidArgument(
+          fmt::format("{}: no dump of rank {} (the world has {} ranks; found e.g. {})", dir, r,
+                      world, example));
 }
 
 // Every group's members: the world, pg_config where it names the group,
@@ -175,22 +180,29 @@ OpType op_of(const Json& e, const std::string& file, std::size_t entry) {
   const std::string p = e.at("profiling_name").get<std::string>();
   const std::string op = p.substr(p.find(':') + 1);
   static const std::map<std::string, OpType> ops{
-      {"all_reduce", OpType::AllReduce},   {"allreduce", OpType::AllReduce},
-      {"broadcast", OpType::Broadcast},    {"reduce", OpType::Reduce},
-      {"all_gather", OpType::AllGatherSingle}, {"allgather", OpType::AllGatherSingle},
+      {"all_reduce", OpType::AllReduce},
+      {"allreduce", OpType::AllReduce},
+      {"broadcast", OpType::Broadcast},
+      {"reduce", OpType::Reduce},
+      {"all_gather", OpType::AllGatherSingle},
+      {"allgather", OpType::AllGatherSingle},
       {"_allgather_base", OpType::AllGatherSingle},
       {"all_gather_into_tensor", OpType::AllGatherSingle},
-      {"gather", OpType::Gather},          {"scatter", OpType::Scatter},
+      {"gather", OpType::Gather},
+      {"scatter", OpType::Scatter},
       {"reduce_scatter", OpType::ReduceScatterSingle},
       {"_reduce_scatter_base", OpType::ReduceScatterSingle},
       {"reduce_scatter_tensor", OpType::ReduceScatterSingle},
-      {"all_to_all", OpType::AllToAllSingle}, {"alltoall", OpType::AllToAllSingle},
-      {"alltoall_base", OpType::AllToAllSingle}, {"barrier", OpType::Barrier},
-      {"send", OpType::Send},              {"recv", OpType::Recv}};
+      {"all_to_all", OpType::AllToAllSingle},
+      {"alltoall", OpType::AllToAllSingle},
+      {"alltoall_base", OpType::AllToAllSingle},
+      {"barrier", OpType::Barrier},
+      {"send", OpType::Send},
+      {"recv", OpType::Recv}};
   const auto it = ops.find(op);
   if (it == ops.end())
-    throw InvalidArgument(fmt::format("{}: entry {}: torch op '{}' has no diffcomm equivalent",
-                                      file, entry, p));
+    throw InvalidArgument(
+        fmt::format("{}: entry {}: torch op '{}' has no diffcomm equivalent", file, entry, p));
   if (it->second == OpType::AllToAllSingle && e.at("input_sizes").size() > 1)
     return OpType::AllToAll;
   return it->second;
@@ -217,7 +229,10 @@ void set_shapes(FlightRecord& r, const Json& e) {
   const auto n = static_cast<std::size_t>(r.group_size);
   switch (r.op) {
     case OpType::Barrier: return;
-    case OpType::AllToAllSingle: r.input_shapes = {{0}}; r.output_shapes = {{0}}; return;
+    case OpType::AllToAllSingle:
+      r.input_shapes = {{0}};
+      r.output_shapes = {{0}};
+      return;
     case OpType::AllGatherSingle:
     case OpType::ReduceScatterSingle:
       r.input_shapes = {numel_shape(in)};
@@ -273,8 +288,8 @@ FlightRecord record_of(const TorchFile& f, const Json& e, const Groups& groups,
   const std::vector<int>& m = groups.members.at(r.group);
   const auto at = std::find(m.begin(), m.end(), f.rank);
   if (at == m.end())
-    throw InvalidArgument(fmt::format("{}: entry {}: rank {} is not a member of group '{}'",
-                                      f.path, i, f.rank, r.group));
+    throw InvalidArgument(fmt::format("{}: entry {}: rank {} is not a member of group '{}'", f.path,
+                                      i, f.rank, r.group));
   r.group_rank = static_cast<int>(at - m.begin());
   r.group_size = static_cast<int>(m.size());
   r.op = op_of(e, f.path, i);
@@ -295,7 +310,7 @@ FlightRecord record_of(const TorchFile& f, const Json& e, const Groups& groups,
 }
 
 dist::DumpedGroup& group_entry(std::map<std::string, dist::DumpedGroup>& dumped,
-                              const std::string& name, const Groups& groups, int rank) {
+                               const std::string& name, const Groups& groups, int rank) {
   dist::DumpedGroup& g = dumped[name];
   if (g.group.name.empty()) {
     const std::vector<int>& m = groups.members.at(name);
@@ -336,7 +351,8 @@ dist::FlightDump dump_of(const TorchFile& f, int world, const Groups& groups) {
     if (const char* u = unknown_of(r.op)) note(d, u);
     if (groups.inferred.count(r.group) != 0)
       note(d, fmt::format("members of group '{}' (no pg_config entry: taken as the ranks whose "
-                          "dumps record it)", r.group));
+                          "dumps record it)",
+                          r.group));
     if (r.op == OpType::Send || r.op == OpType::Recv) continue;  // no peer: not replayed
     dist::DumpedGroup& g = group_entry(dumped, r.group, groups, f.rank);
     g.group.calls = std::max(g.group.calls, r.seq + 1);
@@ -368,8 +384,8 @@ std::vector<dist::FlightDump> read_torch_dumps(const std::string& dir) {
     try {
       dumps.push_back(dump_of(f, world, groups));
     } catch (const Json::exception& e) {
-      throw InvalidArgument(fmt::format("{}: a field is missing or of the wrong type: {}",
-                                        f.path, e.what()));
+      throw InvalidArgument(
+          fmt::format("{}: a field is missing or of the wrong type: {}", f.path, e.what()));
     }
   }
   return dumps;

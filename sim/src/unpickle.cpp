@@ -76,9 +76,12 @@ class Unpickler {
   }
   void set_item(Json& dict, const Json& key, Json value, std::size_t at) {
     if (!dict.is_object()) fail(at, "SETITEM on a non-dict");
-    if (key.is_string()) dict[key.get<std::string>()] = std::move(value);
-    else if (key.is_number_integer()) dict[key.dump()] = std::move(value);
-    else fail(at, "dict key of type {}", key.type_name());
+    if (key.is_string())
+      dict[key.get<std::string>()] = std::move(value);
+    else if (key.is_number_integer())
+      dict[key.dump()] = std::move(value);
+    else
+      fail(at, "dict key of type {}", key.type_name());
   }
   void append(Json& list, Json value, std::size_t at) {
     if (!list.is_array()) fail(at, "APPEND to a non-list");
@@ -122,21 +125,21 @@ class Unpickler {
 
 void Unpickler::step(uint8_t op, std::size_t at) {
   switch (op) {
-    case 0x80: take(1); return;                  // PROTO
-    case 0x95: take(8); return;                  // FRAME
-    case '(': marks_.push_back(stack_.size()); return;  // MARK
-    case '}': push(Json::object()); return;      // EMPTY_DICT
-    case ']': push(Json::array()); return;       // EMPTY_LIST
-    case ')': push(Json::array()); return;       // EMPTY_TUPLE
-    case 'N': push(nullptr); return;             // NONE
-    case 0x88: push(true); return;               // NEWTRUE
-    case 0x89: push(false); return;              // NEWFALSE
-    case 'K': push(static_cast<int64_t>(uint_le(1))); return;  // BININT1
-    case 'M': push(static_cast<int64_t>(uint_le(2))); return;  // BININT2
+    case 0x80: take(1); return;                                                      // PROTO
+    case 0x95: take(8); return;                                                      // FRAME
+    case '(': marks_.push_back(stack_.size()); return;                               // MARK
+    case '}': push(Json::object()); return;                                          // EMPTY_DICT
+    case ']': push(Json::array()); return;                                           // EMPTY_LIST
+    case ')': push(Json::array()); return;                                           // EMPTY_TUPLE
+    case 'N': push(nullptr); return;                                                 // NONE
+    case 0x88: push(true); return;                                                   // NEWTRUE
+    case 0x89: push(false); return;                                                  // NEWFALSE
+    case 'K': push(static_cast<int64_t>(uint_le(1))); return;                        // BININT1
+    case 'M': push(static_cast<int64_t>(uint_le(2))); return;                        // BININT2
     case 'J': push(static_cast<int64_t>(static_cast<int32_t>(uint_le(4)))); return;  // BININT
-    case 0x8a: long_of(uint_le(1), at); return;  // LONG1
-    case 0x8b: long_of(uint_le(4), at); return;  // LONG4
-    case 'G': {                                  // BINFLOAT: big-endian double
+    case 0x8a: long_of(uint_le(1), at); return;                                      // LONG1
+    case 0x8b: long_of(uint_le(4), at); return;                                      // LONG4
+    case 'G': {  // BINFLOAT: big-endian double
       const std::string_view s = take(8);
       uint64_t bits = 0;
       for (char c : s) bits = (bits << 8) | static_cast<uint8_t>(c);
@@ -184,11 +187,11 @@ void Unpickler::step(uint8_t op, std::size_t at) {
         set_item(dict, *items[i], value_of(items[i + 1]), at);
       return;
     }
-    case 'q': memo_put(uint_le(1), at); return;          // BINPUT
-    case 'r': memo_put(uint_le(4), at); return;          // LONG_BINPUT
-    case 0x94: memo_put(memo_.size(), at); return;       // MEMOIZE
-    case 'h': memo_get(uint_le(1), at); return;          // BINGET
-    case 'j': memo_get(uint_le(4), at); return;          // LONG_BINGET
+    case 'q': memo_put(uint_le(1), at); return;     // BINPUT
+    case 'r': memo_put(uint_le(4), at); return;     // LONG_BINPUT
+    case 0x94: memo_put(memo_.size(), at); return;  // MEMOIZE
+    case 'h': memo_get(uint_le(1), at); return;     // BINGET
+    case 'j': memo_get(uint_le(4), at); return;     // LONG_BINGET
     default: fail(at, "opcode 0x{:02x} is not one a flight recorder dump uses", op);
   }
 }

@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "diffcomm/dist/flight_dump.hpp"
+#include "flight_recorder_exit.hpp"
 
 namespace diffcomm::dist {
 namespace {
@@ -31,7 +32,20 @@ FlightRecorder::FlightRecorder(const Options& options)
     : ring_(options.resolved_flight_recorder_size()),
       origin_(std::chrono::steady_clock::now()),
       detailed_(true),
-      dump_dir_(options.resolved_flight_recorder_dump_dir()) {}
+      dump_dir_(options.resolved_flight_recorder_dump_dir()) {
+  if (!dump_dir_.empty()) detail::register_for_exit_dump(this);
+}
+
+FlightRecorder::~FlightRecorder() {
+  if (!dump_dir_.empty()) detail::unregister_for_exit_dump(this);
+}
+
+std::shared_ptr<FlightRecorder> FlightRecorder::for_rank(const Options& options, int global_rank,
+                                                         int world_size) {
+  auto recorder = std::make_shared<FlightRecorder>(options);
+  recorder->set_identity(global_rank, world_size);
+  return recorder;
+}
 
 FlightRecorder::FlightRecorder(Clock clock, const void* context)
     : ring_(kSimCapacity), clock_(clock), context_(context) {}

@@ -6,7 +6,8 @@
 // raises; written as a JSON dump (flight_dump.hpp) on request (dump(dir))
 // and, when a dump directory is set (Options::flight_recorder_dump_dir,
 // DIFFCOMM_FR_DUMP_DIR), by the funnel when a call raises Timeout,
-// CollectiveMismatch or BackendError. One recorder per rank, shared by every
+// CollectiveMismatch or BackendError, and at exit after an uncaught error
+// (dump_all_on_error). One recorder per rank, shared by every
 // group made from that rank's world group; never per thread.
 //
 // Two kinds: a production recorder (MPI, NCCL, torch transport) is
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -98,6 +100,14 @@ class FlightRecorder {
   /// CostModel time, Rank::now_us), the same on every run of a seed, and no
   /// clock read per call. `context` must outlive the recorder.
   FlightRecorder(Clock clock, const void* context);
+  /// A production recorder with `options`, named as global rank
+  /// `global_rank` of `world_size` (set_identity), as backends make them.
+  static std::shared_ptr<FlightRecorder> for_rank(const Options& options, int global_rank,
+                                                  int world_size);
+  ~FlightRecorder();
+  // Registered by address while a dump directory is set (exit dumps).
+  FlightRecorder(const FlightRecorder&) = delete;
+  FlightRecorder& operator=(const FlightRecorder&) = delete;
 
   /// Ring size (entries).
   std::size_t capacity() const { return ring_.size(); }
@@ -139,6 +149,13 @@ class FlightRecorder {
   /// to write is one line on stderr). The funnel calls it after a call
   /// raised Timeout, CollectiveMismatch or BackendError.
   void dump_on_error() const noexcept;
+  /// dump_on_error() of every live production recorder that has a dump
+  /// directory, for a process ending on an uncaught error: diffcomm's
+  /// std::terminate handler (installed with the first such recorder; it
+  /// then calls the handler it replaced) and the Python package's
+  /// sys.excepthook call it. Returns how many recorders it asked. Never
+  /// throws, never communicates.
+  static int dump_all_on_error() noexcept;
 
  private:
   friend struct detail::SchedulerAccess;

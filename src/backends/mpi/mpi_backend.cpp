@@ -669,13 +669,11 @@ std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const std::string& na
 // The rank's flight recorder (Options' size and dump directory), named by
 // its rank in MPI_COMM_WORLD: dumps are DIR/rank-<world rank>.json.
 std::shared_ptr<dist::FlightRecorder> make_recorder(const dist::Options& options) {
-  auto recorder = std::make_shared<dist::FlightRecorder>(options);
   int rank = 0;
   int size = 0;
   check_plain(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
   check_plain(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
-  recorder->set_identity(rank, size);
-  return recorder;
+  return dist::FlightRecorder::for_rank(options, rank, size);
 }
 }  // namespace
 

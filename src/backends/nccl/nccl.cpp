@@ -6,6 +6,7 @@
 
 #include "diffcomm/dist/backend/forwarding.hpp"
 #include "diffcomm/dist/backend/layers.hpp"
+#include "diffcomm/dist/flight_recorder.hpp"
 #include "diffcomm/dist/group.hpp"
 #include "nccl_backend.hpp"
 
@@ -114,8 +115,10 @@ dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int d
                                 : owned_stream(device);
   ncclComm_t comm = nullptr;
   DIFFCOMM_NCCL_PLAIN(ncclCommInitRank(&comm, nranks, id, rank), what);
+  // Dumps are named by the rank in this communicator (rank-<rank>.json).
   return dist::ProcessGroup(layered(adopt(comm, std::move(stream), options), comm, options),
-                            std::move(name), nullptr);
+                            std::move(name), nullptr,
+                            dist::FlightRecorder::for_rank(options, rank, nranks));
 }
 
 dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options options,
@@ -126,7 +129,12 @@ dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options optio
   options.stream = stream;
   auto holder = std::make_shared<StreamHolder>(stream, false, device);
   auto data = std::make_shared<NcclBackend>(comm, false, std::move(holder), options);
-  return dist::ProcessGroup(layered(std::move(data), comm, options), std::move(name), nullptr);
+  int rank = 0;
+  int nranks = 0;
+  DIFFCOMM_NCCL_PLAIN(ncclCommUserRank(comm, &rank), "nccl::from_comm");
+  DIFFCOMM_NCCL_PLAIN(ncclCommCount(comm, &nranks), "nccl::from_comm");
+  return dist::ProcessGroup(layered(std::move(data), comm, options), std::move(name), nullptr,
+                            dist::FlightRecorder::for_rank(options, rank, nranks));
 }
 
 ncclComm_t comm(const dist::ProcessGroup& group) { return backend_of(group, "comm").comm(); }
