@@ -747,6 +747,8 @@ def tokens_models_and_videos(cli):
         r = cli.run("step", "--images", path, "--model", model, "--ranks", 4, "--cp", 2, "--tp", 2,
                     "--sp", "--json", rc=PASSED)
         expect(json.loads(r.out)["check"]["passed"], r.describe())
+        b = json.loads(r.out)["bytes"]  # video groups are routed by row like images
+        expect(b["total"] == b["owner_minimum"], f"{model}: {b}")
 
 
 @scenario
