@@ -101,8 +101,8 @@ struct PlanStats {
 struct Transfer {
   std::vector<int64_t> splits;  ///< rows per exchange rank
   std::vector<int64_t> items;   ///< item id of each piece, in row order
-  std::vector<std::pair<int64_t, int64_t>>
-      ranges;  ///< per piece: its rows [begin, end) of the item
+  /// Per piece: its rows [begin, end) within the item.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
 };
 
 /// The plan of one micro-batch. Identical on every rank of the exchange.
