@@ -132,15 +132,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   }
   // Success: the plan was valid and each rank got the rows the plan sends it.
   plan.validate();
+  // Every item whole in the all-gather and local modes; in the A2A modes
+  // (row-level routing) a destination gets the rows of the tokens it owns.
   for (int q = 0; q < exchange; ++q) {
     int64_t want = 0;
     for (std::size_t i = 0; i < plan.items.size(); ++i) {
+      const auto& it = plan.items[i];
       const auto& d = plan.destinations[i];
-      const bool to_q = plan.mode == ep::FeatureExchangeMode::TpVariableAllGather ||
-                        (plan.mode == ep::FeatureExchangeMode::Local
-                             ? true
-                             : std::find(d.begin(), d.end(), q) != d.end());
-      if (to_q) want += plan.items[i].output_rows;
+      if (plan.mode == ep::FeatureExchangeMode::TpVariableAllGather ||
+          plan.mode == ep::FeatureExchangeMode::Local) {
+        want += it.output_rows;
+        continue;
+      }
+      if (std::find(d.begin(), d.end(), q) == d.end()) continue;
+      const int64_t lo = it.decoder_token_start, hi = lo + it.output_rows;
+      for (const auto& [b, e] : plan.owned(it.batch_index, q))
+        want += std::max<int64_t>(0, std::min(hi, e) - std::max(lo, b));
     }
     if (received[static_cast<std::size_t>(q)] != want) std::abort();
   }

@@ -8,7 +8,10 @@
 //     gradients within 1e-12 relative (float64).
 //  2. On the same cases every rank computed the same plan as one computed
 //     here, outside the world, and every exchange rank received exactly the
-//     items the plan routes to it, with the reference's feature rows.
+//     records the plan routes to it (in the A2A modes: the runs of each
+//     item's tokens it owns), with the reference's feature rows. And the
+//     exchange moves exactly the owner minimum: stats' total_bytes equals
+//     owner_minimum_bytes equals a token-by-token count (issue 27 item 1).
 //  3. Zero-row ranks take part in backward: batches of one sample with a
 //     single 1..3-token image (or none), on the same random meshes, complete
 //     (no Deadlock) and still match the reference on every rank.
@@ -201,21 +204,47 @@ std::vector<ep::StepRankResult> run_world(const StepCase& c) {
   return out;
 }
 
-/// The items the plan routes to exchange rank e, in transport order
-/// (producer, then bucket order): every item in the all-gather mode, the
-/// items whose destinations include e in the A2A modes, the rank's own
-/// bucket in the local mode. Written from the plan's documented meaning.
-std::vector<int64_t> planned_arrivals(const ep::ExchangePlan& plan, int e) {
-  std::vector<int64_t> ids;
+/// A received record: item id, first token, rows.
+using Arrival = std::tuple<int64_t, int64_t, int64_t>;
+
+/// The records the plan routes to exchange rank e, in transport order
+/// (producer, then bucket order): every item whole in the all-gather mode,
+/// the rank's own bucket in the local mode; in the A2A modes, for each item
+/// whose destinations include e, each maximal run of its tokens that e owns
+/// (row-level routing). Written from the plan's documented meaning, token by
+/// token, not from ExchangePlan::sends/receives/owned_rows.
+std::vector<Arrival> planned_arrivals(const ep::ExchangePlan& plan, int e) {
+  std::vector<Arrival> out;
+  const bool whole = plan.mode == ep::FeatureExchangeMode::TpVariableAllGather ||
+                     plan.mode == ep::FeatureExchangeMode::Local;
   for (const auto& bucket : plan.buckets)
     for (int64_t id : bucket) {
+      const auto& it = plan.items[static_cast<std::size_t>(id)];
       const auto& dst = plan.destinations[static_cast<std::size_t>(id)];
-      const bool to_e = plan.mode == ep::FeatureExchangeMode::TpVariableAllGather ||
-                        plan.mode == ep::FeatureExchangeMode::Local ||
-                        std::find(dst.begin(), dst.end(), e) != dst.end();
-      if (to_e) ids.push_back(id);
+      if (whole) {
+        out.emplace_back(id, it.decoder_token_start, it.output_rows);
+        continue;
+      }
+      if (std::find(dst.begin(), dst.end(), e) == dst.end()) continue;
+      const auto mine = plan.owned(it.batch_index, e);
+      auto owns = [&](int64_t t) {
+        return std::any_of(mine.begin(), mine.end(),
+                           [&](const auto& r) { return r.first <= t && t < r.second; });
+      };
+      const int64_t end = it.decoder_token_start + it.output_rows;
+      for (int64_t t = it.decoder_token_start; t < end; ++t)
+        if (owns(t) && (t == it.decoder_token_start || !owns(t - 1)))
+          out.emplace_back(id, t, 1);
+        else if (owns(t))
+          ++std::get<2>(out.back());
     }
-  return ids;
+  return out;
+}
+
+std::string arrivals_text(const std::vector<Arrival>& a) {
+  std::string s;
+  for (const auto& [id, t, n] : a) s += fmt::format(" {}@{}+{}", id, t, n);
+  return s;
 }
 
 /// Checks, on every rank: the plan fingerprint equals the plan computed here;
@@ -232,14 +261,14 @@ void check_plan_and_routing(const StepCase& c, const std::vector<ep::StepRankRes
     if (r.plan_fingerprint != plan.fingerprint())
       RC_FAIL(fmt::format("rank {} computed plan\n  {}\nbut the plan is\n  {}\n[{}]", r.rank,
                           r.plan_fingerprint, plan.fingerprint(), describe(c)));
-    std::vector<int64_t> got;
-    for (const auto& it : r.received_items) got.push_back(it.item_id);
+    std::vector<Arrival> got;
+    for (const auto& it : r.received_items)
+      got.emplace_back(it.item_id, it.decoder_token_start, it.output_rows);
     const auto want = planned_arrivals(plan, r.exchange_rank);
     if (got != want)
-      RC_FAIL(fmt::format(
-          "rank {} (exchange rank {}) received items [{}], the plan routes [{}] "
-          "[{}]",
-          r.rank, r.exchange_rank, fmt::join(got, ","), fmt::join(want, ","), describe(c)));
+      RC_FAIL(fmt::format("rank {} (exchange rank {}) received [{}], the plan routes [{}] [{}]",
+                          r.rank, r.exchange_rank, arrivals_text(got), arrivals_text(want),
+                          describe(c)));
     const auto rows = r.routed_rows.to_vector();
     std::size_t at = 0;
     for (const auto& it : r.received_items) {
@@ -307,6 +336,45 @@ RC_GTEST_PROP(EncoderParallel, PlanIdenticalOnEveryRankAndRowsArriveWherePlanned
   RC_LOG() << describe(c) << "\n";
   const auto ranks = run_world(c);
   check_plan_and_routing(c, ranks, ep::reference_step(c.cfg, c.per_dp));
+}
+
+/// Rows the producer does not own, counted token by token over every owner
+/// (owned_ranges directly): the owner minimum, independently of the planner.
+uint64_t owner_rows_by_token(const ep::ExchangePlan& plan) {
+  uint64_t rows = 0;
+  for (const auto& it : plan.items) {
+    const int producer = plan.producer(plan.bucket_of[static_cast<std::size_t>(it.item_id)]);
+    const int64_t len = plan.seq_lens[static_cast<std::size_t>(it.batch_index)];
+    for (int r = 0; r < plan.exchange_size; ++r) {
+      if (r == producer) continue;
+      const int c =
+          plan.mode == ep::FeatureExchangeMode::ParentVariableA2A ? r / plan.decoder.tp : 0;
+      const int t =
+          plan.mode == ep::FeatureExchangeMode::ParentVariableA2A ? r % plan.decoder.tp : r;
+      for (const auto& [lo, hi] : ep::owned_ranges(len, plan.decoder, c, t))
+        for (int64_t k = it.decoder_token_start; k < it.decoder_token_start + it.output_rows; ++k)
+          rows += (lo <= k && k < hi) ? 1 : 0;
+    }
+  }
+  return rows;
+}
+
+RC_GTEST_PROP(EncoderParallel, ExchangeMovesExactlyTheOwnerMinimum, ()) {
+  // Row-level routing: every row crosses once to each rank owning its token
+  // and never elsewhere, so the bytes the send path moves (stats, from
+  // sends()) equal the owner minimum, which equals a token-by-token count.
+  const StepCase c = gen_step_case();
+  RC_LOG() << describe(c) << "\n";
+  for (const auto& b : c.per_dp) {
+    const auto plan = ep::plan_exchange(b, c.cfg.decoder, c.cfg.encoder);
+    const auto st = plan.stats(c.cfg.hidden, DType::Float64);
+    const uint64_t row_bytes = static_cast<uint64_t>(c.cfg.hidden) * 8;
+    const uint64_t by_token = owner_rows_by_token(plan) * row_bytes;
+    if (st.total_bytes != st.owner_minimum_bytes || st.owner_minimum_bytes != by_token)
+      RC_FAIL(fmt::format("total {} B, owner_minimum {} B, token-by-token count {} B [{}]",
+                          st.total_bytes, st.owner_minimum_bytes, by_token, describe(c)));
+  }
+  RC_TAG(ep::mode_name(ep::select_feature_exchange(c.cfg.decoder.context(0, 0))));
 }
 
 RC_GTEST_PROP(EncoderParallel, ZeroRowRanksTakePartInBackward, ()) {

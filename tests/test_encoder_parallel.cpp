@@ -451,23 +451,27 @@ TEST(Planner, EmptyBatchAndImagelessSamples) {
 
 TEST(Planner, StatsClosedFormsA2A) {
   // five_images on cp 1, tp 2, SP (A2A), hidden 4 float64: 32 bytes a row.
-  // b0 = {0, 1, 4} on rank 0: item 0 (1 row) -> 0; item 1 (3) -> 0, 1;
-  // item 4 (1) -> 1. b1 = {2, 3} on rank 1: item 2 (2) -> 0; item 3 (2) -> 1.
-  // (0,0) 4 rows, (0,1) 4, (1,0) 2, (1,1) 2. Crossing: 6 rows = 192 bytes.
+  // Rank 0 owns tokens [0, 4) of each sample, rank 1 [4, 8); each rank gets
+  // only the rows of its tokens. b0 = {0, 1, 4} on rank 0: item 0 (1 row) ->
+  // 0; item 1 (tokens 3..5) -> row 0 to rank 0, rows 1..2 to rank 1; item 4
+  // (1) -> 1. b1 = {2, 3} on rank 1: item 2 (2) -> 0; item 3 (2) -> 1.
+  // (0,0) 2 rows, (0,1) 3, (1,0) 2, (1,1) 2. Crossing: 5 rows = 160 bytes,
+  // the owner minimum (rows the producer owns itself stay).
   const auto plan = ep::plan_exchange(five_images(), mesh_of(1, 2, true), encoder_layout(2, 1));
   const auto st = plan.stats(4, DType::Float64);
   ASSERT_EQ(st.pairs.size(), 4u);
   const std::vector<std::tuple<int, int, int64_t, uint64_t>> want = {
-      {0, 0, 4, 128}, {0, 1, 4, 128}, {1, 0, 2, 64}, {1, 1, 2, 64}};
+      {0, 0, 2, 64}, {0, 1, 3, 96}, {1, 0, 2, 64}, {1, 1, 2, 64}};
   for (std::size_t k = 0; k < want.size(); ++k) {
     EXPECT_EQ(st.pairs[k].src, std::get<0>(want[k]));
     EXPECT_EQ(st.pairs[k].dst, std::get<1>(want[k]));
     EXPECT_EQ(st.pairs[k].rows, std::get<2>(want[k]));
     EXPECT_EQ(st.pairs[k].bytes, std::get<3>(want[k]));
   }
-  EXPECT_EQ(st.total_bytes, 192u);
-  EXPECT_EQ(st.rows_sent, (std::vector<int64_t>{4, 2}));
-  EXPECT_EQ(st.rows_received, (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(st.total_bytes, 160u);
+  EXPECT_EQ(st.owner_minimum_bytes, 160u);
+  EXPECT_EQ(st.rows_sent, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(st.rows_received, (std::vector<int64_t>{2, 3}));
   // Pad-to-max all-gather: N (N-1) max_rows row_bytes = 2 * 1 * 5 * 32.
   EXPECT_EQ(st.padded_all_gather_bytes, 320u);
   EXPECT_EQ(st.bucket_patches, (std::vector<int64_t>{18, 16}));
@@ -480,25 +484,55 @@ TEST(Planner, StatsClosedFormsAllGatherAndDesignExample) {
   const auto ag = ep::plan_exchange(five_images(), mesh_of(1, 2, false), encoder_layout(2, 1));
   const auto st = ag.stats(4, DType::Float64);
   EXPECT_EQ(st.total_bytes, 288u);
+  EXPECT_EQ(st.owner_minimum_bytes, 288u);  // both ranks own every token
   EXPECT_EQ(st.rows_sent, (std::vector<int64_t>{5, 4}));
   EXPECT_EQ(st.rows_received, (std::vector<int64_t>{4, 5}));
   EXPECT_EQ(st.padded_all_gather_bytes, 320u);
   // DESIGN example, contiguous + SP, 4 buckets, hidden 8 float32 (32 bytes a
-  // row): the one image (6 rows) is made by bucket 0 on rank 0 and sent whole
-  // to ranks 1 and 2: 12 rows = 384 bytes; padded 4 * 3 * 6 * 32 = 2304;
-  // imbalance = max 24 / mean 6 = 4.
+  // row): the one image (tokens 5..10, 6 rows) is made by bucket 0 on rank 0;
+  // rank 1 owns tokens 4..7 and gets rows 0..2, rank 2 owns 8..11 and gets
+  // rows 3..5: 6 rows = 192 bytes (whole to both was 384); padded 4 * 3 * 6 *
+  // 32 = 2304; imbalance = max 24 / mean 6 = 4.
   const auto d = ep::plan_exchange(design_example(), mesh_of(2, 2, true), encoder_layout(4, 1));
   const auto ds = d.stats(8, DType::Float32);
   ASSERT_EQ(ds.pairs.size(), 2u);
   EXPECT_EQ(ds.pairs[0].src, 0);
   EXPECT_EQ(ds.pairs[0].dst, 1);
   EXPECT_EQ(ds.pairs[1].dst, 2);
-  EXPECT_EQ(ds.pairs[1].rows, 6);
-  EXPECT_EQ(ds.total_bytes, 384u);
+  EXPECT_EQ(ds.pairs[1].rows, 3);
+  EXPECT_EQ(ds.total_bytes, 192u);
+  EXPECT_EQ(ds.owner_minimum_bytes, 192u);
   EXPECT_EQ(ds.padded_all_gather_bytes, 2304u);
   EXPECT_EQ(ds.bucket_patches, (std::vector<int64_t>{24, 0, 0, 0}));
   EXPECT_DOUBLE_EQ(ds.encoder_imbalance, 4.0);
-  EXPECT_EQ(ds.rows_received, (std::vector<int64_t>{0, 6, 6, 0}));
+  EXPECT_EQ(ds.rows_received, (std::vector<int64_t>{0, 3, 3, 0}));
+}
+
+// Zigzag cp 2 (S = 8, chunks of 2): rank 0 owns [0, 2) ++ [6, 8), rank 1
+// [2, 4) ++ [4, 6). One image on tokens 1..6, made on rank 0.
+ep::ExchangePlan zigzag_straddle() {
+  ep::Batch b;
+  b.samples.push_back(sample(8, {span(1, 6, 24)}));
+  return ep::plan_exchange(b, mesh_of(2, 1, false, ep::CpLayout::Zigzag), encoder_layout(2, 1));
+}
+
+TEST(Planner, RowRoutingSendsEachOwnerItsRuns) {
+  // Rank 0 owns rows 0 and 5 of the image (two runs); rank 1 owns rows 1..4,
+  // its two chunks joined into one run. Only rank 1's 4 rows cross.
+  using Runs = std::vector<std::pair<int64_t, int64_t>>;
+  const auto plan = zigzag_straddle();
+  EXPECT_EQ(plan.owned_rows(0, 0), (Runs{{0, 1}, {5, 6}}));
+  EXPECT_EQ(plan.owned_rows(0, 1), (Runs{{1, 5}}));
+  const ep::Transfer out = plan.sends(0);
+  EXPECT_EQ(out.splits, (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(out.items, (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(out.ranges, (Runs{{0, 1}, {5, 6}, {1, 5}}));
+  const ep::Transfer in1 = plan.receives(1);
+  EXPECT_EQ(in1.splits, (std::vector<int64_t>{4, 0}));
+  EXPECT_EQ(in1.ranges, (Runs{{1, 5}}));
+  const auto st = plan.stats(2, DType::Float32);  // 8 bytes a row
+  EXPECT_EQ(st.total_bytes, 32u);
+  EXPECT_EQ(st.owner_minimum_bytes, 32u);
 }
 
 TEST(Planner, FingerprintIsDeterministicAndDistinguishesPlans) {
@@ -554,6 +588,22 @@ std::vector<double> expected_rows(const std::vector<int64_t>& ids, const ep::Exc
   for (int64_t id : ids) {
     const auto t = item_rows(plan.items[static_cast<std::size_t>(id)]).to_vector();
     v.insert(v.end(), t.begin(), t.end());
+  }
+  return v;
+}
+
+// Rows [begin, end) of item id: a piece as the A2A modes deliver it.
+struct Piece {
+  int64_t id, begin, end;
+};
+
+std::vector<double> expected_pieces(const std::vector<Piece>& pieces,
+                                    const ep::ExchangePlan& plan) {
+  std::vector<double> v;
+  for (const Piece& p : pieces) {
+    const auto t = item_rows(plan.items[static_cast<std::size_t>(p.id)]).to_vector();
+    const auto at = [&](int64_t r) { return t.begin() + static_cast<std::ptrdiff_t>(r * kHidden); };
+    v.insert(v.end(), at(p.begin), at(p.end));
   }
   return v;
 }
@@ -626,6 +676,14 @@ void expect_grad(const RouteResult& r, const ep::ExchangePlan& plan,
   }
 }
 
+// Like expect_grad for one item whose rows differ: per_row[r] for row r.
+void expect_row_grad(const RouteResult& r, int64_t id, const std::vector<double>& per_row) {
+  const auto& g = r.grad.at(id);
+  ASSERT_EQ(g.size(), per_row.size() * static_cast<std::size_t>(kHidden));
+  for (std::size_t k = 0; k < g.size(); ++k)
+    EXPECT_EQ(g[k], per_row[k / static_cast<std::size_t>(kHidden)]) << "item " << id << " at " << k;
+}
+
 TEST(RouteFeatures, LocalMode) {
   // One rank, one bucket {0..4} in id order; rows arrive unchanged.
   const auto plan = ep::plan_exchange(five_images(), mesh_of(1, 1, false), encoder_layout(1, 1));
@@ -639,15 +697,18 @@ TEST(RouteFeatures, TpVariableA2A) {
   // tp 2 + SP: b0 = {0, 1, 4} on rank 0, b1 = {2, 3} on rank 1;
   // destinations 0:{0} 1:{0,1} 2:{0} 3:{1} 4:{1}. Rows arrive by producer,
   // then bucket order: rank 0 gets 0, 1 (from rank 0) then 2; rank 1 gets
-  // 1, 4 then 3. Gradient (Partial, the adjoint): sum of (q + 1) over the
-  // destinations: item 1 -> 1 + 2 = 3; items 0, 2 -> 1; items 3, 4 -> 2.
+  // 1, 4 then 3. Item 1 (tokens 3..5) straddles: rank 0 owns token 3 and
+  // gets row 0 only, rank 1 rows 1..2. Gradient (Partial, the adjoint): sum
+  // of (q + 1) over the receivers of a row: items 0, 2 -> 1; items 3, 4 -> 2;
+  // item 1 -> 1, 2, 2 by row.
   const auto plan = ep::plan_exchange(five_images(), mesh_of(1, 2, true), encoder_layout(2, 1));
   const auto r = route(plan, ep::ReceiverGrad::Partial);
   EXPECT_EQ(r.received_ids[0], (std::vector<int64_t>{0, 1, 2}));
   EXPECT_EQ(r.received_ids[1], (std::vector<int64_t>{1, 4, 3}));
-  EXPECT_EQ(r.rows[0], expected_rows({0, 1, 2}, plan));
-  EXPECT_EQ(r.rows[1], expected_rows({1, 4, 3}, plan));
-  expect_grad(r, plan, {{0, 1.0}, {1, 3.0}, {2, 1.0}, {3, 2.0}, {4, 2.0}});
+  EXPECT_EQ(r.rows[0], expected_pieces({{0, 0, 1}, {1, 0, 1}, {2, 0, 2}}, plan));
+  EXPECT_EQ(r.rows[1], expected_pieces({{1, 1, 3}, {4, 0, 1}, {3, 0, 2}}, plan));
+  expect_grad(r, plan, {{0, 1.0}, {2, 1.0}, {3, 2.0}, {4, 2.0}});
+  expect_row_grad(r, 1, {1.0, 2.0, 2.0});
 }
 
 TEST(RouteFeatures, TpVariableA2AWithEncoderCp) {
@@ -657,8 +718,9 @@ TEST(RouteFeatures, TpVariableA2AWithEncoderCp) {
   const auto r = route(plan, ep::ReceiverGrad::Partial);
   EXPECT_EQ(r.received_ids[0], (std::vector<int64_t>{0, 1, 2}));
   EXPECT_EQ(r.received_ids[1], (std::vector<int64_t>{1, 3, 4}));
-  EXPECT_EQ(r.rows[1], expected_rows({1, 3, 4}, plan));
-  expect_grad(r, plan, {{0, 1.0}, {1, 3.0}, {2, 1.0}, {3, 2.0}, {4, 2.0}});
+  EXPECT_EQ(r.rows[1], expected_pieces({{1, 1, 3}, {3, 0, 2}, {4, 0, 1}}, plan));
+  expect_grad(r, plan, {{0, 1.0}, {2, 1.0}, {3, 2.0}, {4, 2.0}});
+  expect_row_grad(r, 1, {1.0, 2.0, 2.0});
 }
 
 TEST(RouteFeatures, TpVariableAllGather) {
@@ -682,26 +744,42 @@ TEST(RouteFeatures, ParentVariableA2A) {
   // cp 2, tp 2, no SP, 4 buckets: b0 {1}, b1 {2}, b2 {3}, b3 {0, 4};
   // destinations 0:{0,1} 1:{0,1,2,3} 2:{0,1} 3:{2,3} 4:{2,3}. Ranks 0 and 1
   // receive 1 (from 0), 2 (from 1), 0 (from 3); ranks 2 and 3 receive 1, 3,
-  // 4. Partial: item 0 -> 1+2; 1 -> 1+2+3+4; 2 -> 3; 3, 4 -> 3+4.
-  // ReplicatedOverTp counts the TP rank 0 copies (ranks 0 and 2, weights 1
-  // and 3): item 0 -> 1; 1 -> 1+3; 2 -> 1; 3, 4 -> 3.
+  // 4. Item 1 (tokens 3..5): CP rank 0 (ranks 0, 1) owns token 3 and gets
+  // row 0, CP rank 1 (ranks 2, 3) rows 1..2. Partial: item 0 -> 1+2; 1 ->
+  // 1+2, 3+4, 3+4 by row; 2 -> 3; 3, 4 -> 3+4. ReplicatedOverTp counts the
+  // TP rank 0 copies (ranks 0 and 2, weights 1 and 3): item 0 -> 1; 1 -> 1,
+  // 3, 3; 2 -> 1; 3, 4 -> 3.
   const auto plan = ep::plan_exchange(five_images(), mesh_of(2, 2, false), encoder_layout(4, 1));
   const auto partial = route(plan, ep::ReceiverGrad::Partial);
   EXPECT_EQ(partial.received_ids[0], (std::vector<int64_t>{1, 2, 0}));
   EXPECT_EQ(partial.received_ids[1], (std::vector<int64_t>{1, 2, 0}));
   EXPECT_EQ(partial.received_ids[2], (std::vector<int64_t>{1, 3, 4}));
   EXPECT_EQ(partial.received_ids[3], (std::vector<int64_t>{1, 3, 4}));
-  EXPECT_EQ(partial.rows[3], expected_rows({1, 3, 4}, plan));
-  expect_grad(partial, plan, {{0, 3.0}, {1, 10.0}, {2, 3.0}, {3, 7.0}, {4, 7.0}});
+  EXPECT_EQ(partial.rows[3], expected_pieces({{1, 1, 3}, {3, 0, 2}, {4, 0, 1}}, plan));
+  expect_grad(partial, plan, {{0, 3.0}, {2, 3.0}, {3, 7.0}, {4, 7.0}});
+  expect_row_grad(partial, 1, {3.0, 7.0, 7.0});
   const auto repl = route(plan, ep::ReceiverGrad::ReplicatedOverTp);
-  EXPECT_EQ(repl.rows[0], expected_rows({1, 2, 0}, plan));
-  expect_grad(repl, plan, {{0, 1.0}, {1, 4.0}, {2, 1.0}, {3, 3.0}, {4, 3.0}});
+  EXPECT_EQ(repl.rows[0], expected_pieces({{1, 0, 1}, {2, 0, 2}, {0, 0, 1}}, plan));
+  expect_grad(repl, plan, {{0, 1.0}, {2, 1.0}, {3, 3.0}, {4, 3.0}});
+  expect_row_grad(repl, 1, {1.0, 3.0, 3.0});
   // cp 2, tp 1 (contiguous): the same destinations as tp 2 + SP above.
   const auto cp2 = ep::plan_exchange(five_images(), mesh_of(2, 1, false), encoder_layout(2, 1));
   EXPECT_EQ(cp2.mode, ep::FeatureExchangeMode::ParentVariableA2A);
   const auto r2 = route(cp2, ep::ReceiverGrad::Partial);
   EXPECT_EQ(r2.received_ids[1], (std::vector<int64_t>{1, 4, 3}));
-  EXPECT_EQ(r2.rows[0], expected_rows({0, 1, 2}, cp2));
+  EXPECT_EQ(r2.rows[0], expected_pieces({{0, 0, 1}, {1, 0, 1}, {2, 0, 2}}, cp2));
+}
+
+TEST(RouteFeatures, ZigzagPiecesAndTheirGradients) {
+  // zigzag_straddle: rank 0 keeps rows 0 and 5 (two pieces of item 0), rank 1
+  // gets rows 1..4. Partial: rows 0, 5 -> 1, rows 1..4 -> 2.
+  const auto plan = zigzag_straddle();
+  const auto r = route(plan, ep::ReceiverGrad::Partial);
+  EXPECT_EQ(r.received_ids[0], (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(r.received_ids[1], (std::vector<int64_t>{0}));
+  EXPECT_EQ(r.rows[0], expected_pieces({{0, 0, 1}, {0, 5, 6}}, plan));
+  EXPECT_EQ(r.rows[1], expected_pieces({{0, 1, 5}}, plan));
+  expect_row_grad(r, 0, {1.0, 2.0, 2.0, 2.0, 2.0, 1.0});
 }
 
 TEST(RouteFeatures, GroupSizeMustEqualBucketsTimesEncoderCp) {

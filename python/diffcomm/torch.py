@@ -609,6 +609,10 @@ def route_features(producer_records: Sequence[Tuple[Any, torch.Tensor]], prototy
     ``mode`` to plan.mode; ``receiver_grad`` to the mesh's convention
     (ReplicatedOverTp for tp > 1 without SP, else Partial).
     Returns (rows, items): received rows and their work items in row order.
+    In the all-to-all modes an item may be a piece of an image (row-level
+    routing): the rows of the tokens this rank owns, with the item's id and
+    decoder_token_start / output_rows narrowed to them; unpack_records and
+    merge_into_decoder take pieces like whole items.
     The op always records a backward node (like cat_or_empty), so a rank that
     sends nothing still runs the backward all-to-all.
     """

@@ -135,6 +135,7 @@ void bind_encoder_parallel(nb::module_& m) {
       .def_ro("pairs", &ep::PlanStats::pairs)
       .def_ro("total_bytes", &ep::PlanStats::total_bytes)
       .def_ro("padded_all_gather_bytes", &ep::PlanStats::padded_all_gather_bytes)
+      .def_ro("owner_minimum_bytes", &ep::PlanStats::owner_minimum_bytes)
       .def_ro("encoder_imbalance", &ep::PlanStats::encoder_imbalance)
       .def_ro("bucket_patches", &ep::PlanStats::bucket_patches)
       .def_ro("rows_sent", &ep::PlanStats::rows_sent)

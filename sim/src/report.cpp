@@ -53,6 +53,7 @@ void describe_batches(StepReport& rep, const std::vector<ep::Batch>& per_dp,
     stats.push_back(p.stats(rep.config.hidden, rep.config.dtype));
     rep.bytes_total += stats.back().total_bytes;
     rep.bytes_padded_all_gather += stats.back().padded_all_gather_bytes;
+    rep.bytes_owner_minimum += stats.back().owner_minimum_bytes;
     rep.encoder_imbalance = std::max(rep.encoder_imbalance, stats.back().encoder_imbalance);
   }
 }
@@ -204,7 +205,9 @@ std::string to_json(const StepReport& r) {
   j["images"] = r.images;
   j["tokens"] = r.tokens;
   j["image_tokens"] = r.image_tokens;
-  j["bytes"] = {{"total", r.bytes_total}, {"padded_all_gather", r.bytes_padded_all_gather}};
+  j["bytes"] = {{"total", r.bytes_total},
+                {"padded_all_gather", r.bytes_padded_all_gather},
+                {"owner_minimum", r.bytes_owner_minimum}};
   j["encoder_imbalance"] = r.encoder_imbalance;
   j["sim_time_us"] = r.sim_time_us;
   j["wall_ms"] = r.wall_ms;
@@ -240,7 +243,8 @@ std::string to_text(const StepReport& r) {
       "batch: {} micro-batch(es) x {} samples, {} images ({} image tokens of {} tokens), "
       "hidden {} {}, seed {}\n"
       "encoder: {} buckets x encoder_cp {}, imbalance {:.3f} (max/mean patches)\n"
-      "exchange: {} moved across ranks vs {} for a pad-to-max all-gather ({:.2f}x)\n",
+      "exchange: {} moved across ranks vs {} for a pad-to-max all-gather ({:.2f}x); owner "
+      "minimum {}\n",
       c.world_size(), c.dp, c.decoder.cp, c.decoder.tp, c.decoder.sp ? "on" : "off", layout, r.mode,
       c.dp, r.samples, r.images, r.image_tokens, r.tokens, c.hidden, dtype, c.seed,
       c.encoder.buckets, c.encoder.encoder_cp, r.encoder_imbalance,
@@ -248,7 +252,8 @@ std::string to_text(const StepReport& r) {
       human_bytes(static_cast<double>(r.bytes_padded_all_gather)),
       r.bytes_padded_all_gather
           ? static_cast<double>(r.bytes_total) / static_cast<double>(r.bytes_padded_all_gather)
-          : 0.0);
+          : 0.0,
+      human_bytes(static_cast<double>(r.bytes_owner_minimum)));
   text += fmt::format("{:>5} {:>3} {:>3} {:>3} {:>10} {:>10} {:>12} {:>12} {:>6}\n", "rank", "dp",
                       "cp", "tp", "rows_sent", "rows_recv", "bytes_sent", "bytes_recv", "calls");
   for (const auto& p : r.per_rank)

@@ -45,6 +45,73 @@ struct SplitRowsFn : Function<SplitRowsFn> {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) { return {cat(grads)}; }
 };
 
+// Forward: the send buffer, pieces (rows [begin, begin + len) of record
+// `record`) one after another. Backward: each piece's gradient added into its
+// record's rows. One node for all pieces: a narrow per piece would give each
+// piece a record-sized zero gradient to add up. Pieces of one record may
+// overlap (TP replicas without SP get the same rows), hence add, not copy.
+struct GatherPiecesFn : Function<GatherPiecesFn> {
+  static constexpr const char* kName = "GatherPiecesBackward";
+  struct Piece {
+    std::size_t record;
+    int64_t begin, len;
+  };
+  std::vector<Piece> pieces;
+  std::vector<Shape> record_shapes;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    int64_t total = 0;
+    for (const Piece& p : pieces) total += p.len;
+    Tensor out = zeros({total, in[0].size(1)}, in[0].dtype(), in[0].device());
+    int64_t at = 0;
+    for (const Piece& p : pieces) {
+      out.row_view(at, p.len).copy_(in[p.record].row_view(p.begin, p.len));
+      at += p.len;
+    }
+    return {out};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const Tensor& g = grads[0];
+    std::vector<Tensor> out;
+    for (const Shape& s : record_shapes) out.push_back(zeros(s, g.dtype(), g.device()));
+    int64_t at = 0;
+    for (const Piece& p : pieces) {
+      Tensor dst = out[p.record].row_view(p.begin, p.len);
+      dst.copy_(add(dst, g.row_view(at, p.len)));
+      at += p.len;
+    }
+    return out;
+  }
+};
+
+// The record piece that arrives as rows [begin, end) of `item`: the same
+// item, batch and input_rows, its span narrowed to those rows' tokens, so
+// unpack_records and merge_into_decoder place it like a whole item.
+EncoderWorkItem piece_of(EncoderWorkItem item, std::pair<int64_t, int64_t> rows) {
+  item.decoder_token_start += rows.first;
+  item.output_rows = rows.second - rows.first;
+  return item;
+}
+
+// The send buffer of an A2A exchange: the pieces `sent` lists, cut from this
+// producer's records (the bucket `mine`, in order). A rank that sends nothing
+// anchors on the prototype so it still runs the backward collective.
+Tensor pack_pieces(const std::vector<EncoderFeature>& records, const std::vector<int64_t>& mine,
+                   const Transfer& sent, const Tensor& prototype, int64_t hidden) {
+  if (sent.items.empty()) return nn::cat_or_empty({}, prototype, hidden);
+  std::map<int64_t, std::size_t> record;  // item id -> its record
+  for (std::size_t k = 0; k < mine.size(); ++k) record[mine[k]] = k;
+  GatherPiecesFn gather;
+  std::vector<Tensor> inputs;
+  for (const auto& f : records) {
+    inputs.push_back(f.rows);
+    gather.record_shapes.push_back(f.rows.shape());
+  }
+  for (std::size_t k = 0; k < sent.items.size(); ++k)
+    gather.pieces.push_back({record.at(sent.items[k]), sent.ranges[k].first,
+                             sent.ranges[k].second - sent.ranges[k].first});
+  return std::move(gather).apply(inputs)[0];
+}
+
 }  // namespace
 
 RoutedFeatures route_features(FeatureExchangeMode mode,
@@ -111,16 +178,12 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
     return out;
   }
 
-  // A2A modes: each record goes to its destinations only, in the plan's
-  // send order (the records are the bucket, in order: validated above).
+  // A2A modes: each destination gets the rows of the tokens it owns, in the
+  // plan's send order (the records are the bucket, in order: validated above).
   const Transfer sent = plan.sends(exchange_rank), in = plan.receives(exchange_rank);
-  std::map<int64_t, const Tensor*> record;  // item id -> its rows
-  for (std::size_t k = 0; k < mine.size(); ++k) record[mine[k]] = &producer_records[k].rows;
-  std::vector<Tensor> pieces;
-  pieces.reserve(sent.items.size());
-  for (int64_t id : sent.items) pieces.push_back(*record.at(id));
-  for (int64_t id : in.items) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
-  Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
+  Tensor local = pack_pieces(producer_records, mine, sent, prototype, hidden);
+  for (std::size_t k = 0; k < in.items.size(); ++k)
+    out.items.push_back(piece_of(plan.items[static_cast<std::size_t>(in.items[k])], in.ranges[k]));
   out.rows = nn::all_to_all_single(local, in.splits, sent.splits, group);
   if (grad == ReceiverGrad::ReplicatedOverTp && plan.coordinates(exchange_rank).second != 0)
     out.rows = ReplicaCopyFn{}.apply({out.rows})[0];

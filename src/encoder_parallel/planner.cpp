@@ -335,12 +335,43 @@ void ExchangePlan::validate() const {
   check_samples(*this);
 }
 
+std::vector<std::pair<int64_t, int64_t>> ExchangePlan::owned_rows(int64_t item,
+                                                                  int exchange_rank) const {
+  const EncoderWorkItem& it = items[static_cast<std::size_t>(item)];
+  const int64_t lo = it.decoder_token_start, hi = lo + it.output_rows;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  // owned() is in local order; zigzag's two chunks are ascending, and an SP
+  // part of them too, so the intersections come out ascending.
+  for (const auto& [b, e] : owned(it.batch_index, exchange_rank)) {
+    const int64_t from = std::max(lo, b) - lo, to = std::min(hi, e) - lo;
+    if (from >= to) continue;
+    if (!rows.empty() && rows.back().second == from)
+      rows.back().second = to;  // one piece, not two, for adjacent chunks
+    else
+      rows.push_back({from, to});
+  }
+  return rows;
+}
+
 namespace {
 
-bool goes_to(const ExchangePlan& plan, int64_t item, int rank) {
-  if (plan.mode == FeatureExchangeMode::TpVariableAllGather) return true;
-  const std::vector<int>& d = plan.destinations[static_cast<std::size_t>(item)];
-  return std::binary_search(d.begin(), d.end(), rank);  // ascending (validate)
+// The pieces of item `id` that exchange rank q gets: the whole item to every
+// rank in the all-gather mode, else the rows q owns when q is a destination.
+std::vector<std::pair<int64_t, int64_t>> pieces_for(const ExchangePlan& plan, int64_t id, int q) {
+  const EncoderWorkItem& it = plan.items[static_cast<std::size_t>(id)];
+  if (plan.mode == FeatureExchangeMode::TpVariableAllGather) return {{0, it.output_rows}};
+  const std::vector<int>& d = plan.destinations[static_cast<std::size_t>(id)];
+  if (!std::binary_search(d.begin(), d.end(), q)) return {};  // ascending (validate)
+  return plan.owned_rows(id, q);
+}
+
+void add_pieces(Transfer& t, int64_t id, const std::vector<std::pair<int64_t, int64_t>>& pieces,
+                int peer) {
+  for (const auto& r : pieces) {
+    t.splits[static_cast<std::size_t>(peer)] += r.second - r.first;
+    t.items.push_back(id);
+    t.ranges.push_back(r);
+  }
 }
 
 }  // namespace
@@ -351,11 +382,7 @@ Transfer ExchangePlan::sends(int src) const {
   if (src % encoder.encoder_cp != 0) return t;  // produces no bucket
   const std::vector<int64_t>& mine = buckets[static_cast<std::size_t>(src / encoder.encoder_cp)];
   for (int q = 0; q < exchange_size; ++q)
-    for (int64_t id : mine)
-      if (goes_to(*this, id, q)) {
-        t.splits[static_cast<std::size_t>(q)] += items[static_cast<std::size_t>(id)].output_rows;
-        t.items.push_back(id);
-      }
+    for (int64_t id : mine) add_pieces(t, id, pieces_for(*this, id, q), q);
   return t;
 }
 
@@ -364,13 +391,40 @@ Transfer ExchangePlan::receives(int dst) const {
   t.splits.assign(static_cast<std::size_t>(exchange_size), 0);
   for (int b = 0; b < encoder.buckets; ++b)
     for (int64_t id : buckets[static_cast<std::size_t>(b)])
-      if (goes_to(*this, id, dst)) {
-        t.splits[static_cast<std::size_t>(producer(b))] +=
-            items[static_cast<std::size_t>(id)].output_rows;
-        t.items.push_back(id);
-      }
+      add_pieces(t, id, pieces_for(*this, id, dst), producer(b));
   return t;
 }
+
+namespace {
+
+// Rows of every item's tokens counted once per owner other than the item's
+// producer, from the owned ranges alone: the floor for any exchange. It
+// deliberately does not read sends(), destinations or owned_rows, so that
+// stats().total_bytes == owner_minimum_bytes checks the send path.
+uint64_t owner_minimum_rows(const ExchangePlan& plan) {
+  std::vector<std::vector<int64_t>> by_sample(plan.seq_lens.size());
+  for (const auto& it : plan.items)
+    by_sample[static_cast<std::size_t>(it.batch_index)].push_back(it.item_id);
+  uint64_t rows = 0;
+  std::vector<Ranges> owned(static_cast<std::size_t>(plan.exchange_size));
+  for (std::size_t b = 0; b < by_sample.size(); ++b) {
+    if (by_sample[b].empty()) continue;
+    for (int r = 0; r < plan.exchange_size; ++r)
+      owned[static_cast<std::size_t>(r)] = plan.owned(static_cast<int64_t>(b), r);
+    for (int64_t id : by_sample[b]) {
+      const EncoderWorkItem& it = plan.items[static_cast<std::size_t>(id)];
+      const int producer = plan.producer(plan.bucket_of[static_cast<std::size_t>(id)]);
+      const int64_t lo = it.decoder_token_start, hi = lo + it.output_rows;
+      for (int r = 0; r < plan.exchange_size; ++r)
+        for (const auto& [first, last] : owned[static_cast<std::size_t>(r)])
+          if (r != producer && std::max(lo, first) < std::min(hi, last))
+            rows += static_cast<uint64_t>(std::min(hi, last) - std::max(lo, first));
+    }
+  }
+  return rows;
+}
+
+}  // namespace
 
 PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
   validate();
@@ -423,6 +477,7 @@ PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
   }
   st.padded_all_gather_bytes =
       static_cast<uint64_t>(n) * (n - 1) * static_cast<uint64_t>(max_rows) * row_bytes;
+  st.owner_minimum_bytes = owner_minimum_rows(*this) * row_bytes;
   const double total = std::accumulate(st.bucket_patches.begin(), st.bucket_patches.end(), 0.0);
   const double mean = total / static_cast<double>(st.bucket_patches.size());
   const double mx =

@@ -149,8 +149,11 @@ def validate_step_json(j, ranks, cp, tp, sp, layout="contiguous", dtype="float64
         expect(0 <= j["image_tokens"] <= j["tokens"], f"image_tokens {j['image_tokens']} > tokens")
 
     b = j["bytes"]
-    for key in ["total", "padded_all_gather"]:
+    for key in ["total", "padded_all_gather", "owner_minimum"]:
         expect(key in b and is_int(b[key]) and b[key] >= 0, f"bytes.{key}: {b.get(key)!r}")
+    # Row-level routing: each row crosses once to each rank owning its token.
+    expect(b["total"] == b["owner_minimum"],
+           f"exchange moves {b['total']} B, the owner minimum is {b['owner_minimum']} B")
     expect(b["total"] <= b["padded_all_gather"],
            f"exact exchange moves {b['total']} B, more than the pad-to-max all-gather {b['padded_all_gather']} B")
     if cp * tp == 1:
@@ -744,6 +747,8 @@ def tokens_models_and_videos(cli):
         r = cli.run("step", "--images", path, "--model", model, "--ranks", 4, "--cp", 2, "--tp", 2,
                     "--sp", "--json", rc=PASSED)
         expect(json.loads(r.out)["check"]["passed"], r.describe())
+        b = json.loads(r.out)["bytes"]  # video groups are routed by row like images
+        expect(b["total"] == b["owner_minimum"], f"{model}: {b}")
 
 
 @scenario

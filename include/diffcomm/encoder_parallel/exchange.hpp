@@ -8,6 +8,13 @@
 
 namespace diffcomm::encoder_parallel {
 
+/// What one exchange rank received. In the A2A modes an entry of items is a
+/// piece of a work item (Transfer): the item's item_id, batch_index and
+/// input_rows, with decoder_token_start and output_rows narrowed to the run
+/// of its tokens this rank owns (row r of the piece is row
+/// decoder_token_start - item.decoder_token_start + r of the item). An item
+/// appears once per run (zigzag CP can give a rank two runs of one image).
+/// unpack_records and merge_into_decoder take pieces like whole items.
 struct RoutedFeatures {
   Tensor rows;                         ///< [sum of received output_rows, hidden]
   std::vector<EncoderWorkItem> items;  ///< in row order: by source producer, then bucket order
@@ -26,21 +33,25 @@ struct RoutedFeatures {
 ///  - grad: the receivers' gradient convention (explicit; see ReceiverGrad).
 /// Local: no communication. TpVariableAllGather: every producer's records
 /// reach every rank (all_gather_v; ReplicatedOverTp keeps each rank's own
-/// copy in backward). A2A modes: each record goes only to its destinations
-/// (all_to_all_single with splits from the plan; ReplicatedOverTp counts the
-/// TP rank 0 copy of each CP owner). Throws InvalidArgument when the plan is
-/// not valid (ExchangePlan::validate, message names the field) or the records
-/// disagree with it (items, order, row counts, width).
+/// copy in backward); there every rank owns every token. A2A modes: each
+/// destination gets only the rows of the tokens it owns (ExchangePlan::
+/// sends: one all_to_all_single with per-(item, destination) row ranges), so
+/// each row crosses once to each owner (PlanStats::owner_minimum_bytes);
+/// backward adds each piece's gradient into its rows of the record
+/// (ReplicatedOverTp counts the TP rank 0 copy of each CP owner). Throws InvalidArgument when the
+/// plan is not valid (ExchangePlan::validate, message names the field) or the records disagree with
+/// it (items, order, row counts, width).
 RoutedFeatures route_features(FeatureExchangeMode mode,
                               const std::vector<EncoderFeature>& producer_records,
                               const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
                               const dist::ProcessGroup& group, ReceiverGrad grad);
 
 /// Splits transported rows by the plan into records ordered by
-/// (batch_index, decoder_token_start, item_id). Each record's rows are a
-/// differentiable view. Throws InvalidArgument for a negative output_rows, a
-/// total above 2^63, or when rows' row count differs from the items' total
-/// output_rows (both counts in the message).
+/// (batch_index, decoder_token_start, item_id). received_items may be
+/// pieces of items (RoutedFeatures): each becomes a record of its own rows.
+/// Each record's rows are a differentiable view. Throws InvalidArgument for a negative output_rows,
+/// a total above 2^63, or when rows' row count differs from the items' total output_rows (both
+/// counts in the message).
 std::vector<EncoderFeature> unpack_records(const Tensor& rows,
                                            const std::vector<EncoderWorkItem>& received_items);
 

@@ -30,7 +30,8 @@ class ShardLayout {
 };
 
 /// out = base with, for every record, the rows of its image tokens that
-/// this rank owns replaced by the record's rows. base is [layout.rows(),
+/// this rank owns replaced by the record's rows. A record may be a piece of
+/// an item (RoutedFeatures): its span is the piece's tokens. base is [layout.rows(),
 /// hidden]. Differentiable in base (gradient zero at replaced rows) and in
 /// every record's rows (gradient at owned rows, zero elsewhere).
 /// anchor (optional): the routed rows the records were unpacked from. It

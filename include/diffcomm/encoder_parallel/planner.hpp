@@ -83,18 +83,26 @@ struct PlanStats {
   std::vector<PairTraffic> pairs;        ///< every (src, dst) with rows > 0, src != dst included
   uint64_t total_bytes = 0;              ///< bytes that cross ranks (src != dst)
   uint64_t padded_all_gather_bytes = 0;  ///< pad-to-max all-gather: N*(N-1)*max_rows*row_bytes
-  double encoder_imbalance = 1.0;        ///< max / mean bucket cost (patches); 1 when balanced
+  /// The least any exchange can move: each token's row once to each rank
+  /// that owns it, rows the producer owns itself free. Counted from the
+  /// owned ranges alone (not from sends()), so it checks the send path.
+  uint64_t owner_minimum_bytes = 0;
+  double encoder_imbalance = 1.0;  ///< max / mean bucket cost (patches); 1 when balanced
   std::vector<int64_t> bucket_patches;
   std::vector<int64_t> rows_sent;      ///< per exchange rank, to other ranks
   std::vector<int64_t> rows_received;  ///< per exchange rank, from other ranks
 };
 
 /// What one exchange rank sends or receives in route_features: rows per
-/// peer (the splits of its all_to_all_single / all_gather_v) and the item
-/// ids in the order of their rows.
+/// peer (the splits of its all_to_all_single / all_gather_v) and the pieces
+/// of items in the order of their rows. A piece is rows [begin, end) of an
+/// item: the whole item in the all-gather and local modes, a run of the
+/// item's tokens that the peer owns in the A2A modes.
 struct Transfer {
   std::vector<int64_t> splits;  ///< rows per exchange rank
-  std::vector<int64_t> items;   ///< item ids, in row order (repeated once per peer they go to)
+  std::vector<int64_t> items;   ///< item id of each piece, in row order
+  /// Per piece: its rows [begin, end) within the item.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
 };
 
 /// The plan of one micro-batch. Identical on every rank of the exchange.
@@ -113,16 +121,23 @@ struct ExchangePlan {
   int producer(int bucket) const { return bucket * encoder.encoder_cp; }
   /// (cp_rank, tp_rank) of an exchange rank.
   std::pair<int, int> coordinates(int exchange_rank) const;
-  /// The rows exchange rank `src` sends: splits[q] to rank q; items grouped
-  /// by destination q ascending, each group in the bucket's order. In
-  /// TpVariableAllGather mode every rank receives the whole bucket. A rank
-  /// that produces no bucket sends nothing. route_features and stats both
-  /// read it. No validation (route_features and stats validate first);
-  /// src must lie in [0, exchange_size).
+  /// The rows exchange rank `src` sends: splits[q] to rank q; pieces grouped
+  /// by destination q ascending, each group in the bucket's order, an item's
+  /// pieces by row. In the A2A modes a destination gets only the rows of the
+  /// tokens it owns (owned_rows), so each row crosses once to each owner; in
+  /// TpVariableAllGather mode every rank receives the whole bucket (every
+  /// rank owns every token there). A rank that produces no bucket sends
+  /// nothing. route_features and stats both read it. No validation
+  /// (route_features and stats validate first); src must lie in [0,
+  /// exchange_size).
   Transfer sends(int src) const;
-  /// The rows exchange rank `dst` receives: splits[p] from rank p; items in
-  /// bucket order (the order of the producers).
+  /// The rows exchange rank `dst` receives: splits[p] from rank p; pieces in
+  /// bucket order (the order of the producers), an item's pieces by row.
   Transfer receives(int dst) const;
+  /// Rows of item `item` (0-based within the item) whose tokens exchange
+  /// rank `exchange_rank` owns: ascending, disjoint, adjacent runs joined;
+  /// empty when it owns none. No validation.
+  std::vector<std::pair<int64_t, int64_t>> owned_rows(int64_t item, int exchange_rank) const;
   /// Token ranges of a sample owned by an exchange rank (local order).
   std::vector<std::pair<int64_t, int64_t>> owned(int64_t batch_index, int exchange_rank) const;
   /// Traffic and balance statistics for feature rows of `hidden` elements
@@ -147,8 +162,8 @@ struct ExchangePlan {
   /// overlapping token spans (zero-row items overlap nothing), and every
   /// exchange rank that owns (owned()) a token of an item's span is among the
   /// item's destinations. Extra destinations that own none of the span are
-  /// allowed: such a rank receives the rows, merges none of them and gives
-  /// them zero gradient, so they cost only traffic (which stats counts);
+  /// allowed: the A2A modes send such a rank no rows of the item (it owns
+  /// none), the all-gather mode sends every rank everything anyway;
   /// plan_exchange never adds them. Cost: O(n log n) in the items plus
   /// O(items x exchange_size) for the owners. Throws InvalidArgument naming
   /// the first field that is wrong; for the last two, both items with their

@@ -60,7 +60,9 @@ struct StepReport {
   int64_t images = 0, tokens = 0, image_tokens = 0;
   uint64_t bytes_total = 0;              ///< feature bytes crossing ranks, summed over DP
   uint64_t bytes_padded_all_gather = 0;  ///< what a pad-to-max all-gather would move
-  double encoder_imbalance = 1.0;        ///< max/mean bucket patches, worst DP replica
+  uint64_t bytes_owner_minimum =
+      0;                           ///< each token's row once per owner (PlanStats), summed over DP
+  double encoder_imbalance = 1.0;  ///< max/mean bucket patches, worst DP replica
   double sim_time_us = 0, wall_ms = 0;
   CostModel cost;
   std::vector<StepRankReport> per_rank;
