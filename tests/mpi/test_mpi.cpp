@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -281,10 +282,27 @@ TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
 // Isend/Irecv, MPI_Reduce_local per block): closed forms on sizes that split
 // unevenly, chunked at max_count 3, and one answer on every rank where the
 // order of a float sum matters.
+// The ring runs on two members at every size and on more from 8 MiB, so
+// the small cases run on the pair {0, 1} and one 8 MiB call on the world.
+static void ring_cases(const dist::ProcessGroup& world);
+
 TEST(MpiNative, RingAllReduceMatchesClosedFormsOnEveryRank) {
   dist::Options opts;
   opts.native_reduction = true;
   const auto world = mpi::world(opts);
+  if (auto pair = world.new_group({0, 1})) ring_cases(*pair);
+  ring_cases(world);  // below 8 MiB: MPI_Iallreduce when more than two
+  const int n = world.size(), r = world.rank();
+  const int64_t big = (int64_t{8} << 20) / 4 + 5;  // float32 elements
+  Tensor t = full({big}, r + 1.0, DType::Float32);
+  dist::all_reduce(world, t, dist::ReduceOp::Sum);
+  const auto got = t.to_vector();
+  EXPECT_EQ(got.front(), n * (n + 1) / 2.0);
+  EXPECT_EQ(got.back(), n * (n + 1) / 2.0);
+  EXPECT_EQ(std::count(got.begin(), got.end(), n * (n + 1) / 2.0), big);
+}
+
+static void ring_cases(const dist::ProcessGroup& world) {
   const int n = world.size(), r = world.rank();
   const int64_t saved = mpi::max_count();
   for (int64_t max_count : {saved, int64_t{3}}) {
@@ -309,11 +327,9 @@ TEST(MpiNative, RingAllReduceMatchesClosedFormsOnEveryRank) {
       v[static_cast<std::size_t>(i)] = 1e8 * ((r + i) % 3) + 1.0 / (r + 1 + i % 7);
     Tensor t = from_vector(v, {1001}, DType::Float32);
     dist::all_reduce(world, t, dist::ReduceOp::Sum);
-    std::vector<float> mine(1001), first(1001);
-    std::memcpy(mine.data(), t.data_ptr(), 1001 * sizeof(float));
-    first = mine;
-    MPI_Bcast(first.data(), 1001, MPI_FLOAT, 0, MPI_COMM_WORLD);
-    EXPECT_EQ(std::memcmp(mine.data(), first.data(), 1001 * sizeof(float)), 0) << "rank " << r;
+    Tensor first = from_vector(t.to_vector(), {1001}, DType::Float32);
+    dist::broadcast(world, first, 0);
+    EXPECT_EQ(std::memcmp(t.data_ptr(), first.data_ptr(), 1001 * sizeof(float)), 0) << "rank " << r;
   }
   mpi::set_max_count(saved);
 }

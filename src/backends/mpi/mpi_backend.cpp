@@ -232,7 +232,7 @@ class MpiBackend final : public dist::Backend {
   void all_reduce(Call& c) override {
     const Tensor& t = c.outputs[0];
     if (c.reduce_op == ReduceOp::PremulSum) Tensor(t).copy_(premultiplied(c, t));
-    if (t.numel() >= size_ && size_ > 1) {
+    if (use_ring(t)) {
       ring_all_reduce(c, t);
       finish_avg(c, t);
       return;
@@ -536,6 +536,17 @@ class MpiBackend final : public dist::Backend {
       recvs.push_back({from, bytes(out) + from * nb, nb});
     });
     exchange(c, sends, recvs);
+  }
+
+  // Where the ring beat MPI_Iallreduce (bench/RESULTS.md, "MPI at raw
+  // speed"): on two members at every size (64 KiB: 1.03x raw MPI_Allreduce
+  // against 1.7-2.0x), on more only for large tensors (np 4: 16 MiB 1.00x
+  // against 1.17x, but 64 KiB 1.3-1.4x against 0.8-0.9x: its 2(N-1)
+  // dependent steps cost more than libnbc's schedule there).
+  bool use_ring(const Tensor& t) const {
+    constexpr std::size_t kRingFrom = std::size_t{8} << 20;  // bytes, more than two members
+    if (size_ < 2 || t.numel() < size_) return false;
+    return size_ == 2 || t.nbytes() >= kRingFrom;
   }
 
   // Ring all-reduce over Isend/Irecv (reduce-scatter, then all-gather of
