@@ -10,8 +10,10 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -274,6 +276,81 @@ TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
                                 dist::ReduceOp::premul_sum(-2.0));
     EXPECT_EQ(out.to_vector()[0], -2.0 * static_cast<double>(n * (n + 1) / 2));
   }
+}
+
+// The native all_reduce's ring (reduce-scatter + all-gather over
+// Isend/Irecv, MPI_Reduce_local per block): closed forms on sizes that split
+// unevenly, chunked at max_count 3, and one answer on every rank where the
+// order of a float sum matters.
+// The ring runs on two members at every size and on more from 8 MiB, so
+// the small cases run on the pair {0, 1} and one 8 MiB call on the world.
+static void ring_cases(const dist::ProcessGroup& world);
+
+TEST(MpiNative, RingAllReduceMatchesClosedFormsOnEveryRank) {
+  dist::Options opts;
+  opts.native_reduction = true;
+  const auto world = mpi::world(opts);
+  if (auto pair = world.new_group({0, 1})) ring_cases(*pair);
+  ring_cases(world);  // below 8 MiB: MPI_Iallreduce when more than two
+  const int n = world.size(), r = world.rank();
+  const int64_t big = (int64_t{8} << 20) / 4 + 5;  // float32 elements
+  Tensor t = full({big}, r + 1.0, DType::Float32);
+  dist::all_reduce(world, t, dist::ReduceOp::Sum);
+  const auto got = t.to_vector();
+  EXPECT_EQ(got.front(), n * (n + 1) / 2.0);
+  EXPECT_EQ(got.back(), n * (n + 1) / 2.0);
+  EXPECT_EQ(std::count(got.begin(), got.end(), n * (n + 1) / 2.0), big);
+}
+
+static void ring_cases(const dist::ProcessGroup& world) {
+  const int n = world.size(), r = world.rank();
+  const int64_t saved = mpi::max_count();
+  for (int64_t max_count : {saved, int64_t{3}}) {
+    mpi::set_max_count(max_count);
+    for (int64_t len : {int64_t{n}, int64_t{n} + 1, 7 * int64_t{n} + 3, int64_t{1000}})
+      for (DType dt : {DType::Float64, DType::Float32, DType::BFloat16, DType::Int32}) {
+        std::vector<double> v(static_cast<std::size_t>(len));
+        for (int64_t i = 0; i < len; ++i) v[static_cast<std::size_t>(i)] = r + i % 5;
+        Tensor sum = from_vector(v, {len}, dt), mx = from_vector(v, {len}, dt);
+        dist::all_reduce(world, sum, dist::ReduceOp::Sum);
+        dist::all_reduce(world, mx, dist::ReduceOp::Max);
+        const auto s = sum.to_vector(), m = mx.to_vector();
+        for (int64_t i = 0; i < len; ++i) {
+          const auto k = static_cast<double>(i % 5);
+          EXPECT_EQ(s[static_cast<std::size_t>(i)], n * (n - 1) / 2 + n * k)
+              << len << dtype_name(dt);
+          EXPECT_EQ(m[static_cast<std::size_t>(i)], n - 1 + k) << len << dtype_name(dt);
+        }
+      }
+    std::vector<double> v(1001);
+    for (int i = 0; i < 1001; ++i)
+      v[static_cast<std::size_t>(i)] = 1e8 * ((r + i) % 3) + 1.0 / (r + 1 + i % 7);
+    Tensor t = from_vector(v, {1001}, DType::Float32);
+    dist::all_reduce(world, t, dist::ReduceOp::Sum);
+    Tensor first = from_vector(t.to_vector(), {1001}, DType::Float32);
+    dist::broadcast(world, first, 0);
+    EXPECT_EQ(std::memcmp(t.data_ptr(), first.data_ptr(), 1001 * sizeof(float)), 0) << "rank " << r;
+  }
+  mpi::set_max_count(saved);
+}
+
+// diffcomm's own messages travel on a duplicate communicator: a user's
+// send with the tag they use (0x5d1c) still in flight when the receiver's
+// all_gather posts its receives cannot be taken for the all_gather's data.
+TEST(MpiSemantics, UserTagsNeverMatchDiffcommsOwnMessages) {
+  dist::Options opts;
+  opts.check = false;  // checked send/recv would wait for the receiver's envelope
+  const auto world = mpi::world(opts);
+  auto pair = world.new_group({0, 1});
+  if (!pair) return;
+  const int r = pair->rank();
+  Tensor mine = full({4}, r + 1.0, DType::Float32), all = empty({8}, DType::Float32);
+  Tensor user = full({4}, r == 0 ? 42.0 : 0.0, DType::Float32);
+  if (r == 0) dist::send(*pair, user, 1, 0x5d1c);  // small: completes eagerly
+  dist::all_gather_single(*pair, all, mine);
+  if (r == 1) dist::recv(*pair, user, 0, 0x5d1c);
+  EXPECT_EQ(all.to_vector(), (std::vector<double>{1, 1, 1, 1, 2, 2, 2, 2}));
+  EXPECT_EQ(user.to_vector(), (std::vector<double>(4, 42.0)));
 }
 
 // ---------------------------------------------------------------- fault paths

@@ -141,9 +141,45 @@ Tensor premultiplied(const Call& c, const Tensor& t) {
   return dist::scaled(t, c.reduce_op.factor());
 }
 
+// A step of group creation, completed with the deadline like every call.
+void wait_setup(MPI_Request& req, const std::string& what, const std::string& name, int rank,
+                int size, double timeout_s) {
+  dist::wait_with_deadline(
+      timeout_s,
+      [&] {
+        int flag = 0;
+        check_plain(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), what.c_str());
+        return flag != 0;
+      },
+      [&](double t) {
+        const std::string where =
+            fmt::format("{} creating group '{}' (rank {} of {})", what, name, rank, size);
+        detail::note_timeout(where);
+        return fmt::format(
+            "timed out after {} s waiting in {}: creating a group is collective over its "
+            "communicator, and a member is late at startup, failed or never created it",
+            t, where);
+      });
+}
+
+// A duplicate of `comm`, made with the deadline like every step of group
+// creation.
+MPI_Comm duplicate(MPI_Comm comm, const std::string& name, double timeout_s) {
+  int rank = 0, size = 1;
+  check_plain(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  check_plain(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request req = MPI_REQUEST_NULL;
+  check_plain(MPI_Comm_idup(comm, &dup, &req), "MPI_Comm_idup");
+  wait_setup(req, "MPI_Comm_idup (diffcomm's own communicator)", name, rank, size, timeout_s);
+  check_plain(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  return dup;
+}
+
 class MpiBackend final : public dist::Backend {
  public:
-  MpiBackend(MPI_Comm comm, bool owned, const dist::Options& options)
+  // `name` names the group in a timeout while it is being created.
+  MpiBackend(MPI_Comm comm, bool owned, const dist::Options& options, const std::string& name)
       : comm_(comm), owned_(owned), options_(options), timeout_s_(options.resolved_timeout_s()) {
     check_plain(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check_plain(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -158,11 +194,14 @@ class MpiBackend final : public dist::Backend {
                 "MPI_Group_translate_ranks");
     MPI_Group_free(&mine);
     MPI_Group_free(&world);
+    coll_ = duplicate(comm_, name, timeout_s_);
   }
   ~MpiBackend() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (owned_ && !finalized) MPI_Comm_free(&comm_);
+    if (finalized) return;
+    MPI_Comm_free(&coll_);
+    if (owned_) MPI_Comm_free(&comm_);
   }
 
   std::string backend_name() const override { return "mpi"; }
@@ -180,7 +219,8 @@ class MpiBackend final : public dist::Backend {
     MPI_Comm sub = MPI_COMM_NULL;
     DIFFCOMM_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub), c);
     if (sub == MPI_COMM_NULL) return nullptr;
-    return std::make_shared<MpiBackend>(sub, /*owned=*/true, options_);
+    return std::make_shared<MpiBackend>(sub, /*owned=*/true, options_,
+                                        fmt::format("a sub-group split in {}", c.where()));
   }
 
   void barrier(Call& c) override {
@@ -192,6 +232,11 @@ class MpiBackend final : public dist::Backend {
   void all_reduce(Call& c) override {
     const Tensor& t = c.outputs[0];
     if (c.reduce_op == ReduceOp::PremulSum) Tensor(t).copy_(premultiplied(c, t));
+    if (use_ring(t)) {
+      ring_all_reduce(c, t);
+      finish_avg(c, t);
+      return;
+    }
     Requests reqs;
     each_chunk(t.numel(), [&](int64_t off, int count) {
       DIFFCOMM_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, elem(t, off), count, mpi_type(c.dtype),
@@ -242,34 +287,20 @@ class MpiBackend final : public dist::Backend {
   void all_gather_single(Call& c) override { gather_fixed(c, c.inputs[0], c.outputs[0]); }
 
   void all_gather_v(Call& c) override {
+    // Per-peer messages, as gather_fixed (and no int-count limit to check).
     const Tensor& in = c.inputs[0];
     const Tensor& out = c.outputs[0];
     const auto blocks = dist::BlockLayout::of(c.output_splits, in.row_numel());
-    const std::vector<int64_t> counts = blocks.lengths(), displs = blocks.offsets();
-    if (fits(counts) && fits(displs)) {
-      auto ic = to_int(counts), id = to_int(displs);
-      Requests reqs;
-      DIFFCOMM_MPI_CHECK(
-          MPI_Iallgatherv(in.numel() ? in.data_ptr() : nullptr, static_cast<int>(in.numel()),
-                          mpi_type(c.dtype), out.data_ptr(), ic.data(), id.data(),
-                          mpi_type(c.dtype), comm_, reqs.add()),
-          c);
-      wait(c, reqs);
-      return;
-    }
-    // Large counts: every member sends its block to every other member.
     const int64_t es = static_cast<int64_t>(element_size(c.dtype));
+    const auto me = static_cast<std::size_t>(rank_);
+    std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
+                static_cast<std::size_t>(blocks.length(me) * es));
     std::vector<Block> sends, recvs;
-    for (int p = 0; p < size_; ++p) {
-      const auto pi = static_cast<std::size_t>(p);
-      if (p == rank_) {
-        std::memcpy(bytes(out) + displs[pi] * es, in.data_ptr(),
-                    static_cast<std::size_t>(counts[pi] * es));
-        continue;
-      }
-      sends.push_back({p, static_cast<const char*>(in.data_ptr()), in.numel() * es});
-      recvs.push_back({p, bytes(out) + displs[pi] * es, counts[pi] * es});
-    }
+    each_peer([&](int to, int from) {
+      const auto f = static_cast<std::size_t>(from);
+      sends.push_back({to, static_cast<const char*>(in.data_ptr()), in.numel() * es});
+      recvs.push_back({from, bytes(out) + blocks.offset(f) * es, blocks.length(f) * es});
+    });
     exchange(c, sends, recvs);
   }
 
@@ -460,7 +491,14 @@ class MpiBackend final : public dist::Backend {
     const char* data;
     int64_t nbytes;
   };
-  static constexpr int kTag = 0x5d1c;  // tag of diffcomm's own point-to-point traffic
+  static constexpr int kTag = 0x5d1c;  // tag of diffcomm's own messages (on coll_)
+
+  // The peers in pairwise order: step i sends to rank+i and receives from
+  // rank-i, so the members do not all send to member 0 first.
+  template <class F>
+  void each_peer(F&& f) const {
+    for (int i = 1; i < size_; ++i) f((rank_ + i) % size_, (rank_ - i + size_) % size_);
+  }
 
   static bool fits(const std::vector<int64_t>& v) {
     for (int64_t x : v)
@@ -485,28 +523,60 @@ class MpiBackend final : public dist::Backend {
     each_chunk(nbytes, f);
   }
 
+  // Per-peer MPI_Isend/Irecv, never MPI_Iallgather: Open MPI's non-blocking
+  // collectives (libnbc) ran 2.1x its blocking MPI_Allgather at 64 KiB on
+  // np 2, while per-peer messages run at the blocking call's speed
+  // (bench/RESULTS.md, "MPI at raw speed").
   void gather_fixed(const Call& c, const Tensor& in, const Tensor& out) {
-    if (in.numel() <= g_max_count && static_cast<int64_t>(size_) * in.numel() <= g_max_count) {
-      Requests reqs;
-      DIFFCOMM_MPI_CHECK(
-          MPI_Iallgather(in.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype),
-                         out.data_ptr(), static_cast<int>(in.numel()), mpi_type(c.dtype), comm_,
-                         reqs.add()),
-          c);
-      wait(c, reqs);
-      return;
-    }
     const int64_t nb = static_cast<int64_t>(in.nbytes());
+    std::memcpy(bytes(out) + rank_ * nb, in.data_ptr(), static_cast<std::size_t>(nb));
     std::vector<Block> sends, recvs;
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) {
-        std::memcpy(bytes(out) + p * nb, in.data_ptr(), static_cast<std::size_t>(nb));
-        continue;
-      }
-      sends.push_back({p, static_cast<const char*>(in.data_ptr()), nb});
-      recvs.push_back({p, bytes(out) + p * nb, nb});
-    }
+    each_peer([&](int to, int from) {
+      sends.push_back({to, static_cast<const char*>(in.data_ptr()), nb});
+      recvs.push_back({from, bytes(out) + from * nb, nb});
+    });
     exchange(c, sends, recvs);
+  }
+
+  // Where the ring beat MPI_Iallreduce (bench/RESULTS.md, "MPI at raw
+  // speed"): on two members at every size (64 KiB: 1.03x raw MPI_Allreduce
+  // against 1.7-2.0x), on more only for large tensors (np 4: 16 MiB 1.00x
+  // against 1.17x, but 64 KiB 1.3-1.4x against 0.8-0.9x: its 2(N-1)
+  // dependent steps cost more than libnbc's schedule there).
+  bool use_ring(const Tensor& t) const {
+    constexpr std::size_t kRingFrom = std::size_t{8} << 20;  // bytes, more than two members
+    if (size_ < 2 || t.numel() < size_) return false;
+    return size_ == 2 || t.nbytes() >= kRingFrom;
+  }
+
+  // Ring all-reduce over Isend/Irecv (reduce-scatter, then all-gather of
+  // the reduced blocks), not MPI_Iallreduce (libnbc, slower than the
+  // blocking call). Block k is combined along the ring by MPI_Reduce_local
+  // with the same MPI op; every member receives the one reduced copy, so
+  // all agree bit for bit (the order is the ring's: native reductions are
+  // algorithm-ordered, docs/semantics.md).
+  void ring_all_reduce(const Call& c, const Tensor& t) {
+    const int64_t n = t.numel(), es = static_cast<int64_t>(element_size(c.dtype));
+    auto at = [&](int k) { return n * k / size_; };  // block k: [at(k), at(k+1))
+    auto len = [&](int k) { return at(k + 1) - at(k); };
+    const int right = (rank_ + 1) % size_, left = (rank_ - 1 + size_) % size_;
+    auto block = [&](int s) { return ((s % size_) + size_) % size_; };
+    Tensor scratch = empty({n / size_ + 1}, t.dtype());
+    for (int s = 0; s < size_ - 1; ++s) {  // reduce-scatter
+      const int out = block(rank_ - s), in = block(rank_ - s - 1);
+      exchange(c, {{right, static_cast<const char*>(elem(t, at(out))), len(out) * es}},
+               {{left, bytes(scratch), len(in) * es}});
+      each_chunk(len(in), [&](int64_t off, int count) {
+        DIFFCOMM_MPI_CHECK(MPI_Reduce_local(elem(scratch, off), elem(t, at(in) + off), count,
+                                            mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op)),
+                           c);
+      });
+    }
+    for (int s = 0; s < size_ - 1; ++s) {  // all-gather of the reduced blocks
+      const int out = block(rank_ + 1 - s), in = block(rank_ - s);
+      exchange(c, {{right, static_cast<const char*>(elem(t, at(out))), len(out) * es}},
+               {{left, static_cast<const char*>(elem(t, at(in))), len(in) * es}});
+    }
   }
 
   // Reduce block p of `in` (blocks.length(p) elements, in order) onto member
@@ -552,19 +622,23 @@ class MpiBackend final : public dist::Backend {
       each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
         if (count == 0) return;
         DIFFCOMM_MPI_CHECK(MPI_Irecv(const_cast<char*>(b.data) + off, count, MPI_BYTE, b.peer, kTag,
-                                     comm_, reqs.add()),
+                                     coll_, reqs.add()),
                            c);
       });
     for (const Block& b : sends)
       each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
         if (count == 0) return;
         DIFFCOMM_MPI_CHECK(
-            MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, comm_, reqs.add()), c);
+            MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, coll_, reqs.add()), c);
       });
     wait(c, reqs);
   }
 
   MPI_Comm comm_;
+  // diffcomm's own messages (collectives built from Isend/Irecv) travel on a
+  // duplicate of comm_: another context, so no user send/recv on comm_,
+  // whatever its tag, can match them.
+  MPI_Comm coll_ = MPI_COMM_NULL;
   bool owned_;
   dist::Options options_;
   double timeout_s_;
@@ -601,27 +675,6 @@ Environment::~Environment() {
 
 namespace {
 
-// A step of group creation, completed with the deadline like every call.
-void wait_setup(MPI_Request& req, const std::string& what, const std::string& name, int rank,
-                int size, double timeout_s) {
-  dist::wait_with_deadline(
-      timeout_s,
-      [&] {
-        int flag = 0;
-        check_plain(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), what.c_str());
-        return flag != 0;
-      },
-      [&](double t) {
-        const std::string where =
-            fmt::format("{} creating group '{}' (rank {} of {})", what, name, rank, size);
-        detail::note_timeout(where);
-        return fmt::format(
-            "timed out after {} s waiting in {}: creating a group is collective over its "
-            "communicator, and a member is late at startup, failed or never created it",
-            t, where);
-      });
-}
-
 // Every member must agree on checked mode: a checked member exchanges a
 // fingerprint before each call and an unchecked one does not, so a mix
 // would pair fingerprints with data (DIFFCOMM_CHECK not exported to a remote
@@ -652,7 +705,7 @@ void agree_on_checking(MPI_Comm comm, bool check, const std::string& name, doubl
 // never a hang.
 std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const std::string& name,
                                             const dist::Options& options) {
-  auto data = std::make_shared<MpiBackend>(comm, /*owned=*/false, options);
+  auto data = std::make_shared<MpiBackend>(comm, /*owned=*/false, options, name);
   const double timeout_s = options.resolved_timeout_s();
   agree_on_checking(comm, options.resolved_check(), name, timeout_s);
   auto control = [&]() -> std::shared_ptr<dist::Backend> {
@@ -661,7 +714,7 @@ std::shared_ptr<dist::Backend> make_backend(MPI_Comm comm, const std::string& na
     check_plain(MPI_Comm_idup(comm, &dup, &req), "MPI_Comm_idup");
     wait_setup(req, "MPI_Comm_idup (checked-mode control communicator)", name, data->rank(),
                data->size(), timeout_s);
-    return std::make_shared<MpiBackend>(dup, /*owned=*/true, options);
+    return std::make_shared<MpiBackend>(dup, /*owned=*/true, options, name);
   };
   return dist::stack_layers(data, options, control, Device::cpu());
 }
