@@ -41,5 +41,10 @@ else:
         result("NOT REACHED: all_reduce #1 completed")
     except Exception as e:  # noqa: BLE001 - the test reads which error it was
         result(f"{type(e).__name__}")
+dt.destroy_process_group()
 if backend == "torch":
     tdist.destroy_process_group()
+# torch 1.13's gloo ends some processes in std::terminate at interpreter exit
+# ("terminate called without an active exception": up to 3 in 5 runs of this
+# program here); the test is about the dumps, not torch's shutdown.
+os._exit(0)
