@@ -80,6 +80,19 @@ TEST(Unpickle, RefusesGlobalsSoReadingNeverRunsCode) {
   }
 }
 
+TEST(Unpickle, RefusesNestingDeeperThan64) {
+  // 100 nested lists: EMPTY_LIST x 100, then APPEND x 99, STOP
+  const std::string deep = "\x80\x02" + std::string(100, ']') + std::string(99, 'a') + ".";
+  try {
+    detail::unpickle(deep, "deep.pkl");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("deep.pkl: pickle nests containers deeper than 64"));
+  }
+  const std::string ok = "\x80\x02" + std::string(64, ']') + std::string(63, 'a') + ".";
+  EXPECT_TRUE(detail::unpickle(ok, "ok.pkl").is_array());
+}
+
 std::string fixture(const std::string& name) {
   return (fs::path(DIFFCOMM_TORCH_FR_DIR) / name).string();
 }

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -14,7 +15,15 @@
 namespace diffcomm::sim::detail {
 namespace {
 using Json = nlohmann::json;
-using Node = std::shared_ptr<Json>;  // shared: the memo sees later appends
+// A value and how deeply containers nest in it, shared: the memo sees later
+// appends. The depth is bounded so that no recursion over the value later
+// (copy, compare, print) can exhaust the stack.
+struct Item {
+  Json v;
+  int depth = 0;
+};
+using Node = std::shared_ptr<Item>;
+constexpr int kMaxDepth = 64;
 
 class Unpickler {
  public:
@@ -26,7 +35,7 @@ class Unpickler {
       const auto op = static_cast<uint8_t>(take(1)[0]);
       if (op == '.') {  // STOP
         if (stack_.size() != 1) fail(at, "STOP with a stack of {} values", stack_.size());
-        return *stack_.back();
+        return stack_.back()->v;
       }
       step(op, at);
     }
@@ -52,8 +61,15 @@ class Unpickler {
     return v;
   }
   // A value leaving the stack: moved out unless the memo shares it.
-  static Json value_of(Node& n) { return n.use_count() == 1 ? std::move(*n) : Json(*n); }
-  void push(Json v) { stack_.push_back(std::make_shared<Json>(std::move(v))); }
+  static Json value_of(Node& n) { return n.use_count() == 1 ? std::move(n->v) : Json(n->v); }
+  void push(Json v, int depth = 0) {
+    stack_.push_back(std::make_shared<Item>(Item{std::move(v), depth}));
+  }
+  // `parent` now holds a value of `child_depth`: its own depth follows.
+  void nest(Item& parent, int child_depth, std::size_t at) const {
+    parent.depth = std::max(parent.depth, child_depth + 1);
+    if (parent.depth > kMaxDepth) fail(at, "nests containers deeper than {}", kMaxDepth);
+  }
   Node pop(std::size_t at) {
     if (stack_.size() <= mark_floor()) fail(at, "pops an empty stack");
     Node n = std::move(stack_.back());
@@ -70,22 +86,24 @@ class Unpickler {
     marks_.pop_back();
     return items;
   }
-  Json& top(std::size_t at) {
+  Item& top(std::size_t at) {
     if (stack_.size() <= mark_floor()) fail(at, "needs a value on the stack");
     return *stack_.back();
   }
-  void set_item(Json& dict, const Json& key, Json value, std::size_t at) {
-    if (!dict.is_object()) fail(at, "SETITEM on a non-dict");
+  void set_item(Item& dict, const Json& key, Node& value, std::size_t at) {
+    if (!dict.v.is_object()) fail(at, "SETITEM on a non-dict");
+    nest(dict, value->depth, at);
     if (key.is_string())
-      dict[key.get<std::string>()] = std::move(value);
+      dict.v[key.get<std::string>()] = value_of(value);
     else if (key.is_number_integer())
-      dict[key.dump()] = std::move(value);
+      dict.v[key.dump()] = value_of(value);
     else
       fail(at, "dict key of type {}", key.type_name());
   }
-  void append(Json& list, Json value, std::size_t at) {
-    if (!list.is_array()) fail(at, "APPEND to a non-list");
-    list.push_back(std::move(value));
+  void append(Item& list, Node& value, std::size_t at) {
+    if (!list.v.is_array()) fail(at, "APPEND to a non-list");
+    nest(list, value->depth, at);
+    list.v.push_back(value_of(value));
   }
   void memo_put(uint64_t i, std::size_t at) {
     if (i > (1u << 24)) fail(at, "memo index {}", i);
@@ -95,14 +113,23 @@ class Unpickler {
   }
   void memo_get(uint64_t i, std::size_t at) {
     if (i >= memo_.size() || !memo_[i]) fail(at, "reads memo {} never written", i);
-    push(*memo_[i]);
+    push(memo_[i]->v, memo_[i]->depth);
+  }
+  // A tuple of `items` (TUPLE, TUPLE1..3).
+  void push_tuple(std::vector<Node> items, std::size_t at) {
+    Item t{Json::array(), 0};
+    for (Node& n : items) {
+      nest(t, n->depth, at);
+      t.v.push_back(value_of(n));
+    }
+    push(std::move(t.v), t.depth);
   }
   void tuple_of(std::size_t n, std::size_t at) {
-    Json t = Json::array();
     if (stack_.size() < mark_floor() + n) fail(at, "TUPLE{} on a short stack", n);
-    for (std::size_t i = stack_.size() - n; i < stack_.size(); ++i) t.push_back(*stack_[i]);
-    stack_.resize(stack_.size() - n);
-    push(std::move(t));
+    const auto first = stack_.end() - static_cast<std::ptrdiff_t>(n);
+    std::vector<Node> items(first, stack_.end());
+    stack_.erase(first, stack_.end());
+    push_tuple(std::move(items), at);
   }
   // LONG1 / LONG4: little-endian two's complement of n bytes.
   void long_of(std::size_t n, std::size_t at) {
@@ -156,35 +183,30 @@ void Unpickler::step(uint8_t op, std::size_t at) {
     case 0x85: tuple_of(1, at); return;                      // TUPLE1
     case 0x86: tuple_of(2, at); return;                      // TUPLE2
     case 0x87: tuple_of(3, at); return;                      // TUPLE3
-    case 't': {                                              // TUPLE
-      Json t = Json::array();
-      for (const Node& n : since_mark(at)) t.push_back(*n);
-      push(std::move(t));
-      return;
-    }
-    case 'a': {  // APPEND
+    case 't': push_tuple(since_mark(at), at); return;        // TUPLE
+    case 'a': {                                              // APPEND
       Node v = pop(at);
-      append(top(at), value_of(v), at);
+      append(top(at), v, at);
       return;
     }
     case 'e': {  // APPENDS
       std::vector<Node> items = since_mark(at);
-      Json& list = top(at);
-      for (Node& n : items) append(list, value_of(n), at);
+      Item& list = top(at);
+      for (Node& n : items) append(list, n, at);
       return;
     }
     case 's': {  // SETITEM
       Node v = pop(at);
       Node k = pop(at);
-      set_item(top(at), *k, value_of(v), at);
+      set_item(top(at), k->v, v, at);
       return;
     }
     case 'u': {  // SETITEMS
       std::vector<Node> items = since_mark(at);
       if (items.size() % 2 != 0) fail(at, "SETITEMS with an odd number of values");
-      Json& dict = top(at);
+      Item& dict = top(at);
       for (std::size_t i = 0; i < items.size(); i += 2)
-        set_item(dict, *items[i], value_of(items[i + 1]), at);
+        set_item(dict, items[i]->v, items[i + 1], at);
       return;
     }
     case 'q': memo_put(uint_le(1), at); return;     // BINPUT
