@@ -85,7 +85,7 @@ Json load(const std::string& path, int rank) {
 
 // The files <prefix><rank>[.pkl|.json], one prefix, ranks 0..max without gaps.
 std::vector<TorchFile> list_files(const std::string& dir) {
-  static const std::regex name(R"(^(.*?)(\d+)(\.pkl|\.json)?$)");
+  static const std::regex name(R"(^(.*?)(\d{1,6})(\.pkl|\.json)?$)");
   std::map<int, std::string> by_rank;
   std::string prefix;
   for (const auto& f : fs::directory_iterator(dir)) {
@@ -365,18 +365,13 @@ dist::FlightDump dump_of(const TorchFile& f, int world, const Groups& groups) {
 }
 }  // namespace
 
-bool is_torch_flight_dump(std::string_view bytes) {
-  if (!bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80) return true;
-  const std::string_view head = bytes.substr(0, 4096);
-  return head.find("\"diffcomm-flight-recorder\"") == std::string_view::npos &&
-         (head.find("\"pg_config\"") != std::string_view::npos ||
-          head.find("\"entries\"") != std::string_view::npos);
-}
-
-std::vector<dist::FlightDump> read_torch_dumps(const std::string& dir) {
-  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
-  std::vector<TorchFile> files = list_files(dir);
+namespace {
+std::vector<dist::FlightDump> dumps_of(const std::vector<TorchFile>& files,
+                                       const std::string& dir) {
   const int world = world_size_of(files);
+  if (world > 16384)
+    throw InvalidArgument(
+        fmt::format("{}: a pg_config names rank {} (at most 16384 ranks)", dir, world - 1));
   check_no_gap(files, world, dir);
   const Groups groups = groups_of(files, world);
   std::vector<dist::FlightDump> dumps;
@@ -389,6 +384,29 @@ std::vector<dist::FlightDump> read_torch_dumps(const std::string& dir) {
     }
   }
   return dumps;
+}
+}  // namespace
+
+bool is_torch_flight_dump(std::string_view bytes) {
+  if (!bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80) return true;
+  const std::string_view head = bytes.substr(0, 4096);
+  return head.find("\"diffcomm-flight-recorder\"") == std::string_view::npos &&
+         (head.find("\"pg_config\"") != std::string_view::npos ||
+          head.find("\"entries\"") != std::string_view::npos);
+}
+
+std::vector<dist::FlightDump> read_torch_dumps(const std::string& dir) {
+  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
+  const std::vector<TorchFile> files = list_files(dir);
+  try {
+    return dumps_of(files, dir);
+  } catch (const Json::exception& e) {  // in pg_config, pg_status or process_group
+    throw InvalidArgument(fmt::format(
+        "{}: a torch dump has a field missing or of the wrong type: {}", dir, e.what()));
+  } catch (const std::logic_error& e) {  // std::stoll of a number out of range
+    throw InvalidArgument(
+        fmt::format("{}: a torch dump has a malformed number: {}", dir, e.what()));
+  }
 }
 
 }  // namespace diffcomm::sim
