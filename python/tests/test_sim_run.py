@@ -316,8 +316,13 @@ def test_ctrl_c_interrupts_run(scenario, alive):
     # time.sleep) holds the baton, so run() raises after its grace period
     # (2 s here) and leaves the four rank threads behind (daemons).
     program = os.path.join(os.path.dirname(__file__), "programs", "sim_interrupt.py")
+    # SIG_DFL in the child: Python installs its KeyboardInterrupt handler only
+    # when SIGINT is not ignored at start, and ignored signals survive exec (a
+    # job started in the background by a non-interactive shell ignores SIGINT;
+    # a CI run launched that way failed here).
     proc = subprocess.Popen([sys.executable, program, scenario], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == "READY\n"
         time.sleep(0.3)
