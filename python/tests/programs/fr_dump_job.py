@@ -41,6 +41,9 @@ else:
         result("NOT REACHED: all_reduce #1 completed")
     except Exception as e:  # noqa: BLE001 - the test reads which error it was
         result(f"{type(e).__name__}")
+        # The funnel has written the dump. Leave at once: after a Timeout an
+        # MPI_Finalize (destroy_process_group) waits for the timed-out call.
+        os._exit(0)
 dt.destroy_process_group()
 if backend == "torch":
     tdist.destroy_process_group()
