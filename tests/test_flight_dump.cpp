@@ -3,11 +3,13 @@
 // by the recorder), a dump written and read back field by field, and the
 // one-line errors of truncated and malformed files.
 #include <gmock/gmock.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -136,7 +138,7 @@ FlightDump one_of_each() {
 
 TEST(FlightDump, JsonRoundTripKeepsEveryField) {
   const FlightDump back = parse_flight_dump(flight_dump_json(one_of_each()), "x.json");
-  EXPECT_EQ(back.version, 1);
+  EXPECT_EQ(back.version, 2);
   EXPECT_EQ(back.rank, 3);
   EXPECT_EQ(back.world_size, 4);
   EXPECT_EQ(back.capacity, 2000u);
@@ -185,14 +187,19 @@ TEST(FlightDump, MissingFieldOrWrongVersionIsOneLineNamingWhere) {
         try {
           (void)parse_flight_dump(no_op, "f.json");
         } catch (const InvalidArgument& e) {
-          EXPECT_THAT(e.what(), HasSubstr("f.json: entries[0]: missing field 'op'"));
+          EXPECT_THAT(e.what(), HasSubstr("f.json: calls[0]: missing field 'op'"));
           throw;
         }
       },
       InvalidArgument);
-  std::string v2 = text;
-  v2.replace(v2.find("\"version\":1"), 11, "\"version\":2");
-  EXPECT_THROW((void)parse_flight_dump(v2, "f.json"), InvalidArgument);
+  std::string v3 = text;
+  v3.replace(v3.find("\"version\":2"), 11, "\"version\":3");
+  try {
+    (void)parse_flight_dump(v3, "f.json");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("f.json: format version 3 (this build reads 1 and 2)"));
+  }
   EXPECT_THROW((void)parse_flight_dump("[1,2]", "f.json"), InvalidArgument);
   try {
     (void)parse_flight_dump("{\"a\": x}", "g.json");
@@ -200,6 +207,90 @@ TEST(FlightDump, MissingFieldOrWrongVersionIsOneLineNamingWhere) {
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("g.json: byte offset 6: not valid JSON"));
   }
+}
+
+// Version 2 keeps a description once and each entry as a row: three
+// all_reduce calls of one shape and a barrier are two descriptions, four rows.
+TEST(FlightDump, Version2KeepsEachDescriptionOnceAndARowPerEntry) {
+  FlightDump d = one_of_each();
+  d.entries.clear();
+  for (uint64_t i = 0; i < 4; ++i) {
+    FlightRecord r;
+    r.id = 10 + i;
+    r.group = "world";
+    r.group_size = 4;
+    r.group_rank = 3;
+    r.op = i == 2 ? OpType::Barrier : OpType::AllReduce;
+    r.seq = i;
+    r.input_shapes = r.output_shapes = {{8}};
+    r.state = FlightRecord::State::Completed;
+    r.start_s = 0.25 * static_cast<double>(i);
+    d.entries.push_back(r);
+  }
+  d.groups[0].group = {"world", {0, 1, 2, 3}, 3, 4, 0};
+  const std::string text = flight_dump_json(d);
+  const CompactFlightDump c = parse_compact_flight_dump(text, "r.json");
+  EXPECT_EQ(c.calls.size(), 2u);
+  ASSERT_EQ(c.rows.size(), 4u);
+  EXPECT_EQ(c.rows[3].call_index, 0u);
+  EXPECT_EQ(c.rows[2].call_index, 1u);
+  EXPECT_EQ(c.rows[3].start_ns, 750000000);
+  EXPECT_EQ(c.groups[0].group.members, (std::vector<int>{0, 1, 2, 3}));
+  // The members are written as a range; each row is a line of integers.
+  EXPECT_THAT(text, HasSubstr("\"member_range\":[0,1,4]"));
+  EXPECT_THAT(text, HasSubstr("\n[13,0,3,1,-1,750000000,0,0,0]]}"));
+  const FlightDump back = expand(c);
+  ASSERT_EQ(back.entries.size(), 4u);
+  EXPECT_EQ(back.entries[2].op, OpType::Barrier);
+  EXPECT_EQ(back.entries[3].seq, 3u);
+  EXPECT_EQ(back.entries[3].start_s, 0.75);
+}
+
+// A file cut inside its rows, or a row with a wrong value, is one line
+// naming the file and the offset or the entry.
+TEST(FlightDump, Version2RowsTruncatedOrOutOfRangeNameWhere) {
+  const std::string text = flight_dump_json(one_of_each());
+  const std::size_t cut = text.size() - 6;  // inside the last row
+  try {
+    (void)parse_flight_dump(std::string_view(text).substr(0, cut), "rank-3.json");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr(fmt::format("rank-3.json: byte offset {}: truncated", cut)));
+  }
+  std::string bad = text;
+  bad.replace(bad.find("\n[9,0,"), 6, "\n[9,5,");  // call_index 5 of 1 description
+  try {
+    (void)parse_flight_dump(bad, "r.json");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("r.json: entries[0]: a value is out of range (call_index < 1"));
+  }
+}
+
+// Version 1 files (one object per entry) are still read, and a version 2
+// file rewritten by another tool (pretty-printed) is read through a tree.
+TEST(FlightDump, Version1AndReformattedVersion2AreRead) {
+  const std::string v1 =
+      R"({"format":"diffcomm-flight-recorder","version":1,"rank":0,"world_size":1,)"
+      R"("capacity":4,"groups":[{"name":"world","members":[0],"group_rank":0,"calls":1,)"
+      R"("p2p_calls":0,"watermark":0,"p2p_watermark":0}],"entries":[{"id":1,"group":"world",)"
+      R"("group_rank":0,"group_size":1,"call":0,"op":"all_reduce","dtype":"float32","numel":2,)"
+      R"("input_shapes":[[2]],"output_shapes":[[2]],"input_splits":[],"output_splits":[],)"
+      R"("root":-1,"tag":0,"reduce_op":"max","reduce_factor":1.0,"color":-1,"key":0,)"
+      R"("members":[],"members_are_ranks":false,"backward_of":{"op":"all_gather","call":7},)"
+      R"("state":"completed","start_s":2.0,"duration_s":0.5,"bytes_sent":8,"bytes_received":8}]})";
+  const FlightDump a = parse_flight_dump(v1, "v1.json");
+  EXPECT_EQ(a.version, 1);
+  ASSERT_EQ(a.entries.size(), 1u);
+  EXPECT_EQ(a.entries[0].reduce_op, ReduceOp(ReduceOp::Max));
+  ASSERT_TRUE(a.entries[0].backward_of.has_value());
+  EXPECT_EQ(a.entries[0].backward_of->seq, 7u);
+  EXPECT_EQ(a.entries[0].duration_s, 0.5);
+  const std::string pretty = nlohmann::json::parse(flight_dump_json(one_of_each())).dump(2);
+  const FlightDump b = parse_flight_dump(pretty, "p.json");
+  ASSERT_EQ(b.entries.size(), 1u);
+  EXPECT_EQ(b.entries[0].backward_of->seq, 4u);
+  EXPECT_EQ(b.entries[0].bytes_sent, 18u);
 }
 
 TEST(FlightDump, DumpWritesRankFileIntoTheDirectory) {

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <optional>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -10,32 +12,89 @@
 #include <sstream>
 
 #include "diffcomm/error.hpp"
+#include "flight_dump_fields.hpp"
 
 namespace diffcomm::dist {
-namespace {
+namespace dump_fields {
 using nlohmann::json;
 
-constexpr const char* kFormat = "diffcomm-flight-recorder";
+namespace {
 constexpr OpType kLastOp = OpType::NewGroup;
 constexpr const char* kReduceKinds[] = {"sum", "avg", "product", "min", "max", "premul_sum"};
 
-const char* state_str(FlightRecord::State s) {
-  switch (s) {
-    case FlightRecord::State::Issued: return "issued";
-    case FlightRecord::State::Completed: return "completed";
-    case FlightRecord::State::Failed: return "failed";
+// first, step, count when `m` is an arithmetic progression of 3 or more.
+std::optional<std::array<int, 3>> as_range(const std::vector<int>& m) {
+  if (m.size() < 3) return std::nullopt;
+  const int64_t step = int64_t{m[1]} - m[0];
+  for (std::size_t i = 2; i < m.size(); ++i)
+    if (int64_t{m[i]} - m[i - 1] != step) return std::nullopt;
+  return std::array<int, 3>{m[0], static_cast<int>(step), static_cast<int>(m.size())};
+}
+}  // namespace
+
+OpType Reader::op(const std::string& name) const {
+  for (int i = 0; i <= static_cast<int>(kLastOp); ++i)
+    if (op_name(static_cast<OpType>(i)) == name) return static_cast<OpType>(i);
+  fail(fmt::format("unknown op '{}'", name));
+}
+DType Reader::dtype(const std::string& name) const {
+  try {
+    return parse_dtype(name);
+  } catch (const InvalidArgument&) {
+    fail(fmt::format("unknown dtype '{}'", name));
   }
-  return "?";
+}
+ReduceOp Reader::reduce(const std::string& name, double factor) const {
+  for (uint8_t k = 0; k < std::size(kReduceKinds); ++k)
+    if (name == kReduceKinds[k]) {
+      const auto kind = static_cast<ReduceOp::Kind>(k);
+      return kind == ReduceOp::PremulSum ? ReduceOp::premul_sum(factor) : ReduceOp(kind);
+    }
+  fail(fmt::format("unknown reduce op '{}'", name));
+}
+FlightRecord::State Reader::state(const std::string& name) const {
+  if (name == "issued") return FlightRecord::State::Issued;
+  if (name == "completed") return FlightRecord::State::Completed;
+  if (name == "failed") return FlightRecord::State::Failed;
+  fail(fmt::format("unknown state '{}'", name));
 }
 
-bool is_p2p(OpType op) { return op == OpType::Send || op == OpType::Recv; }
+json group_json(const DumpedGroup& g) {
+  json j = {{"name", g.group.name},
+            {"group_rank", g.group.group_rank},
+            {"calls", g.group.calls},
+            {"p2p_calls", g.group.p2p_calls},
+            {"watermark", g.watermark},
+            {"p2p_watermark", g.p2p_watermark}};
+  if (const auto r = as_range(g.group.members))
+    j["member_range"] = *r;
+  else
+    j["members"] = g.group.members;
+  return j;
+}
 
-json entry_json(const FlightRecord& r) {
-  json e = {{"id", r.id},
-            {"group", r.group},
+DumpedGroup parse_group(const json& g, const Reader& rd) {
+  DumpedGroup d;
+  d.group.name = rd.get<std::string>(g, "name");
+  if (g.contains("member_range")) {
+    const auto r = rd.get<std::array<int, 3>>(g, "member_range");
+    if (r[2] < 0 || r[2] > 1 << 20) rd.fail(fmt::format("member_range count {} out of range", r[2]));
+    for (int i = 0; i < r[2]; ++i) d.group.members.push_back(r[0] + i * r[1]);
+  } else {
+    d.group.members = rd.get<std::vector<int>>(g, "members");
+  }
+  d.group.group_rank = rd.get<int>(g, "group_rank");
+  d.group.calls = rd.get<uint64_t>(g, "calls");
+  d.group.p2p_calls = rd.get<uint64_t>(g, "p2p_calls");
+  d.watermark = rd.get<uint64_t>(g, "watermark");
+  d.p2p_watermark = rd.get<uint64_t>(g, "p2p_watermark");
+  return d;
+}
+
+json desc_json(const FlightRecord& r) {
+  json e = {{"group", r.group},
             {"group_rank", r.group_rank},
             {"group_size", r.group_size},
-            {"call", r.seq},
             {"op", op_cstr(r.op)},
             {"dtype", dtype_name(r.dtype)},
             {"numel", r.numel},
@@ -51,71 +110,17 @@ json entry_json(const FlightRecord& r) {
             {"key", r.key},
             {"members", r.members},
             {"members_are_ranks", r.members_are_ranks},
-            {"backward_of", nullptr},
-            {"state", state_str(r.state)},
-            {"start_s", r.start_s},
-            {"duration_s", r.duration_s},
-            {"bytes_sent", r.bytes_sent},
-            {"bytes_received", r.bytes_received}};
-  if (r.backward_of)
-    e["backward_of"] = {{"op", op_cstr(r.backward_of->op)}, {"call", r.backward_of->seq}};
+            {"backward_of", nullptr}};
+  if (r.backward_of) e["backward_of"] = {{"op", op_cstr(r.backward_of->op)}};
   return e;
 }
 
-// Reading: every failure names the file and where (entry k, field f).
-struct Reader {
-  const std::string& file;
-  std::string where;
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw InvalidArgument(fmt::format("{}: {}{}", file, where, what));
-  }
-  template <class T>
-  T get(const json& obj, const char* field) const {
-    auto it = obj.find(field);
-    if (it == obj.end()) fail(fmt::format("missing field '{}'", field));
-    try {
-      return it->get<T>();
-    } catch (const json::exception&) {
-      fail(fmt::format("field '{}' has the wrong type ({})", field, it->type_name()));
-    }
-  }
-  OpType op(const std::string& name) const {
-    for (int i = 0; i <= static_cast<int>(kLastOp); ++i)
-      if (op_name(static_cast<OpType>(i)) == name) return static_cast<OpType>(i);
-    fail(fmt::format("unknown op '{}'", name));
-  }
-  DType dtype(const std::string& name) const {
-    try {
-      return parse_dtype(name);
-    } catch (const InvalidArgument&) {
-      fail(fmt::format("unknown dtype '{}'", name));
-    }
-  }
-  ReduceOp reduce(const std::string& name, double factor) const {
-    for (uint8_t k = 0; k < std::size(kReduceKinds); ++k)
-      if (name == kReduceKinds[k]) {
-        const auto kind = static_cast<ReduceOp::Kind>(k);
-        return kind == ReduceOp::PremulSum ? ReduceOp::premul_sum(factor) : ReduceOp(kind);
-      }
-    fail(fmt::format("unknown reduce op '{}'", name));
-  }
-  FlightRecord::State state(const std::string& name) const {
-    if (name == "issued") return FlightRecord::State::Issued;
-    if (name == "completed") return FlightRecord::State::Completed;
-    if (name == "failed") return FlightRecord::State::Failed;
-    fail(fmt::format("unknown state '{}'", name));
-  }
-};
-
-FlightRecord parse_entry(const json& e, const Reader& rd) {
+FlightRecord parse_desc(const json& e, const Reader& rd) {
   if (!e.is_object()) rd.fail("is not an object");
   FlightRecord r;
-  r.id = rd.get<uint64_t>(e, "id");
   r.group = rd.get<std::string>(e, "group");
   r.group_rank = rd.get<int>(e, "group_rank");
   r.group_size = rd.get<int>(e, "group_size");
-  r.seq = rd.get<uint64_t>(e, "call");
   r.op = rd.op(rd.get<std::string>(e, "op"));
   r.dtype = rd.dtype(rd.get<std::string>(e, "dtype"));
   r.numel = rd.get<int64_t>(e, "numel");
@@ -131,8 +136,16 @@ FlightRecord parse_entry(const json& e, const Reader& rd) {
   r.members = rd.get<std::vector<int64_t>>(e, "members");
   r.members_are_ranks = rd.get<bool>(e, "members_are_ranks");
   const json b = rd.get<json>(e, "backward_of");
-  if (!b.is_null())
-    r.backward_of = CallId{rd.op(rd.get<std::string>(b, "op")), rd.get<uint64_t>(b, "call")};
+  if (!b.is_null()) r.backward_of = CallId{rd.op(rd.get<std::string>(b, "op")), 0};
+  return r;
+}
+
+namespace {
+FlightRecord parse_v1_entry(const json& e, const Reader& rd) {
+  FlightRecord r = parse_desc(e, rd);
+  r.id = rd.get<uint64_t>(e, "id");
+  r.seq = rd.get<uint64_t>(e, "call");
+  if (r.backward_of) r.backward_of->seq = rd.get<uint64_t>(e["backward_of"], "call");
   r.state = rd.state(rd.get<std::string>(e, "state"));
   r.start_s = rd.get<double>(e, "start_s");
   r.duration_s = rd.get<double>(e, "duration_s");
@@ -140,18 +153,31 @@ FlightRecord parse_entry(const json& e, const Reader& rd) {
   r.bytes_received = rd.get<uint64_t>(e, "bytes_received");
   return r;
 }
+}  // namespace
 
-DumpedGroup parse_group(const json& g, const Reader& rd) {
-  DumpedGroup d;
-  d.group.name = rd.get<std::string>(g, "name");
-  d.group.members = rd.get<std::vector<int>>(g, "members");
-  d.group.group_rank = rd.get<int>(g, "group_rank");
-  d.group.calls = rd.get<uint64_t>(g, "calls");
-  d.group.p2p_calls = rd.get<uint64_t>(g, "p2p_calls");
-  d.watermark = rd.get<uint64_t>(g, "watermark");
-  d.p2p_watermark = rd.get<uint64_t>(g, "p2p_watermark");
+FlightDump parse_v1(const json& doc, Reader& rd) {
+  FlightDump d;
+  d.version = 1;
+  d.rank = rd.get<int>(doc, "rank");
+  d.world_size = rd.get<int>(doc, "world_size");
+  d.capacity = rd.get<std::size_t>(doc, "capacity");
+  const json groups = rd.get<json>(doc, "groups");
+  const json entries = rd.get<json>(doc, "entries");
+  if (!groups.is_array() || !entries.is_array()) rd.fail("'groups' and 'entries' must be arrays");
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    rd.where = fmt::format("groups[{}]: ", i);
+    d.groups.push_back(parse_group(groups[i], rd));
+  }
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    rd.where = fmt::format("entries[{}]: ", i);
+    d.entries.push_back(parse_v1_entry(entries[i], rd));
+  }
   return d;
 }
+}  // namespace dump_fields
+
+namespace {
+bool is_p2p(OpType op) { return op == OpType::Send || op == OpType::Recv; }
 }  // namespace
 
 FlightDump snapshot_flight_dump(const FlightRecorder& recorder) {
@@ -176,61 +202,38 @@ FlightDump snapshot_flight_dump(const FlightRecorder& recorder) {
 }
 
 std::string flight_dump_json(const FlightDump& d) {
+  using nlohmann::json;
+  const CompactFlightDump c = compact(d);
   json groups = json::array();
-  for (const DumpedGroup& g : d.groups)
-    groups.push_back({{"name", g.group.name},
-                      {"members", g.group.members},
-                      {"group_rank", g.group.group_rank},
-                      {"calls", g.group.calls},
-                      {"p2p_calls", g.group.p2p_calls},
-                      {"watermark", g.watermark},
-                      {"p2p_watermark", g.p2p_watermark}});
-  json entries = json::array();
-  for (const FlightRecord& r : d.entries) entries.push_back(entry_json(r));
-  const json doc = {{"format", kFormat},
-                    {"version", d.version},
-                    {"rank", d.rank},
-                    {"world_size", d.world_size},
-                    {"capacity", d.capacity},
-                    {"groups", std::move(groups)},
-                    {"entries", std::move(entries)}};
-  return doc.dump() + "\n";
+  for (const DumpedGroup& g : c.groups) groups.push_back(dump_fields::group_json(g));
+  json calls = json::array();
+  for (const FlightRecord& r : c.calls) calls.push_back(dump_fields::desc_json(r));
+  json header = {{"format", dump_fields::kFormat},
+                 {"version", kFlightDumpVersion},
+                 {"rank", c.rank},
+                 {"world_size", c.world_size},
+                 {"capacity", c.capacity},
+                 {"groups", std::move(groups)},
+                 {"calls", std::move(calls)},
+                 {"columns", {"id", "call_index", "call", "state", "backward_call", "start_ns",
+                              "duration_ns", "bytes_sent", "bytes_received"}}};
+  // The header, then one row per line: "entries" is the last key, and no
+  // string follows its name (what parse_compact_flight_dump relies on).
+  std::string text = header.dump();
+  text.pop_back();  // the header's closing brace
+  text += ",\"entries\":[";
+  for (std::size_t i = 0; i < c.rows.size(); ++i) {
+    const CompactFlightDump::Row& w = c.rows[i];
+    fmt::format_to(std::back_inserter(text), "{}\n[{},{},{},{},{},{},{},{},{}]", i ? "," : "",
+                   w.id, w.call_index, w.seq, static_cast<int>(w.state), w.backward_call,
+                   w.start_ns, w.duration_ns, w.bytes_sent, w.bytes_received);
+  }
+  text += "]}\n";
+  return text;
 }
 
 FlightDump parse_flight_dump(std::string_view text, const std::string& file) {
-  json doc;
-  try {
-    doc = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    // e.byte counts the characters read (1-based); the offset is 0-based.
-    const std::size_t offset = e.byte > 0 ? e.byte - 1 : 0;
-    if (offset >= text.size())
-      throw InvalidArgument(
-          fmt::format("{}: byte offset {}: truncated (the file ends there)", file, text.size()));
-    throw InvalidArgument(fmt::format("{}: byte offset {}: not valid JSON", file, offset));
-  }
-  Reader rd{file, ""};
-  if (!doc.is_object() || doc.value("format", std::string()) != kFormat)
-    rd.fail(fmt::format("not a diffcomm flight recorder dump (no \"format\": \"{}\")", kFormat));
-  FlightDump d;
-  d.version = rd.get<int>(doc, "version");
-  if (d.version != kFlightDumpVersion)
-    rd.fail(fmt::format("format version {} (this build reads {})", d.version, kFlightDumpVersion));
-  d.rank = rd.get<int>(doc, "rank");
-  d.world_size = rd.get<int>(doc, "world_size");
-  d.capacity = rd.get<std::size_t>(doc, "capacity");
-  const json groups = rd.get<json>(doc, "groups");
-  const json entries = rd.get<json>(doc, "entries");
-  if (!groups.is_array() || !entries.is_array()) rd.fail("'groups' and 'entries' must be arrays");
-  for (std::size_t i = 0; i < groups.size(); ++i) {
-    rd.where = fmt::format("groups[{}]: ", i);
-    d.groups.push_back(parse_group(groups[i], rd));
-  }
-  for (std::size_t i = 0; i < entries.size(); ++i) {
-    rd.where = fmt::format("entries[{}]: ", i);
-    d.entries.push_back(parse_entry(entries[i], rd));
-  }
-  return d;
+  return expand(parse_compact_flight_dump(text, file));
 }
 
 std::string write_flight_dump(const FlightDump& dump, const std::string& dir) {
@@ -256,12 +259,16 @@ std::string write_flight_dump(const FlightDump& dump, const std::string& dir) {
   return path.string();
 }
 
-FlightDump read_flight_dump(const std::string& path) {
+std::string read_dump_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InvalidArgument(fmt::format("{}: cannot open", path));
   std::ostringstream s;
   s << in.rdbuf();
-  return parse_flight_dump(s.str(), path);
+  return std::move(s).str();
+}
+
+FlightDump read_flight_dump(const std::string& path) {
+  return parse_flight_dump(read_dump_file(path), path);
 }
 
 }  // namespace diffcomm::dist
