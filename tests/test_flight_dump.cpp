@@ -2,15 +2,15 @@
 // calls recorded by hand (expected values written out below, not computed
 // by the recorder), a dump written and read back field by field, and the
 // one-line errors of truncated and malformed files.
-#include <gmock/gmock.h>
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 

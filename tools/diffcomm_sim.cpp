@@ -337,15 +337,11 @@ struct ReplayArgs {
 // code; with --seeds one line per seed and the worst exit code.
 int run_replay(const ReplayArgs& a) {
   namespace sim = diffcomm::sim;
-  auto dumps = sim::read_dumps(a.dir);
-  for (const auto& d : a.drops)
-    sim::apply_edit(dumps, sim::parse_replay_edit(sim::ReplayEdit::Kind::Drop, d));
-  for (const auto& b : a.barriers)
-    sim::apply_edit(dumps, sim::parse_replay_edit(sim::ReplayEdit::Kind::InsertBarrier, b));
+  const sim::Recording recording = sim::read_edited(a.dir, a.drops, a.barriers);
   sim::ReplayOptions options;
   if (a.seeds.empty()) {
     options.seed = a.seed;
-    const auto report = sim::replay(dumps, options);
+    const auto report = sim::replay(recording, options);
     std::cout << (a.json ? sim::replay_json(report) : sim::replay_text(report));
     return report.exit_code();
   }
@@ -355,7 +351,7 @@ int run_replay(const ReplayArgs& a) {
   int worst = 0;
   for (uint64_t s = range->lo;; ++s) {
     options.seed = s;
-    const auto report = sim::replay(dumps, options);
+    const auto report = sim::replay(recording, options);
     std::cout << fmt::format("seed {}: {}", s, sim::verdict_name(report.verdict));
     if (!report.op.empty())
       std::cout << fmt::format(" ({} #{} on '{}')", report.op, report.call.value_or(0),

@@ -17,15 +17,10 @@ namespace {
 std::tuple<std::string, std::string, int> replay_dir(const std::string& dir, uint64_t seed,
                                                      const std::vector<std::string>& drops,
                                                      const std::vector<std::string>& barriers) {
-  auto dumps = dc::sim::read_dumps(dir);
-  for (const auto& d : drops)
-    dc::sim::apply_edit(dumps, dc::sim::parse_replay_edit(dc::sim::ReplayEdit::Kind::Drop, d));
-  for (const auto& b : barriers)
-    dc::sim::apply_edit(dumps,
-                        dc::sim::parse_replay_edit(dc::sim::ReplayEdit::Kind::InsertBarrier, b));
+  const dc::sim::Recording recording = dc::sim::read_edited(dir, drops, barriers);
   dc::sim::ReplayOptions options;
   options.seed = seed;
-  const dc::sim::ReplayReport rep = dc::sim::replay(dumps, options);
+  const dc::sim::ReplayReport rep = dc::sim::replay(recording, options);
   return {dc::sim::replay_json(rep), dc::sim::replay_text(rep), rep.exit_code()};
 }
 }  // namespace

@@ -26,7 +26,8 @@ def test_torch_fixtures_give_their_verdicts():
     cases = {"ok-pkl": ("ok", "", None, [], ""),
              "dtype-pkl": ("mismatch", "all_reduce", 10, [0, 1], "dtype"),
              "size-json": ("mismatch", "all_reduce", 10, [0, 2], "shape"),
-             "op-pkl": ("mismatch", "broadcast", 10, [0, 1], "op"),
+             # rank 0 called all_reduce, rank 1 broadcast: the report names rank 0's call
+             "op-pkl": ("mismatch", "all_reduce", 10, [0, 1], "op"),
              "skip-pkl": ("deadlock", "barrier", 10, [2], ""),
              "wrap-pkl": ("incomplete", "", 1, [1], "")}
     for name, (verdict, op, call, ranks, field) in cases.items():

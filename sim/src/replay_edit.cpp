@@ -76,4 +76,14 @@ void apply_edit(std::vector<dist::FlightDump>& dumps, const ReplayEdit& e) {
   d.entries.insert(at, b);  // `at` stays valid: renumbering moves no entry
 }
 
+Recording read_edited(const std::string& dir, const std::vector<std::string>& drops,
+                      const std::vector<std::string>& barriers) {
+  if (drops.empty() && barriers.empty()) return Recording::read(dir);
+  std::vector<dist::FlightDump> dumps = read_dumps(dir);
+  for (const auto& d : drops) apply_edit(dumps, parse_replay_edit(ReplayEdit::Kind::Drop, d));
+  for (const auto& b : barriers)
+    apply_edit(dumps, parse_replay_edit(ReplayEdit::Kind::InsertBarrier, b));
+  return Recording::of(dumps);
+}
+
 }  // namespace diffcomm::sim

@@ -9,41 +9,12 @@
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/replay.hpp"
 #include "diffcomm/sim/torch_flight_dump.hpp"
+#include "replay_table.hpp"
 
 namespace diffcomm::sim {
 namespace {
 namespace fs = std::filesystem;
-
-std::string rank_file(const std::string& dir, int rank) {
-  return (fs::path(dir) / fmt::format("rank-{}.json", rank)).string();
-}
-
-// Every file must agree with rank 0's world size and on each group's members.
-void check_consistent(const std::vector<dist::FlightDump>& dumps, const std::string& dir) {
-  std::map<std::string, std::pair<std::size_t, const std::vector<int>*>> first_seen;
-  for (std::size_t r = 0; r < dumps.size(); ++r) {
-    for (const dist::DumpedGroup& g : dumps[r].groups) {
-      const auto [it, fresh] = first_seen.try_emplace(g.group.name, r, &g.group.members);
-      if (!fresh && *it->second.second != g.group.members)
-        throw InvalidArgument(fmt::format(
-            "{}: group '{}' has members [{}] but rank-{}.json records [{}]",
-            rank_file(dir, static_cast<int>(r)), g.group.name, fmt::join(g.group.members, ","),
-            it->second.first, fmt::join(*it->second.second, ",")));
-    }
-    const dist::FlightDump& d = dumps[r];
-    const std::string file = rank_file(dir, static_cast<int>(r));
-    if (d.rank != static_cast<int>(r))
-      throw InvalidArgument(fmt::format("{}: records rank {}", file, d.rank));
-    if (d.world_size != dumps[0].world_size)
-      throw InvalidArgument(fmt::format("{}: world size {} but rank-0.json records {}", file,
-                                        d.world_size, dumps[0].world_size));
-    for (const dist::DumpedGroup& g : d.groups)
-      for (int m : g.group.members)
-        if (m < 0 || m >= d.world_size)
-          throw InvalidArgument(fmt::format("{}: group '{}' has member {} outside the world of {}",
-                                            file, g.group.name, m, d.world_size));
-  }
-}
+using detail::rank_file;
 }  // namespace
 
 std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
@@ -61,7 +32,12 @@ std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
       throw InvalidArgument(fmt::format("{}: missing (the world has {} ranks)", file, n));
     dumps.push_back(dist::read_flight_dump(file));
   }
-  check_consistent(dumps, dir);
+  std::map<std::string, std::pair<int, std::vector<int>>> first_seen;
+  for (std::size_t r = 0; r < dumps.size(); ++r) {
+    const dist::FlightDump& d = dumps[r];
+    detail::check_dump_identity(static_cast<int>(r), d.rank, d.world_size, n, d.groups,
+                                rank_file(dir, static_cast<int>(r)), first_seen);
+  }
   return dumps;
 }
 
@@ -110,7 +86,8 @@ std::string replay_text(const ReplayReport& rep) {
       s += fmt::format(" (never reached by rank(s) {})", fmt::join(p.not_reached, ","));
     s += "\n";
   }
-  for (const std::string& u : rep.unknown) s += fmt::format("not recorded, so not compared: {}\n", u);
+  for (const std::string& u : rep.unknown)
+    s += fmt::format("not recorded, so not compared: {}\n", u);
   return s;
 }
 

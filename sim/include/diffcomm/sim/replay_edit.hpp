@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "diffcomm/dist/flight_dump.hpp"
+#include "diffcomm/sim/replay.hpp"
 
 namespace diffcomm::sim {
 
@@ -30,5 +31,12 @@ ReplayEdit parse_replay_edit(ReplayEdit::Kind kind, const std::string& spec);
 /// when the rank is outside the world, or (drop) the rank recorded no
 /// collective CALL on GROUP, or (insert) no group GROUP is in its dump.
 void apply_edit(std::vector<dist::FlightDump>& dumps, const ReplayEdit& edit);
+
+/// DIR's dumps with `drops` then `barriers` ("RANK:GROUP:CALL" each)
+/// applied, as `diffcomm-sim replay` and diffcomm.sim.replay read them:
+/// Recording::read(dir) when there are no edits, else read_dumps, the edits,
+/// Recording::of. Errors as those.
+Recording read_edited(const std::string& dir, const std::vector<std::string>& drops,
+                      const std::vector<std::string>& barriers);
 
 }  // namespace diffcomm::sim

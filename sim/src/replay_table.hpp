@@ -1,0 +1,79 @@
+#pragma once
+// What a replay holds (sim/replay.hpp's Recording): every rank's recorded
+// calls as small steps into one table of distinct call descriptions, the
+// groups with each member's watermarks, and the window each group replays
+// from. Internal to sim/src (replay_table.cpp builds it, replay_prefix.cpp
+// and replay.cpp read it).
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "diffcomm/dist/backend/fingerprint.hpp"
+#include "diffcomm/dist/flight_dump.hpp"
+
+namespace diffcomm::sim::detail {
+
+struct TableGroup {
+  std::string name;
+  std::vector<int> members;         // global ranks in group order
+  std::vector<uint64_t> watermark;  // per member; 0 where its dump lacks the group
+  std::vector<uint64_t> p2p_watermark;
+  // Set by Table::finish(): the first collective and send/recv numbers every
+  // member still holds, and the members whose ring lost calls others hold.
+  uint64_t start = 0;
+  uint64_t p2p_start = 0;
+  std::vector<int> lost;
+};
+
+// A distinct call description: the record (seq, id, times and backward_of's
+// call zero) and its group.
+struct TableCall {
+  dist::FlightRecord proto;
+  uint32_t group = 0;
+  bool p2p = false;
+};
+
+// One recorded call of one rank (16 bytes: 32 million fit in 0.5 GiB).
+struct Step {
+  uint32_t call = 0;            // into Table::calls
+  uint32_t backward_plus1 = 0;  // backward_of's call + 1, 0 for none
+  uint64_t seq = 0;
+};
+
+struct Table {
+  int world_size = 0;
+  std::vector<TableGroup> groups;
+  std::unordered_map<std::string, uint32_t> group_index;
+  std::vector<TableCall> calls;
+  std::unordered_map<std::string, uint32_t> call_index;
+  std::vector<std::vector<Step>> steps;                           // per global rank
+  std::vector<std::vector<std::pair<uint32_t, int>>> group_rank;  // per rank: (group, group rank)
+  std::vector<std::string> unknown;                               // what the dumps do not record
+
+  explicit Table(int world) : world_size(world), steps(world), group_rank(world) {}
+  /// Adds rank d.rank's dump; `file` names it in errors. Not thread-safe.
+  void add(const dist::CompactFlightDump& d, const std::vector<std::string>& unknown,
+           const std::string& file);
+  /// Computes every group's window (after the last add).
+  void finish();
+  /// `rank`'s group-local rank in `group`.
+  int rank_in(int rank, uint32_t group) const;
+  /// The record of rank `rank`'s step `s` (its proto with the step's numbers).
+  dist::FlightRecord record(const Step& s) const;
+};
+
+/// The checks read_dumps makes of each file: it records rank `r`, rank 0's
+/// world size, members inside the world and the members other files record
+/// for the same group (`first_seen`: name -> (rank, members)). InvalidArgument
+/// naming the file.
+void check_dump_identity(int r, int rank, int world_size, int world0,
+                         const std::vector<dist::DumpedGroup>& groups, const std::string& file,
+                         std::map<std::string, std::pair<int, std::vector<int>>>& first_seen);
+
+/// "DIR/rank-R.json".
+std::string rank_file(const std::string& dir, int rank);
+
+}  // namespace diffcomm::sim::detail
