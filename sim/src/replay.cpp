@@ -209,7 +209,8 @@ int ReplayReport::exit_code() const {
 
 ReplayReport replay(const Recording& recording, const ReplayOptions& options) {
   const Table& t = recording.table();
-  const Cut cut = detail::settle_prefix(t, detail::validate_calls(t));
+  const std::vector<dist::CallDesc> descs = detail::validate_calls(t);
+  const Cut cut = options.settle_prefix ? detail::settle_prefix(t, descs) : detail::no_prefix(t);
   ReplayReport rep;
   if (cut.all_finished()) {
     rep = incomplete_or_ok(t);

@@ -135,6 +135,13 @@ bool Cut::any_p2p() const {
   return std::any_of(at.begin(), at.end(), [](At a) { return a == At::P2p; });
 }
 
+Cut no_prefix(const Table& table) {
+  Cut cut;
+  cut.pc.assign(table.steps.size(), 0);
+  cut.at.assign(table.steps.size(), Cut::At::P2p);
+  return cut;
+}
+
 bool in_window(const Table& table, const Step& s) {
   const TableCall& c = table.calls[s.call];
   if (c.proto.op == OpType::NewGroup) return false;  // groups are made before the window

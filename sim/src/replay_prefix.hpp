@@ -29,6 +29,10 @@ struct Cut {
 /// `descs[c]`: the funnel's description of table.calls[c] (validate_calls).
 Cut settle_prefix(const Table& table, const std::vector<dist::CallDesc>& descs);
 
+/// The cut at every rank's first step, as if at a send/recv (so the world
+/// runs every recorded call).
+Cut no_prefix(const Table& table);
+
 /// Whether step `s` of a rank lies inside its group's replay window (and is
 /// a call a replay issues: group creation is not).
 bool in_window(const Table& table, const Step& s);

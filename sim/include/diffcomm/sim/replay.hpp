@@ -67,6 +67,9 @@ struct ReplayReport {
 
 struct ReplayOptions {
   uint64_t seed = 0;  ///< the simulated world's seed (interleaving)
+  /// false: the world runs every recorded call, no prefix settled first
+  /// (slow; the reference the settling is tested against).
+  bool settle_prefix = true;
 };
 
 /// Reads DIR/rank-0.json ... rank-<N-1>.json, N the world size the files
