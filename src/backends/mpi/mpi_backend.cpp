@@ -5,7 +5,9 @@
 // are MPI's native ones; dist::stack_layers (dist/backend/layers.hpp) puts the
 // deterministic composition (ComposedReductions) and checked mode over this
 // transport as Options ask. MPI's error codes become BackendError at every
-// boundary.
+// boundary. The collectives built from per-peer messages (the ring all-reduce,
+// the exchanges behind gathers, scatters and all-to-alls) are in
+// peer_algorithms.cpp; the helpers both files use in mpi_util.hpp.
 #include <fmt/format.h>
 
 #include <climits>
@@ -21,6 +23,8 @@
 #include "diffcomm/dist/backend/layers.hpp"
 #include "diffcomm/dist/backend/wait.hpp"
 #include "diffcomm/error.hpp"
+#include "mpi_util.hpp"
+#include "peer_algorithms.hpp"
 #include "timeouts.hpp"
 
 namespace diffcomm::mpi {
@@ -30,106 +34,16 @@ using dist::Call;
 using dist::OpType;
 using dist::ReduceOp;
 
-int64_t g_max_count = INT_MAX;
-
-void note_call_timeout(const Call& c) { detail::note_timeout(c.where()); }
-
-std::string mpi_error_string(int code) {
-  char buf[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(code, buf, &len);
-  return std::string(buf, static_cast<std::size_t>(len));
-}
-
-// The checked-call boundary with MPI: every call goes through here.
-#define DIFFCOMM_MPI_CHECK(expr, call)                                                             \
-  do {                                                                                             \
-    const int diffcomm_rc_ = (expr);                                                               \
-    if (diffcomm_rc_ != MPI_SUCCESS)                                                               \
-      throw BackendError(fmt::format("MPI error in {} ({}): {} (code {}) [{}:{}]", (call).where(), \
-                                     #expr, mpi_error_string(diffcomm_rc_), diffcomm_rc_,          \
-                                     __FILE__, __LINE__));                                         \
-  } while (0)
-
-void check_plain(int rc, const char* what) {
-  if (rc != MPI_SUCCESS)
-    throw BackendError(
-        fmt::format("MPI error in {}: {} (code {})", what, mpi_error_string(rc), rc));
-}
-
-MPI_Datatype mpi_type(DType d) {
-  switch (d) {
-    case DType::Float32: return MPI_FLOAT;
-    case DType::Float64: return MPI_DOUBLE;
-    case DType::BFloat16:
-    case DType::Float16: return MPI_UINT16_T;  // moved as bits; reduced by user ops
-    case DType::Int32: return MPI_INT32_T;
-    case DType::Int64: return MPI_INT64_T;
-    case DType::UInt8: return MPI_UINT8_T;
-  }
-  return MPI_BYTE;
-}
-
-// ---- user-defined ops for the 16-bit floats: each combine in float32
-template <class T, ReduceOp::Kind Op>
-void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
-    float r = 0;
-    if constexpr (Op == ReduceOp::Sum) r = x + y;
-    if constexpr (Op == ReduceOp::Product) r = x * y;
-    if constexpr (Op == ReduceOp::Min) r = std::min(x, y);
-    if constexpr (Op == ReduceOp::Max) r = std::max(x, y);
-    b[i] = T(r);
-  }
-}
-
-template <class T>
-MPI_Op make_half_op(ReduceOp op) {
-  MPI_User_function* fn = nullptr;
-  switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::Avg:
-    case ReduceOp::PremulSum: fn = &half_op<T, ReduceOp::Sum>; break;
-    case ReduceOp::Product: fn = &half_op<T, ReduceOp::Product>; break;
-    case ReduceOp::Min: fn = &half_op<T, ReduceOp::Min>; break;
-    case ReduceOp::Max: fn = &half_op<T, ReduceOp::Max>; break;
-  }
-  MPI_Op result;
-  check_plain(MPI_Op_create(fn, /*commute=*/1, &result), "MPI_Op_create");
-  return result;
-}
-
-// Native reductions: PremulSum is a Sum of inputs the caller pre-multiplied
-// (premultiplied() below), as NCCL's PreMulSum.
-MPI_Op mpi_op(DType d, ReduceOp op) {
-  if (op == ReduceOp::PremulSum) op = ReduceOp::Sum;
-  if (d == DType::BFloat16 || d == DType::Float16) {
-    // Created once per process (MPI state is per process, not per rank of a
-    // simulated world) and kept until MPI_Finalize.
-    static MPI_Op ops[2][5] = {};
-    static bool made[2][5] = {};
-    const int k = d == DType::BFloat16 ? 0 : 1, o = static_cast<int>(op);
-    if (!made[k][o]) {
-      ops[k][o] = k == 0 ? make_half_op<bfloat16>(op) : make_half_op<float16>(op);
-      made[k][o] = true;
-    }
-    return ops[k][o];
-  }
-  switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::PremulSum:
-    case ReduceOp::Avg: return MPI_SUM;
-    case ReduceOp::Product: return MPI_PROD;
-    case ReduceOp::Min: return MPI_MIN;
-    case ReduceOp::Max: return MPI_MAX;
-  }
-  return MPI_SUM;
-}
-
-char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+using detail::Block;
+using detail::bytes;
+using detail::check_plain;
+using detail::each_byte_chunk;
+using detail::each_chunk;
+using detail::elem;
+using detail::g_max_count;
+using detail::mpi_op;
+using detail::mpi_type;
+using detail::Requests;
 
 void finish_avg(const Call& c, Tensor t) {
   if (c.reduce_op == ReduceOp::Avg) t.copy_(dist::scaled(t, 1.0 / c.group_size));
@@ -195,6 +109,7 @@ class MpiBackend final : public dist::Backend {
     MPI_Group_free(&mine);
     MPI_Group_free(&world);
     coll_ = duplicate(comm_, name, timeout_s_);
+    peers_ = detail::Peers(coll_, rank_, size_, timeout_s_);
   }
   ~MpiBackend() override {
     int finalized = 0;
@@ -232,8 +147,8 @@ class MpiBackend final : public dist::Backend {
   void all_reduce(Call& c) override {
     const Tensor& t = c.outputs[0];
     if (c.reduce_op == ReduceOp::PremulSum) Tensor(t).copy_(premultiplied(c, t));
-    if (use_ring(t)) {
-      ring_all_reduce(c, t);
+    if (peers_.use_ring(t)) {
+      peers_.ring_all_reduce(c, t);
       finish_avg(c, t);
       return;
     }
@@ -278,13 +193,13 @@ class MpiBackend final : public dist::Backend {
     // Gather into one contiguous buffer, then into the separate outputs.
     const Tensor& in = c.inputs[0];
     Tensor tmp = empty({static_cast<int64_t>(size_) * in.numel()}, in.dtype());
-    gather_fixed(c, in, tmp);
+    peers_.gather_fixed(c, in, tmp);
     for (int s = 0; s < size_; ++s)
       c.outputs.writable(static_cast<std::size_t>(s))
           .copy_(tmp.row_view(s * in.numel(), in.numel()));
   }
 
-  void all_gather_single(Call& c) override { gather_fixed(c, c.inputs[0], c.outputs[0]); }
+  void all_gather_single(Call& c) override { peers_.gather_fixed(c, c.inputs[0], c.outputs[0]); }
 
   void all_gather_v(Call& c) override {
     // Per-peer messages, as gather_fixed (and no int-count limit to check).
@@ -296,12 +211,12 @@ class MpiBackend final : public dist::Backend {
     std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
                 static_cast<std::size_t>(blocks.length(me) * es));
     std::vector<Block> sends, recvs;
-    each_peer([&](int to, int from) {
+    peers_.each_peer([&](int to, int from) {
       const auto f = static_cast<std::size_t>(from);
       sends.push_back({to, static_cast<const char*>(in.data_ptr()), in.numel() * es});
       recvs.push_back({from, bytes(out) + blocks.offset(f) * es, blocks.length(f) * es});
     });
-    exchange(c, sends, recvs);
+    peers_.exchange(c, sends, recvs);
   }
 
   void gather(Call& c) override {
@@ -327,7 +242,7 @@ class MpiBackend final : public dist::Backend {
       } else {
         sends.push_back({c.root, static_cast<const char*>(in.data_ptr()), nb});
       }
-      exchange(c, sends, recvs);
+      peers_.exchange(c, sends, recvs);
     }
     if (me)
       for (int s = 0; s < size_; ++s)
@@ -366,7 +281,7 @@ class MpiBackend final : public dist::Backend {
     } else {
       recvs.push_back({c.root, bytes(out), nb});
     }
-    exchange(c, sends, recvs);
+    peers_.exchange(c, sends, recvs);
   }
 
   void reduce_scatter(Call& c) override {
@@ -402,7 +317,7 @@ class MpiBackend final : public dist::Backend {
                        static_cast<int64_t>(c.inputs[pi].nbytes())});
       recvs.push_back({p, bytes(c.outputs[pi]), static_cast<int64_t>(c.outputs[pi].nbytes())});
     }
-    exchange(c, sends, recvs);
+    peers_.exchange(c, sends, recvs);
   }
 
   void all_to_all_single(Call& c) override {
@@ -426,7 +341,7 @@ class MpiBackend final : public dist::Backend {
         recvs.push_back({p, bytes(out) + recv.offset(pi), recv.length(pi)});
       }
     }
-    exchange(c, sends, recvs);
+    peers_.exchange(c, sends, recvs);
   }
 
   void send(Call& c) override {
@@ -464,40 +379,9 @@ class MpiBackend final : public dist::Backend {
   }
 
  private:
-  // The requests of one issued call.
-  struct Requests {
-    std::vector<MPI_Request> reqs;
-    MPI_Request* add() {
-      reqs.push_back(MPI_REQUEST_NULL);
-      return &reqs.back();
-    }
-  };
-  // Completes an issued call within the deadline (the shared wait loop).
+  // Completes an issued call within this group's deadline.
   void wait(const Call& c, Requests& r, MPI_Status* statuses = MPI_STATUSES_IGNORE) {
-    if (r.reqs.empty()) return;
-    dist::wait_until_done(
-        c, timeout_s_,
-        [&] {
-          int flag = 0;
-          DIFFCOMM_MPI_CHECK(
-              MPI_Testall(static_cast<int>(r.reqs.size()), r.reqs.data(), &flag, statuses), c);
-          return flag != 0;
-        },
-        &note_call_timeout);
-  }
-
-  struct Block {
-    int peer;
-    const char* data;
-    int64_t nbytes;
-  };
-  static constexpr int kTag = 0x5d1c;  // tag of diffcomm's own messages (on coll_)
-
-  // The peers in pairwise order: step i sends to rank+i and receives from
-  // rank-i, so the members do not all send to member 0 first.
-  template <class F>
-  void each_peer(F&& f) const {
-    for (int i = 1; i < size_; ++i) f((rank_ + i) % size_, (rank_ - i + size_) % size_);
+    detail::wait(c, timeout_s_, r, statuses);
   }
 
   static bool fits(const std::vector<int64_t>& v) {
@@ -507,76 +391,6 @@ class MpiBackend final : public dist::Backend {
   }
   static std::vector<int> to_int(const std::vector<int64_t>& v) {
     return std::vector<int>(v.begin(), v.end());
-  }
-  static void* elem(const Tensor& t, int64_t off) {
-    return bytes(t) + off * static_cast<int64_t>(element_size(t.dtype()));
-  }
-
-  template <class F>
-  static void each_chunk(int64_t count, F&& f) {
-    if (count == 0) return f(0, 0);  // zero-size calls still synchronise the members
-    for (int64_t off = 0; off < count; off += g_max_count)
-      f(off, static_cast<int>(std::min(g_max_count, count - off)));
-  }
-  template <class F>
-  static void each_byte_chunk(int64_t nbytes, F&& f) {
-    each_chunk(nbytes, f);
-  }
-
-  // Per-peer MPI_Isend/Irecv, never MPI_Iallgather: Open MPI's non-blocking
-  // collectives (libnbc) ran 2.1x its blocking MPI_Allgather at 64 KiB on
-  // np 2, while per-peer messages run at the blocking call's speed
-  // (bench/RESULTS.md, "MPI at raw speed").
-  void gather_fixed(const Call& c, const Tensor& in, const Tensor& out) {
-    const int64_t nb = static_cast<int64_t>(in.nbytes());
-    std::memcpy(bytes(out) + rank_ * nb, in.data_ptr(), static_cast<std::size_t>(nb));
-    std::vector<Block> sends, recvs;
-    each_peer([&](int to, int from) {
-      sends.push_back({to, static_cast<const char*>(in.data_ptr()), nb});
-      recvs.push_back({from, bytes(out) + from * nb, nb});
-    });
-    exchange(c, sends, recvs);
-  }
-
-  // Where the ring beat MPI_Iallreduce (bench/RESULTS.md, "MPI at raw
-  // speed"): on two members at every size (64 KiB: 1.03x raw MPI_Allreduce
-  // against 1.7-2.0x), on more only for large tensors (np 4: 16 MiB 1.00x
-  // against 1.17x, but 64 KiB 1.3-1.4x against 0.8-0.9x: its 2(N-1)
-  // dependent steps cost more than libnbc's schedule there).
-  bool use_ring(const Tensor& t) const {
-    constexpr std::size_t kRingFrom = std::size_t{8} << 20;  // bytes, more than two members
-    if (size_ < 2 || t.numel() < size_) return false;
-    return size_ == 2 || t.nbytes() >= kRingFrom;
-  }
-
-  // Ring all-reduce over Isend/Irecv (reduce-scatter, then all-gather of
-  // the reduced blocks), not MPI_Iallreduce (libnbc, slower than the
-  // blocking call). Block k is combined along the ring by MPI_Reduce_local
-  // with the same MPI op; every member receives the one reduced copy, so
-  // all agree bit for bit (the order is the ring's: native reductions are
-  // algorithm-ordered, docs/semantics.md).
-  void ring_all_reduce(const Call& c, const Tensor& t) {
-    const int64_t n = t.numel(), es = static_cast<int64_t>(element_size(c.dtype));
-    auto at = [&](int k) { return n * k / size_; };  // block k: [at(k), at(k+1))
-    auto len = [&](int k) { return at(k + 1) - at(k); };
-    const int right = (rank_ + 1) % size_, left = (rank_ - 1 + size_) % size_;
-    auto block = [&](int s) { return ((s % size_) + size_) % size_; };
-    Tensor scratch = empty({n / size_ + 1}, t.dtype());
-    for (int s = 0; s < size_ - 1; ++s) {  // reduce-scatter
-      const int out = block(rank_ - s), in = block(rank_ - s - 1);
-      exchange(c, {{right, static_cast<const char*>(elem(t, at(out))), len(out) * es}},
-               {{left, bytes(scratch), len(in) * es}});
-      each_chunk(len(in), [&](int64_t off, int count) {
-        DIFFCOMM_MPI_CHECK(MPI_Reduce_local(elem(scratch, off), elem(t, at(in) + off), count,
-                                            mpi_type(c.dtype), mpi_op(c.dtype, c.reduce_op)),
-                           c);
-      });
-    }
-    for (int s = 0; s < size_ - 1; ++s) {  // all-gather of the reduced blocks
-      const int out = block(rank_ + 1 - s), in = block(rank_ - s);
-      exchange(c, {{right, static_cast<const char*>(elem(t, at(out))), len(out) * es}},
-               {{left, static_cast<const char*>(elem(t, at(in))), len(in) * es}});
-    }
   }
 
   // Reduce block p of `in` (blocks.length(p) elements, in order) onto member
@@ -615,25 +429,6 @@ class MpiBackend final : public dist::Backend {
     finish_avg(c, out);
   }
 
-  // Per-peer non-blocking messages in chunks of at most max_count bytes.
-  void exchange(const Call& c, const std::vector<Block>& sends, const std::vector<Block>& recvs) {
-    Requests reqs;
-    for (const Block& b : recvs)
-      each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
-        if (count == 0) return;
-        DIFFCOMM_MPI_CHECK(MPI_Irecv(const_cast<char*>(b.data) + off, count, MPI_BYTE, b.peer, kTag,
-                                     coll_, reqs.add()),
-                           c);
-      });
-    for (const Block& b : sends)
-      each_byte_chunk(b.nbytes, [&](int64_t off, int count) {
-        if (count == 0) return;
-        DIFFCOMM_MPI_CHECK(
-            MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, coll_, reqs.add()), c);
-      });
-    wait(c, reqs);
-  }
-
   MPI_Comm comm_;
   // diffcomm's own messages (collectives built from Isend/Irecv) travel on a
   // duplicate of comm_: another context, so no user send/recv on comm_,
@@ -644,6 +439,7 @@ class MpiBackend final : public dist::Backend {
   double timeout_s_;
   int rank_ = 0, size_ = 1;
   std::vector<int> members_;
+  detail::Peers peers_;  // the per-peer algorithms, on coll_
 };
 
 void require_initialised(const char* what) {
