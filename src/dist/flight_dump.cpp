@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <array>
-#include <optional>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "diffcomm/error.hpp"
@@ -60,12 +60,9 @@ FlightRecord::State Reader::state(const std::string& name) const {
 }
 
 json group_json(const DumpedGroup& g) {
-  json j = {{"name", g.group.name},
-            {"group_rank", g.group.group_rank},
-            {"calls", g.group.calls},
-            {"p2p_calls", g.group.p2p_calls},
-            {"watermark", g.watermark},
-            {"p2p_watermark", g.p2p_watermark}};
+  json j = {{"name", g.group.name},     {"group_rank", g.group.group_rank},
+            {"calls", g.group.calls},   {"p2p_calls", g.group.p2p_calls},
+            {"watermark", g.watermark}, {"p2p_watermark", g.p2p_watermark}};
   if (const auto r = as_range(g.group.members))
     j["member_range"] = *r;
   else
@@ -78,7 +75,8 @@ DumpedGroup parse_group(const json& g, const Reader& rd) {
   d.group.name = rd.get<std::string>(g, "name");
   if (g.contains("member_range")) {
     const auto r = rd.get<std::array<int, 3>>(g, "member_range");
-    if (r[2] < 0 || r[2] > 1 << 20) rd.fail(fmt::format("member_range count {} out of range", r[2]));
+    if (r[2] < 0 || r[2] > 1 << 20)
+      rd.fail(fmt::format("member_range count {} out of range", r[2]));
     for (int i = 0; i < r[2]; ++i) d.group.members.push_back(r[0] + i * r[1]);
   } else {
     d.group.members = rd.get<std::vector<int>>(g, "members");
@@ -215,8 +213,9 @@ std::string flight_dump_json(const FlightDump& d) {
                  {"capacity", c.capacity},
                  {"groups", std::move(groups)},
                  {"calls", std::move(calls)},
-                 {"columns", {"id", "call_index", "call", "state", "backward_call", "start_ns",
-                              "duration_ns", "bytes_sent", "bytes_received"}}};
+                 {"columns",
+                  {"id", "call_index", "call", "state", "backward_call", "start_ns", "duration_ns",
+                   "bytes_sent", "bytes_received"}}};
   // The header, then one row per line: "entries" is the last key, and no
   // string follows its name (what parse_compact_flight_dump relies on).
   std::string text = header.dump();
@@ -224,9 +223,9 @@ std::string flight_dump_json(const FlightDump& d) {
   text += ",\"entries\":[";
   for (std::size_t i = 0; i < c.rows.size(); ++i) {
     const CompactFlightDump::Row& w = c.rows[i];
-    fmt::format_to(std::back_inserter(text), "{}\n[{},{},{},{},{},{},{},{},{}]", i ? "," : "",
-                   w.id, w.call_index, w.seq, static_cast<int>(w.state), w.backward_call,
-                   w.start_ns, w.duration_ns, w.bytes_sent, w.bytes_received);
+    fmt::format_to(std::back_inserter(text), "{}\n[{},{},{},{},{},{},{},{},{}]", i ? "," : "", w.id,
+                   w.call_index, w.seq, static_cast<int>(w.state), w.backward_call, w.start_ns,
+                   w.duration_ns, w.bytes_sent, w.bytes_received);
   }
   text += "]}\n";
   return text;

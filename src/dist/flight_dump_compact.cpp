@@ -15,13 +15,13 @@
 
 namespace diffcomm::dist {
 namespace {
-using nlohmann::json;
 using dump_fields::Reader;
+using nlohmann::json;
 
 constexpr std::size_t kColumns = 9;
-const std::vector<std::string> kColumnNames = {
-    "id",          "call_index", "call",       "state",         "backward_call",
-    "start_ns",    "duration_ns", "bytes_sent", "bytes_received"};
+const std::vector<std::string> kColumnNames = {"id",          "call_index",    "call",
+                                               "state",       "backward_call", "start_ns",
+                                               "duration_ns", "bytes_sent",    "bytes_received"};
 
 int64_t to_ns(double s) { return std::llround(s * 1e9); }
 
@@ -48,8 +48,8 @@ struct RowScanner {
   const std::string& file;
 
   void skip_ws() {
-    while (pos < text.size() && (text[pos] == ' ' || text[pos] == '\n' || text[pos] == '\r' ||
-                                 text[pos] == '\t'))
+    while (pos < text.size() &&
+           (text[pos] == ' ' || text[pos] == '\n' || text[pos] == '\r' || text[pos] == '\t'))
       ++pos;
   }
   void expect(char c) {
@@ -74,9 +74,10 @@ struct RowScanner {
 CompactFlightDump::Row row_of(const int64_t (&v)[kColumns], std::size_t calls, const Reader& rd) {
   if (v[0] < 0 || v[1] < 0 || static_cast<uint64_t>(v[1]) >= calls || v[2] < 0 || v[3] < 0 ||
       v[3] > 2 || v[4] < -1 || v[7] < 0 || v[8] < 0)
-    rd.fail(fmt::format("a value is out of range (call_index < {}, state 0..2, backward_call >= "
-                        "-1, others >= 0)",
-                        calls));
+    rd.fail(
+        fmt::format("a value is out of range (call_index < {}, state 0..2, backward_call >= "
+                    "-1, others >= 0)",
+                    calls));
   CompactFlightDump::Row w;
   w.id = static_cast<uint64_t>(v[0]);
   w.call_index = static_cast<uint32_t>(v[1]);
@@ -167,8 +168,8 @@ void check_format(const json& doc, Reader& rd) {
                         dump_fields::kFormat));
   const int version = rd.get<int>(doc, "version");
   if (version != 1 && version != kFlightDumpVersion)
-    rd.fail(fmt::format("format version {} (this build reads 1 and {})", version,
-                        kFlightDumpVersion));
+    rd.fail(
+        fmt::format("format version {} (this build reads 1 and {})", version, kFlightDumpVersion));
 }
 
 // Version 2 as written: the header through a JSON tree, the rows scanned.
@@ -244,7 +245,8 @@ FlightDump expand(const CompactFlightDump& c) {
     r.id = w.id;
     r.seq = w.seq;
     r.state = w.state;
-    if (r.backward_of) r.backward_of->seq = static_cast<uint64_t>(std::max<int64_t>(0, w.backward_call));
+    if (r.backward_of)
+      r.backward_of->seq = static_cast<uint64_t>(std::max<int64_t>(0, w.backward_call));
     r.start_s = static_cast<double>(w.start_ns) * 1e-9;
     r.duration_s = static_cast<double>(w.duration_ns) * 1e-9;
     r.bytes_sent = w.bytes_sent;
