@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <map>
 #include <regex>
+#include <tuple>
 
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/error.hpp"
@@ -43,7 +44,7 @@ Run tails_from(const Table& t, const Cut& cut) {
     std::vector<Step> tail;
     for (std::size_t i = cut.pc[r]; i < t.steps[r].size(); ++i) {
       const Step& s = t.steps[r][i];
-      if (!detail::in_window(t, s)) continue;
+      if (!t.in_window(s)) continue;
       tail.push_back(s);
       used[t.calls[s.call].group] = true;
       if (!whole) break;
@@ -92,27 +93,45 @@ void parse_mismatch(const std::string& line, ReplayReport& rep) {
   if (std::regex_search(line, m, field)) rep.field = m[1];
 }
 
+// Every rank's pending call and, per distinct pending call, the members
+// waiting elsewhere or finished (computed once per call: per rank it was
+// 16384 x 16384 record copies, half a minute).
 void deadlock_table(const Run& run, ReplayReport& rep) {
   const std::size_t n = run.programs.size();
-  auto pending = [&](std::size_t r) -> std::optional<FlightRecord> {
-    if (run.progress[r] >= run.programs[r].size()) return std::nullopt;
-    return run.table.record(run.programs[r][run.progress[r]]);
+  struct Pending {
+    uint32_t group = 0;
+    uint64_t seq = 0;
+    OpType op = OpType::Barrier;
+    bool operator<(const Pending& o) const {
+      return std::tie(group, seq, op) < std::tie(o.group, o.seq, o.op);
+    }
+    bool operator==(const Pending& o) const {
+      return group == o.group && seq == o.seq && op == o.op;
+    }
   };
+  std::vector<std::optional<Pending>> pending(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    if (run.progress[r] >= run.programs[r].size()) continue;
+    const Step& s = run.programs[r][run.progress[r]];
+    const detail::TableCall& c = run.table.calls[s.call];
+    pending[r] = Pending{c.group, s.seq, c.proto.op};
+  }
+  std::map<Pending, std::vector<int>> not_reached;
   for (std::size_t r = 0; r < n; ++r) {
     PendingCall p;
     p.rank = static_cast<int>(r);
-    const std::optional<FlightRecord> c = pending(r);
-    p.finished = !c;
-    if (c) {
-      p.group = c->group;
-      p.call = c->seq;
-      p.op = dist::op_name(c->op);
-      const uint32_t gi = run.table.group_index.at(c->group);
-      for (int m : run.table.groups[gi].members) {
-        const std::optional<FlightRecord> o = pending(static_cast<std::size_t>(m));
-        if (!o || o->group != c->group || o->seq != c->seq || o->op != c->op)
-          p.not_reached.push_back(m);
-      }
+    p.finished = !pending[r];
+    if (pending[r]) {
+      const Pending& c = *pending[r];
+      const detail::TableGroup& g = run.table.groups[c.group];
+      p.group = g.name;
+      p.call = c.seq;
+      p.op = dist::op_name(c.op);
+      auto [it, fresh] = not_reached.try_emplace(c);
+      if (fresh)
+        for (int m : g.members)
+          if (pending[static_cast<std::size_t>(m)] != c) it->second.push_back(m);
+      p.not_reached = it->second;
       if (rep.group.empty() && !p.not_reached.empty()) {
         rep.group = p.group;
         rep.call = p.call;

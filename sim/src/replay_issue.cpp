@@ -107,6 +107,11 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
     dist::ProcessGroup group;
   };
   std::map<std::pair<uint32_t, int>, Dry> dry;  // (group, group rank)
+  // One small recorder for every dry group (a fresh one each held 2000
+  // entries: 800 MB for 2048 TP groups).
+  dist::Options small;
+  small.flight_recorder_size = 1;
+  const auto recorder = std::make_shared<dist::FlightRecorder>(small);
   std::vector<dist::CallDesc> descs;
   descs.reserve(table.calls.size());
   for (const TableCall& c : table.calls) {
@@ -123,7 +128,7 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
             dist::op_name(r.op), g.name, r.group_rank, g.members.size()));
       auto backend = std::make_shared<DryBackend>(r.group_rank, g.members);
       it = dry.emplace(std::pair{c.group, r.group_rank},
-                       Dry{backend, dist::ProcessGroup(backend, g.name, nullptr)})
+                       Dry{backend, dist::ProcessGroup(backend, g.name, nullptr, recorder)})
                .first;
     }
     try {

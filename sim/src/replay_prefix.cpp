@@ -14,6 +14,7 @@ namespace {
 using dist::OpType;
 
 constexpr uint32_t kNone = UINT32_MAX;
+constexpr std::size_t kAhead = 8;  // prefetch distance in the ready queue
 
 // A collective some members have arrived at.
 struct Instance {
@@ -37,6 +38,14 @@ class Settler {
 
   Cut run() {
     while (!ready_.empty()) {
+      // Each rank's next step is a cache miss (one vector per rank, 16 bytes
+      // read per visit, 16384 ranks between two visits): ask for the step
+      // of the rank 8 places on while this one runs. Half the settling.
+      if (ready_.size() > kAhead) {
+        const auto a = static_cast<std::size_t>(ready_[kAhead]);
+        __builtin_prefetch(t_.steps[a].data() + cut_.pc[a]);
+        __builtin_prefetch(t_.group_rank[a].data());
+      }
       const int r = ready_.front();
       ready_.pop_front();
       advance(r);
@@ -50,7 +59,7 @@ class Settler {
     const auto ri = static_cast<std::size_t>(r);
     const std::vector<Step>& steps = t_.steps[ri];
     std::size_t& pc = cut_.pc[ri];
-    while (pc < steps.size() && !in_window(t_, steps[pc])) ++pc;
+    while (pc < steps.size() && !t_.in_window(steps[pc])) ++pc;
     if (pc == steps.size()) {
       cut_.at[ri] = Cut::At::Finished;
       return;
@@ -63,7 +72,7 @@ class Settler {
     }
     const TableGroup& g = t_.groups[c.group];
     const int gr = t_.rank_in(r, c.group);
-    Instance& in = open_[c.group][s.seq];
+    Instance& in = instance(c.group, s.seq);
     if (in.calls.empty()) {
       in.calls.assign(g.members.size(), kNone);
       in.first = s.call;
@@ -93,7 +102,22 @@ class Settler {
         cut_.at[mi] = Cut::At::Stopped;
       }
     }
-    open_[group].erase(seq);
+    auto& open = open_[group];
+    for (std::size_t i = 0; i < open.size(); ++i)
+      if (open[i].first == seq) {
+        std::swap(open[i], open.back());
+        open.pop_back();
+        break;
+      }
+  }
+
+  // The open call `seq` of `group` (a fresh one if none). A group has one
+  // or two open calls at a time: a scan beats hashing 32 million arrivals.
+  Instance& instance(uint32_t group, uint64_t seq) {
+    auto& open = open_[group];
+    for (auto& [s, in] : open)
+      if (s == seq) return in;
+    return open.emplace_back(seq, Instance{}).second;
   }
 
   // dist::compare of the members' descriptions, once per distinct
@@ -122,8 +146,8 @@ class Settler {
   const std::vector<dist::CallDesc>& descs_;
   Cut cut_;
   std::deque<int> ready_;
-  std::vector<std::unordered_map<uint64_t, Instance>> open_;  // per group: by call number
-  std::vector<int> uniform_ok_;                               // per description: -1 unknown
+  std::vector<std::vector<std::pair<uint64_t, Instance>>> open_;  // per group: (call number, call)
+  std::vector<int> uniform_ok_;                                   // per description: -1 unknown
   std::map<std::vector<uint32_t>, bool> mixed_ok_;
 };
 }  // namespace
@@ -140,13 +164,6 @@ Cut no_prefix(const Table& table) {
   cut.pc.assign(table.steps.size(), 0);
   cut.at.assign(table.steps.size(), Cut::At::P2p);
   return cut;
-}
-
-bool in_window(const Table& table, const Step& s) {
-  const TableCall& c = table.calls[s.call];
-  if (c.proto.op == OpType::NewGroup) return false;  // groups are made before the window
-  const TableGroup& g = table.groups[c.group];
-  return s.seq >= (c.p2p ? g.p2p_start : g.start);
 }
 
 Cut settle_prefix(const Table& table, const std::vector<dist::CallDesc>& descs) {

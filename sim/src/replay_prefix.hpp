@@ -33,8 +33,4 @@ Cut settle_prefix(const Table& table, const std::vector<dist::CallDesc>& descs);
 /// runs every recorded call).
 Cut no_prefix(const Table& table);
 
-/// Whether step `s` of a rank lies inside its group's replay window (and is
-/// a call a replay issues: group creation is not).
-bool in_window(const Table& table, const Step& s);
-
 }  // namespace diffcomm::sim::detail

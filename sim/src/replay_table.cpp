@@ -143,6 +143,12 @@ void Table::finish() {
     for (std::size_t i = 0; i < g.members.size(); ++i)
       if (g.watermark[i] > low) g.lost.push_back(g.members[i]);
   }
+  call_start.clear();
+  for (const TableCall& c : calls) {
+    const TableGroup& g = groups[c.group];
+    call_start.push_back(c.proto.op == OpType::NewGroup ? UINT64_MAX
+                                                        : (c.p2p ? g.p2p_start : g.start));
+  }
 }
 
 int Table::rank_in(int rank, uint32_t group) const {

@@ -52,6 +52,9 @@ struct Table {
   std::vector<std::vector<Step>> steps;                           // per global rank
   std::vector<std::vector<std::pair<uint32_t, int>>> group_rank;  // per rank: (group, group rank)
   std::vector<std::string> unknown;                               // what the dumps do not record
+  // Set by finish(): per call, the first call number its group replays
+  // (UINT64_MAX for group creation, which is never replayed).
+  std::vector<uint64_t> call_start;
 
   explicit Table(int world) : world_size(world), steps(world), group_rank(world) {}
   /// Adds rank d.rank's dump; `file` names it in errors. Not thread-safe.
@@ -59,6 +62,8 @@ struct Table {
            const std::string& file);
   /// Computes every group's window (after the last add).
   void finish();
+  /// Whether step `s` lies inside its group's replay window.
+  bool in_window(const Step& s) const { return s.seq >= call_start[s.call]; }
   /// `rank`'s group-local rank in `group`.
   int rank_in(int rank, uint32_t group) const;
   /// The record of rank `rank`'s step `s` (its proto with the step's numbers).
