@@ -179,6 +179,46 @@ void name_first_rank(const Run& run, ErrorSite& site, const ReplayReport& rep) {
   site.rank = run.table.rank_in(rep.ranks[0], run.table.group_index.at(c.group));
 }
 
+// A disagreement the settling found that the world would report as its
+// first error, in the same words: nothing at a send/recv (whose outcome
+// depends on the schedule) and no backward call (the descriptions hold no
+// forward call numbers, which the message names).
+const Cut::Disagreement* reportable(const Table& t, const Cut& cut) {
+  if (!cut.first_disagreement || cut.any_p2p()) return nullptr;
+  for (uint32_t c : cut.first_disagreement->calls)
+    if (t.calls[c].proto.backward_of) return nullptr;
+  return &*cut.first_disagreement;
+}
+
+// The mismatch report without running the world: the world's rendezvous
+// gives dist::compare's line for the members' descriptions, raised at the
+// call of the first rank the line names (name_first_rank).
+ReplayReport mismatch_of(const Table& t, const std::vector<dist::CallDesc>& descs,
+                         const Cut::Disagreement& d) {
+  const detail::TableGroup& g = t.groups[d.group];
+  std::vector<const dist::CallDesc*> members;
+  members.reserve(d.calls.size());
+  for (uint32_t c : d.calls) members.push_back(&descs[c]);
+  const std::string line = "collective mismatch: " + dist::compare(members, g.members);
+  ReplayReport rep;
+  rep.verdict = Verdict::Mismatch;
+  rep.group = g.name;
+  rep.call = d.seq;
+  parse_mismatch(line, rep);
+  ErrorSite site;
+  site.call = d.seq;
+  site.group = g.name;
+  site.group_size = static_cast<int>(g.members.size());
+  const auto first = std::find(g.members.begin(), g.members.end(),
+                               rep.ranks.empty() ? g.members[0] : rep.ranks[0]);
+  const auto gr = static_cast<std::size_t>(first - g.members.begin());
+  site.rank = static_cast<int>(gr);
+  site.op = dist::op_name(t.calls[d.calls[gr]].proto.op);
+  rep.op = site.op;
+  rep.message = format_error(site, line);
+  return rep;
+}
+
 // The verdict of a failed run, read from the world's first error.
 ReplayReport verdict_of(const Error& e, const Run& run) {
   ReplayReport rep;
@@ -233,6 +273,8 @@ ReplayReport replay(const Recording& recording, const ReplayOptions& options) {
   ReplayReport rep;
   if (cut.all_finished()) {
     rep = incomplete_or_ok(t);
+  } else if (const auto d = reportable(t, cut)) {
+    rep = mismatch_of(t, descs, *d);
   } else {
     Run run = tails_from(t, cut);
     WorldOptions wo;

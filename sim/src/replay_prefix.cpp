@@ -93,6 +93,8 @@ class Settler {
   void complete(uint32_t group, uint64_t seq, Instance& in) {
     const TableGroup& g = t_.groups[group];
     const bool ok = agree(g, in);
+    if (!ok && !cut_.first_disagreement)
+      cut_.first_disagreement = Cut::Disagreement{group, seq, in.calls};
     for (int m : g.members) {
       const auto mi = static_cast<std::size_t>(m);
       if (ok) {

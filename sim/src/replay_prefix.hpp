@@ -7,6 +7,7 @@
 // rank reached in the world too; the world replays only what follows it.
 // Internal to sim/src.
 #include <cstddef>
+#include <optional>
 #include <vector>
 
 #include "replay_table.hpp"
@@ -22,6 +23,14 @@ struct Cut {
   };
   std::vector<std::size_t> pc;  // per rank: index into its steps
   std::vector<At> at;
+  // The first collective whose members arrived and disagree: its group,
+  // number and each member's description (indices into Table::calls).
+  struct Disagreement {
+    uint32_t group = 0;
+    uint64_t seq = 0;
+    std::vector<uint32_t> calls;
+  };
+  std::optional<Disagreement> first_disagreement;
   bool all_finished() const;
   bool any_p2p() const;
 };

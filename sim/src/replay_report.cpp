@@ -32,11 +32,19 @@ std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
       throw InvalidArgument(fmt::format("{}: missing (the world has {} ranks)", file, n));
     dumps.push_back(dist::read_flight_dump(file));
   }
-  std::map<std::string, std::pair<int, std::vector<int>>> first_seen;
+  std::map<std::string, detail::SeenGroup> first_seen;
   for (std::size_t r = 0; r < dumps.size(); ++r) {
     const dist::FlightDump& d = dumps[r];
-    detail::check_dump_identity(static_cast<int>(r), d.rank, d.world_size, n, d.groups,
-                                rank_file(dir, static_cast<int>(r)), first_seen);
+    const std::string file = rank_file(dir, static_cast<int>(r));
+    for (const dist::DumpedGroup& g : d.groups) {
+      const auto [it, fresh] =
+          first_seen.try_emplace(g.group.name, detail::SeenGroup{static_cast<int>(r), {}});
+      if (fresh)
+        it->second.members = g.group.members;
+      else
+        detail::check_same_members(g, it->second, file);
+    }
+    detail::check_dump_header(static_cast<int>(r), d.rank, d.world_size, n, d.groups, file);
   }
   return dumps;
 }

@@ -61,28 +61,30 @@ std::string rank_file(const std::string& dir, int rank) {
   return (fs::path(dir) / fmt::format("rank-{}.json", rank)).string();
 }
 
-void check_dump_identity(int r, int rank, int world_size, int world0,
-                         const std::vector<dist::DumpedGroup>& groups, const std::string& file,
-                         std::map<std::string, std::pair<int, std::vector<int>>>& first_seen) {
+void check_dump_header(int r, int rank, int world_size, int world0,
+                       const std::vector<dist::DumpedGroup>& groups, const std::string& file) {
   if (rank != r) throw InvalidArgument(fmt::format("{}: records rank {}", file, rank));
   if (world_size != world0)
     throw InvalidArgument(
         fmt::format("{}: world size {} but rank-0.json records {}", file, world_size, world0));
-  for (const dist::DumpedGroup& g : groups) {
-    const auto [it, fresh] = first_seen.try_emplace(g.group.name, r, g.group.members);
-    if (!fresh && it->second.second != g.group.members)
-      throw InvalidArgument(fmt::format(
-          "{}: group '{}' has members [{}] but rank-{}.json records [{}]", file, g.group.name,
-          fmt::join(g.group.members, ","), it->second.first, fmt::join(it->second.second, ",")));
+  for (const dist::DumpedGroup& g : groups)
     for (int m : g.group.members)
       if (m < 0 || m >= world_size)
         throw InvalidArgument(fmt::format("{}: group '{}' has member {} outside the world of {}",
                                           file, g.group.name, m, world_size));
-  }
 }
 
-void Table::add(const dist::CompactFlightDump& d, const std::vector<std::string>& what_unknown,
-                const std::string& file) {
+void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen,
+                        const std::string& file) {
+  if (g.group.members != seen.members)
+    throw InvalidArgument(fmt::format(
+        "{}: group '{}' has members [{}] but rank-{}.json records [{}]", file, g.group.name,
+        fmt::join(g.group.members, ","), seen.seen_rank, fmt::join(seen.members, ",")));
+}
+
+std::vector<uint32_t> Table::intern(const dist::CompactFlightDump& d,
+                                    const std::vector<std::string>& what_unknown,
+                                    const std::string& file) {
   const auto r = static_cast<std::size_t>(d.rank);
   for (const dist::DumpedGroup& g : d.groups) {
     auto [it, fresh] = group_index.try_emplace(g.group.name, static_cast<uint32_t>(groups.size()));
@@ -120,7 +122,14 @@ void Table::add(const dist::CompactFlightDump& d, const std::vector<std::string>
     if (fresh) calls.push_back(std::move(tc));
     global[i] = it->second;
   }
-  std::vector<Step>& out = steps[r];
+  for (const std::string& u : what_unknown)
+    if (std::find(unknown.begin(), unknown.end(), u) == unknown.end()) unknown.push_back(u);
+  return global;
+}
+
+void Table::fill(const dist::CompactFlightDump& d, const std::vector<uint32_t>& global,
+                 const std::string& file) {
+  std::vector<Step>& out = steps[static_cast<std::size_t>(d.rank)];
   out.reserve(d.rows.size());
   for (const dist::CompactFlightDump::Row& w : d.rows) {
     if (w.backward_call >= int64_t{UINT32_MAX})
@@ -128,8 +137,6 @@ void Table::add(const dist::CompactFlightDump& d, const std::vector<std::string>
           fmt::format("{}: backward call number {} too large", file, w.backward_call));
     out.push_back({global[w.call_index], static_cast<uint32_t>(w.backward_call + 1), w.seq});
   }
-  for (const std::string& u : what_unknown)
-    if (std::find(unknown.begin(), unknown.end(), u) == unknown.end()) unknown.push_back(u);
 }
 
 void Table::finish() {
@@ -168,7 +175,7 @@ namespace {
 // Ranks 1..n-1 of a diffcomm dump directory, two at a time; the first
 // error in rank order is thrown.
 void read_rest(const std::string& dir, Table& table, int world0,
-               std::map<std::string, std::pair<int, std::vector<int>>>& first_seen) {
+               std::map<std::string, SeenGroup>& first_seen) {
   const int n = table.world_size;
   std::atomic<int> next{1};
   std::mutex lock;
@@ -181,9 +188,24 @@ void read_rest(const std::string& dir, Table& table, int world0,
           throw InvalidArgument(fmt::format("{}: missing (the world has {} ranks)", file, n));
         const dist::CompactFlightDump d =
             dist::parse_compact_flight_dump(dist::read_dump_file(file), file);
-        const std::lock_guard<std::mutex> hold(lock);
-        check_dump_identity(r, d.rank, d.world_size, world0, d.groups, file, first_seen);
-        table.add(d, {}, file);
+        check_dump_header(r, d.rank, d.world_size, world0, d.groups, file);
+        // Only the interning holds the lock; members (16384 per file for
+        // the world group) are compared and rows converted outside it.
+        std::vector<std::pair<const dist::DumpedGroup*, const SeenGroup*>> compare;
+        std::vector<uint32_t> global;
+        {
+          const std::lock_guard<std::mutex> hold(lock);
+          for (const dist::DumpedGroup& g : d.groups) {
+            const auto [it, fresh] = first_seen.try_emplace(g.group.name, SeenGroup{r, {}});
+            if (fresh)
+              it->second.members = g.group.members;
+            else
+              compare.emplace_back(&g, &it->second);
+          }
+          global = table.intern(d, {}, file);
+        }
+        for (const auto& [g, seen] : compare) check_same_members(*g, *seen, file);
+        table.fill(d, global, file);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
       }
@@ -209,8 +231,9 @@ Recording Recording::read(const std::string& dir) {
   if (n < 1 || n > 16384)
     throw InvalidArgument(fmt::format("{}: world size {} outside 1..16384", first, n));
   auto table = std::make_shared<detail::Table>(n);
-  std::map<std::string, std::pair<int, std::vector<int>>> first_seen;
-  detail::check_dump_identity(0, d0.rank, d0.world_size, n, d0.groups, first, first_seen);
+  std::map<std::string, detail::SeenGroup> first_seen;
+  detail::check_dump_header(0, d0.rank, d0.world_size, n, d0.groups, first);
+  for (const dist::DumpedGroup& g : d0.groups) first_seen[g.group.name] = {0, g.group.members};
   table->add(d0, {}, first);
   detail::read_rest(dir, *table, n, first_seen);
   table->finish();

@@ -59,7 +59,16 @@ struct Table {
   explicit Table(int world) : world_size(world), steps(world), group_rank(world) {}
   /// Adds rank d.rank's dump; `file` names it in errors. Not thread-safe.
   void add(const dist::CompactFlightDump& d, const std::vector<std::string>& unknown,
-           const std::string& file);
+           const std::string& file) {
+    fill(d, intern(d, unknown, file), file);
+  }
+  /// add()'s two halves: interning d's groups and descriptions (returns its
+  /// descriptions' indices into calls; not thread-safe), and rank d.rank's
+  /// steps from its rows (safe beside other ranks' fill).
+  std::vector<uint32_t> intern(const dist::CompactFlightDump& d,
+                               const std::vector<std::string>& unknown, const std::string& file);
+  void fill(const dist::CompactFlightDump& d, const std::vector<uint32_t>& global,
+            const std::string& file);
   /// Computes every group's window (after the last add).
   void finish();
   /// Whether step `s` lies inside its group's replay window.
@@ -70,13 +79,18 @@ struct Table {
   dist::FlightRecord record(const Step& s) const;
 };
 
-/// The checks read_dumps makes of each file: it records rank `r`, rank 0's
-/// world size, members inside the world and the members other files record
-/// for the same group (`first_seen`: name -> (rank, members)). InvalidArgument
-/// naming the file.
-void check_dump_identity(int r, int rank, int world_size, int world0,
-                         const std::vector<dist::DumpedGroup>& groups, const std::string& file,
-                         std::map<std::string, std::pair<int, std::vector<int>>>& first_seen);
+/// The checks read_dumps makes of each file: it records rank `r` and rank
+/// 0's world size, and its groups' members lie inside the world.
+/// InvalidArgument naming the file.
+void check_dump_header(int r, int rank, int world_size, int world0,
+                       const std::vector<dist::DumpedGroup>& groups, const std::string& file);
+/// A group's members as the first file that recorded it (rank `seen_rank`) has them.
+struct SeenGroup {
+  int seen_rank = 0;
+  std::vector<int> members;
+};
+/// `g`'s members must be `seen`'s (InvalidArgument naming both files).
+void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen, const std::string& file);
 
 /// "DIR/rank-R.json".
 std::string rank_file(const std::string& dir, int rank);
