@@ -8,6 +8,7 @@
 #include <boost/fiber/all.hpp>
 #include <map>
 
+#include "deadlock_text.hpp"
 #include "diffcomm/dist/backend/fingerprint.hpp"
 #include "reference_ops.hpp"
 #include "sim_backend.hpp"
@@ -60,7 +61,7 @@ void World::Impl::wake(Rendezvous& rv) {
 
 void World::Impl::check_deadlock() {
   if (blocked == 0 || blocked < live) return;
-  std::string report = "deadlock: every live rank is blocked and none can proceed\n";
+  std::string report = std::string(detail::kDeadlockLine) + "\n";
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankState& rs = ranks[r];
     switch (rs.status) {

@@ -10,6 +10,7 @@
 #include <regex>
 #include <tuple>
 
+#include "deadlock_text.hpp"
 #include "diffcomm/dist/collectives.hpp"
 #include "diffcomm/error.hpp"
 #include "diffcomm/sim/world.hpp"
@@ -275,6 +276,12 @@ ReplayReport replay(const Recording& recording, const ReplayOptions& options) {
     rep = incomplete_or_ok(t);
   } else if (const auto d = reportable(t, cut)) {
     rep = mismatch_of(t, descs, *d);
+  } else if (!cut.any_p2p() && !cut.any_stopped()) {
+    // Every unfinished rank waits in a collective some member never
+    // reaches: the world would block at once on each rank's next call.
+    rep.verdict = Verdict::Deadlock;
+    rep.message = std::string(detail::kDeadlockLine);
+    deadlock_table(tails_from(t, cut), rep);
   } else {
     Run run = tails_from(t, cut);
     WorldOptions wo;

@@ -157,6 +157,9 @@ class Settler {
 bool Cut::all_finished() const {
   return std::all_of(at.begin(), at.end(), [](At a) { return a == At::Finished; });
 }
+bool Cut::any_stopped() const {
+  return std::any_of(at.begin(), at.end(), [](At a) { return a == At::Stopped; });
+}
 bool Cut::any_p2p() const {
   return std::any_of(at.begin(), at.end(), [](At a) { return a == At::P2p; });
 }

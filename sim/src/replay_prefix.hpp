@@ -33,6 +33,7 @@ struct Cut {
   std::optional<Disagreement> first_disagreement;
   bool all_finished() const;
   bool any_p2p() const;
+  bool any_stopped() const;
 };
 
 /// `descs[c]`: the funnel's description of table.calls[c] (validate_calls).
