@@ -16,16 +16,16 @@ entries=${3:-2000}
 runs=${4:-3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-for case in ok mismatch deadlock; do
+for case in ${CASES:-ok mismatch deadlock}; do
   python3 "$here/replay_synthetic.py" "$tmp/$case" "$ranks" "$entries" "$case"
   bytes=$(du -sb "$tmp/$case" | cut -f1)
   for run in $(seq "$runs"); do
     set +e
-    /usr/bin/time -f "%e %M" -o "$tmp/time" "$sim" replay "$tmp/$case" > "$tmp/out"
+    /usr/bin/time -f "%e %M %U %S" -o "$tmp/time" "$sim" replay "$tmp/$case" > "$tmp/out"
     code=$?
     set -e
-    read -r wall kb < <(tail -1 "$tmp/time")
-    echo "$case ranks=$ranks entries=$entries dump_bytes=$bytes run=$run wall_s=$wall" \
+    read -r wall kb user sys < <(tail -1 "$tmp/time")
+    echo "$case ranks=$ranks entries=$entries dump_bytes=$bytes run=$run wall_s=$wall user_s=$user sys_s=$sys" \
          "peak_rss_mib=$((kb / 1024)) exit=$code verdict=$(head -1 "$tmp/out" | cut -d' ' -f2)"
   done
   rm -rf "${tmp:?}/$case"

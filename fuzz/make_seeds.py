@@ -93,3 +93,23 @@ write("fuzz_dlpack", "float32_2x3", dl(2, 2, [2, 3]))
 write("fuzz_dlpack", "int64_strided", dl(0, 3, [2, 3], [3, 1], 1))
 write("fuzz_dlpack", "noncontiguous", dl(2, 3, [2, 3], [1, 2]))
 write("fuzz_dlpack", "negative_ndim", u64(1, 2, 1, 2, 1, 1, 0, 0))
+
+# fuzz_flight_dump: dumps as bench/replay_synthetic.py writes them (format 2,
+# TP + world calls; a rank whose description disagrees), a version 1 dump.
+import importlib.util  # noqa: E402
+
+spec = importlib.util.spec_from_file_location(
+    "replay_synthetic", os.path.join(HERE, "..", "bench", "replay_synthetic.py"))
+synthetic = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(synthetic)
+write("fuzz_flight_dump", "v2_ok_rank0", synthetic.dump(0, 16, 4, "ok"))
+write("fuzz_flight_dump", "v2_mismatch_last", synthetic.dump(15, 16, 4, "mismatch"))
+write("fuzz_flight_dump", "v1_one_entry",
+      '{"format":"diffcomm-flight-recorder","version":1,"rank":0,"world_size":1,"capacity":4,'
+      '"groups":[{"name":"world","members":[0],"group_rank":0,"calls":1,"p2p_calls":0,'
+      '"watermark":0,"p2p_watermark":0}],"entries":[{"id":1,"group":"world","group_rank":0,'
+      '"group_size":1,"call":0,"op":"all_reduce","dtype":"float32","numel":2,'
+      '"input_shapes":[[2]],"output_shapes":[[2]],"input_splits":[],"output_splits":[],'
+      '"root":-1,"tag":0,"reduce_op":"sum","reduce_factor":1.0,"color":-1,"key":0,"members":[],'
+      '"members_are_ranks":false,"backward_of":null,"state":"completed","start_s":0.0,'
+      '"duration_s":0.0,"bytes_sent":8,"bytes_received":8}]}')
