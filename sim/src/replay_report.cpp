@@ -39,10 +39,12 @@ std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
     for (const dist::DumpedGroup& g : d.groups) {
       const auto [it, fresh] =
           first_seen.try_emplace(g.group.name, detail::SeenGroup{static_cast<int>(r), {}});
-      if (fresh)
+      if (fresh) {
+        detail::check_distinct_members(g, file);
         it->second.members = g.group.members;
-      else
+      } else {
         detail::check_same_members(g, it->second, file);
+      }
     }
     detail::check_dump_header(static_cast<int>(r), d.rank, d.world_size, n, d.groups, file);
   }

@@ -74,6 +74,15 @@ void check_dump_header(int r, int rank, int world_size, int world0,
                                           file, g.group.name, m, world_size));
 }
 
+void check_distinct_members(const dist::DumpedGroup& g, const std::string& file) {
+  std::vector<int> sorted = g.group.members;
+  std::sort(sorted.begin(), sorted.end());
+  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  if (twice != sorted.end())
+    throw InvalidArgument(
+        fmt::format("{}: group '{}' lists member {} twice", file, g.group.name, *twice));
+}
+
 void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen,
                         const std::string& file) {
   if (g.group.members != seen.members)
@@ -197,10 +206,12 @@ void read_rest(const std::string& dir, Table& table, int world0,
           const std::lock_guard<std::mutex> hold(lock);
           for (const dist::DumpedGroup& g : d.groups) {
             const auto [it, fresh] = first_seen.try_emplace(g.group.name, SeenGroup{r, {}});
-            if (fresh)
+            if (fresh) {
+              check_distinct_members(g, file);
               it->second.members = g.group.members;
-            else
+            } else {
               compare.emplace_back(&g, &it->second);
+            }
           }
           global = table.intern(d, {}, file);
         }
@@ -233,7 +244,10 @@ Recording Recording::read(const std::string& dir) {
   auto table = std::make_shared<detail::Table>(n);
   std::map<std::string, detail::SeenGroup> first_seen;
   detail::check_dump_header(0, d0.rank, d0.world_size, n, d0.groups, first);
-  for (const dist::DumpedGroup& g : d0.groups) first_seen[g.group.name] = {0, g.group.members};
+  for (const dist::DumpedGroup& g : d0.groups) {
+    detail::check_distinct_members(g, first);
+    first_seen[g.group.name] = {0, g.group.members};
+  }
   table->add(d0, {}, first);
   detail::read_rest(dir, *table, n, first_seen);
   table->finish();

@@ -89,6 +89,8 @@ struct SeenGroup {
   int seen_rank = 0;
   std::vector<int> members;
 };
+/// `g`'s members are distinct (checked once per group, where it is first seen).
+void check_distinct_members(const dist::DumpedGroup& g, const std::string& file);
 /// `g`'s members must be `seen`'s (InvalidArgument naming both files).
 void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen, const std::string& file);
 
