@@ -293,6 +293,28 @@ TEST(FlightDump, Version1AndReformattedVersion2AreRead) {
   EXPECT_EQ(b.entries[0].bytes_sent, 18u);
 }
 
+// A number where an integer belongs (a huge one, or a fraction) is one line
+// naming the field, never a cast of 1e102 to an integer (undefined
+// behaviour; found by fuzz_flight_dump).
+TEST(FlightDump, NonIntegerNumbersAreRefusedNamingTheField) {
+  const std::string text = flight_dump_json(one_of_each());
+  std::string huge = text;
+  huge.replace(huge.find("\"p2p_watermark\":1"), 17, "\"p2p_watermark\":8.9e102");
+  try {
+    (void)parse_flight_dump(huge, "h.json");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("h.json: groups[0]: field 'p2p_watermark' has the wrong type "
+                                    "or is out of range (number)"));
+  }
+  std::string half = text;
+  half.replace(half.find("\"rank\":3"), 8, "\"rank\":2.5");
+  EXPECT_THROW((void)parse_flight_dump(half, "r.json"), InvalidArgument);
+  std::string negative = text;
+  negative.replace(negative.find("\"capacity\":2000"), 15, "\"capacity\":-1");
+  EXPECT_THROW((void)parse_flight_dump(negative, "c.json"), InvalidArgument);
+}
+
 TEST(FlightDump, DumpWritesRankFileIntoTheDirectory) {
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("fr-test-" + std::to_string(::getpid()))).string();

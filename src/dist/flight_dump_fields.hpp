@@ -5,8 +5,11 @@
 // Internal to src/dist/.
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "diffcomm/dist/flight_dump.hpp"
 #include "diffcomm/error.hpp"
@@ -14,6 +17,56 @@
 namespace diffcomm::dist::dump_fields {
 
 inline constexpr const char* kFormat = "diffcomm-flight-recorder";
+
+// JSON -> T with every number checked; false for a wrong type or a value T
+// cannot hold.
+template <class T>
+bool convert(const nlohmann::json& v, T& out) {
+  if constexpr (std::is_same_v<T, nlohmann::json>) {
+    out = v;
+    return true;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) return false;
+    out = v.get<bool>();
+    return true;
+  } else if constexpr (std::is_integral_v<T>) {
+    if (v.is_number_unsigned()) {
+      const auto u = v.get<uint64_t>();
+      if (!std::in_range<T>(u)) return false;
+      out = static_cast<T>(u);
+      return true;
+    }
+    if (!v.is_number_integer()) return false;
+    const auto i = v.get<int64_t>();
+    if (!std::in_range<T>(i)) return false;
+    out = static_cast<T>(i);
+    return true;
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (!v.is_number()) return false;
+    out = v.get<double>();
+    return true;
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string()) return false;
+    out = v.get<std::string>();
+    return true;
+  } else {  // std::vector<U> or std::array<U, N>
+    if (!v.is_array()) return false;
+    if constexpr (requires { out.push_back(out[0]); }) {
+      out.clear();
+      out.reserve(v.size());
+      for (const auto& e : v) {
+        typename T::value_type x{};
+        if (!convert(e, x)) return false;
+        out.push_back(std::move(x));
+      }
+    } else {
+      if (v.size() != out.size()) return false;
+      for (std::size_t k = 0; k < out.size(); ++k)
+        if (!convert(v[k], out[k])) return false;
+    }
+    return true;
+  }
+}
 
 /// Reading: every failure names the file and where (entry k, field f).
 struct Reader {
@@ -23,15 +76,19 @@ struct Reader {
   [[noreturn]] void fail(const std::string& what) const {
     throw InvalidArgument(fmt::format("{}: {}{}", file, where, what));
   }
+  /// The field's value as T, checked: a number must be an integer inside
+  /// T's range (nlohmann's own conversion casts 1e300 to an integer, which
+  /// is undefined behaviour; fuzz_flight_dump found it), element by element
+  /// in arrays.
   template <class T>
   T get(const nlohmann::json& obj, const char* field) const {
     auto it = obj.find(field);
     if (it == obj.end()) fail(fmt::format("missing field '{}'", field));
-    try {
-      return it->get<T>();
-    } catch (const nlohmann::json::exception&) {
-      fail(fmt::format("field '{}' has the wrong type ({})", field, it->type_name()));
-    }
+    T out{};
+    if (!convert(*it, out))
+      fail(fmt::format("field '{}' has the wrong type or is out of range ({})", field,
+                       it->type_name()));
+    return out;
   }
   OpType op(const std::string& name) const;
   DType dtype(const std::string& name) const;
