@@ -38,6 +38,8 @@ json parse_json(std::string_view text, const std::string& file) {
   } catch (const json::parse_error& e) {
     // e.byte counts the characters read (1-based); the offset is 0-based.
     syntax_error(file, e.byte > 0 ? e.byte - 1 : 0, text.size());
+  } catch (const json::exception&) {  // out_of_range 406: a number too large for a double
+    throw InvalidArgument(fmt::format("{}: a number is out of range", file));
   }
 }
 
@@ -182,7 +184,7 @@ void rows_from_tree(const json& doc, CompactFlightDump& c, Reader& rd) {
 }
 
 void check_format(const json& doc, Reader& rd) {
-  if (!doc.is_object() || doc.value("format", std::string()) != dump_fields::kFormat)
+  if (!doc.is_object() || doc.value("format", json()) != dump_fields::kFormat)
     rd.fail(fmt::format("not a diffcomm flight recorder dump (no \"format\": \"{}\")",
                         dump_fields::kFormat));
   const int version = rd.get<int>(doc, "version");
@@ -198,7 +200,12 @@ std::optional<CompactFlightDump> parse_as_written(std::string_view text, const s
   if (!key) return std::nullopt;
   std::string head(text.substr(0, key->first));
   head += '}';
-  json doc = json::parse(head, nullptr, /*allow_exceptions=*/false);
+  json doc;
+  try {
+    doc = json::parse(head, nullptr, /*allow_exceptions=*/false);
+  } catch (const json::exception&) {  // a number too large: the tree reports it
+    return std::nullopt;
+  }
   // Not a version 2 header (or a broken one): the tree names what is wrong.
   if (!doc.is_object() || doc.value("format", json()) != dump_fields::kFormat ||
       doc.value("version", json()) != kFlightDumpVersion)
