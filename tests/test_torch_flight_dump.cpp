@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include "diffcomm/error.hpp"
@@ -191,6 +192,31 @@ TEST(TorchFlightDump, MissingRankFileIsBadInputNamingIt) {
     EXPECT_THAT(e.what(), HasSubstr("no dump of rank 1 (the world has 3 ranks"));
   }
   fs::remove_all(dir);
+}
+
+// A size or a call number that is not an integer (1e300: nlohmann's own
+// conversion would cast it, undefined behaviour) is one line of bad input.
+TEST(TorchFlightDump, NonIntegerNumbersAreBadInput) {
+  for (const char* bad : {"\"input_sizes\":[[1e300]]", "\"input_sizes\":[[2.5]]"}) {
+    const std::string dir = copy_of("ok-json");
+    const fs::path f = fs::path(dir) / "rank_0.json";
+    std::string text;
+    {
+      std::ifstream in(f);
+      std::stringstream all;
+      all << in.rdbuf();
+      text = all.str();
+    }
+    text.replace(text.find("\"input_sizes\":[[3]]"), 19, bad);
+    std::ofstream(f, std::ios::trunc) << text;
+    try {
+      read_dumps(dir);
+      FAIL() << "no error for " << bad;
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("a torch dump has a malformed number: not an integer"));
+    }
+    fs::remove_all(dir);
+  }
 }
 
 TEST(TorchFlightDump, TruncatedFileNamesTheFileAndOffset) {

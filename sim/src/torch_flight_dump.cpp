@@ -13,6 +13,8 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <stdexcept>
+#include <utility>
 
 #include "diffcomm/error.hpp"
 #include "unpickle.hpp"
@@ -41,14 +43,31 @@ std::string TorchFile::group_name_of(const Json& e) const {
   return desc == "default_pg" || name == "0" ? kWorld : name;
 }
 
+// An integer, checked: nlohmann's own get<int64_t> casts a float such as
+// 1e300 to an integer, which is undefined behaviour.
+int64_t integer(const Json& v) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX})
+    throw std::out_of_range("an integer above 2^63");
+  if (!v.is_number_integer()) throw std::invalid_argument("not an integer: " + v.dump());
+  return v.get<int64_t>();
+}
+
 // A number torch wrote as an int (pickle) or a string (JSON's pg_status).
 int64_t as_int(const Json& v) {
-  return v.is_string() ? std::stoll(v.get<std::string>()) : v.get<int64_t>();
+  return v.is_string() ? std::stoll(v.get<std::string>()) : integer(v);
 }
 
 // pg_config's "ranks": "[0, 1]" (a string in every 2.x version) or a list.
 std::vector<int> ranks_of(const Json& v) {
-  if (v.is_array()) return v.get<std::vector<int>>();
+  if (v.is_array()) {
+    std::vector<int> out;
+    for (const Json& m : v) {
+      const int64_t x = integer(m);
+      if (!std::in_range<int>(x)) throw std::out_of_range("a rank out of range");
+      out.push_back(static_cast<int>(x));
+    }
+    return out;
+  }
   std::vector<int> out;
   const std::string s = v.get<std::string>();
   static const std::regex num(R"(-?\d+)");
@@ -212,13 +231,22 @@ Shape numel_shape(const Json& sizes) {
   int64_t n = 0;
   for (const Json& s : sizes) {
     int64_t k = 1;
-    for (const Json& d : s) k *= d.get<int64_t>();
+    for (const Json& d : s)
+      if (__builtin_mul_overflow(k, integer(d), &k)) throw std::out_of_range("a size overflows");
     n += k;
   }
   return {n};
 }
 
-std::vector<Shape> shapes_of(const Json& sizes) { return sizes.get<std::vector<Shape>>(); }
+std::vector<Shape> shapes_of(const Json& sizes) {
+  std::vector<Shape> out;
+  for (const Json& s : sizes) {
+    Shape shape;
+    for (const Json& d : s) shape.push_back(integer(d));
+    out.push_back(std::move(shape));
+  }
+  return out;
+}
 
 // The shapes each op is replayed with: torch's where diffcomm's op takes
 // them as they are, flattened where torch records the gathered tensor
