@@ -35,6 +35,14 @@ write("fuzz_csv_batch", "quoted", 'image_id,file_name,width,height\n1,"a,b.jpg",
       '2,"say \\"hi\\"",20,10\n')
 write("fuzz_csv_batch", "videos", "\ufeffimage_id,width,height,frames\r\n7,56,56,3\r\n8,1280,720,16\r\n")
 write("fuzz_csv_batch", "bad_cell", "image_id,width,height\n1,20,abc\n")
+# Found by the fuzzer (CI, 2026-12-02): 556201 frames, a 28 s plan under ASAN
+# before kMaxFrames became 2^16; now refused at the reader.
+write("fuzz_csv_batch", "many_frames",
+      b"\xef\xbb\xbfimage_id,width,height,frames\r\n7,56,8,0556201,,8\r,050,56\r\n")
+# The largest accepted batch: four videos of 2^16 frames (85 bytes: the target picks Qwen3-VL,
+# one work item per temporal group; 1.9 s in a Debug build).
+write("fuzz_csv_batch", "max_frames",
+      "image_id,width,height,frames\n1,56,8,65536\n2,8,56,65535\n3,56,56,65536\n4,28,28,65536\n\n\n")
 
 # fuzz_plan_exchange: cp, tp, sp, zigzag, encoder_cp, override?, samples, per sample
 # (seq_len, images, per image (start, tokens)), corrupt?, [what, args], seed.

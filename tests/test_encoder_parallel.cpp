@@ -1666,7 +1666,11 @@ TEST(ImageSizesCsv, OptionalFramesColumn) {
   EXPECT_THAT(invalid_argument_message([] {
                 ep::parse_image_sizes("image_id,width,height,frames\n7,56,56,0\n", "v.csv");
               }),
-              HasSubstr("line 2: column 4 (frames): '0' is outside [1, 1048576]"));
+              HasSubstr("line 2: column 4 (frames): '0' is outside [1, 65536]"));
+  EXPECT_THAT(invalid_argument_message([] {
+                ep::parse_image_sizes("image_id,width,height,frames\n7,56,8,556201\n", "v.csv");
+              }),
+              HasSubstr("line 2: column 4 (frames): '556201' is outside [1, 65536]"));
 }
 
 // A plan of one image (S = 16, tokens 5..10) for tp 2 + SP: destinations

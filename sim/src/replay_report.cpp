@@ -36,16 +36,9 @@ std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
   for (std::size_t r = 0; r < dumps.size(); ++r) {
     const dist::FlightDump& d = dumps[r];
     const std::string file = rank_file(dir, static_cast<int>(r));
-    for (const dist::DumpedGroup& g : d.groups) {
-      const auto [it, fresh] =
-          first_seen.try_emplace(g.group.name, detail::SeenGroup{static_cast<int>(r), {}});
-      if (fresh) {
-        detail::check_distinct_members(g, file);
-        it->second.members = g.group.members;
-      } else {
-        detail::check_same_members(g, it->second, file);
-      }
-    }
+    for (const dist::DumpedGroup& g : d.groups)
+      if (const auto* seen = detail::see_group(first_seen, g, static_cast<int>(r), file))
+        detail::check_same_members(g, *seen, file);
     detail::check_dump_header(static_cast<int>(r), d.rank, d.world_size, n, d.groups, file);
   }
   return dumps;

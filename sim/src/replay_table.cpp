@@ -74,13 +74,20 @@ void check_dump_header(int r, int rank, int world_size, int world0,
                                           file, g.group.name, m, world_size));
 }
 
-void check_distinct_members(const dist::DumpedGroup& g, const std::string& file) {
+const SeenGroup* see_group(std::map<std::string, SeenGroup>& first_seen, const dist::DumpedGroup& g,
+                           int r, const std::string& file) {
+  const auto [it, fresh] = first_seen.try_emplace(g.group.name, SeenGroup{r, {}});
+  if (!fresh) return &it->second;
   std::vector<int> sorted = g.group.members;
   std::sort(sorted.begin(), sorted.end());
   const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
-  if (twice != sorted.end())
+  if (twice != sorted.end()) {
+    first_seen.erase(it);
     throw InvalidArgument(
         fmt::format("{}: group '{}' lists member {} twice", file, g.group.name, *twice));
+  }
+  it->second.members = g.group.members;
+  return nullptr;
 }
 
 void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen,
@@ -204,15 +211,9 @@ void read_rest(const std::string& dir, Table& table, int world0,
         std::vector<uint32_t> global;
         {
           const std::lock_guard<std::mutex> hold(lock);
-          for (const dist::DumpedGroup& g : d.groups) {
-            const auto [it, fresh] = first_seen.try_emplace(g.group.name, SeenGroup{r, {}});
-            if (fresh) {
-              check_distinct_members(g, file);
-              it->second.members = g.group.members;
-            } else {
-              compare.emplace_back(&g, &it->second);
-            }
-          }
+          for (const dist::DumpedGroup& g : d.groups)
+            if (const SeenGroup* seen = see_group(first_seen, g, r, file))
+              compare.emplace_back(&g, seen);
           global = table.intern(d, {}, file);
         }
         for (const auto& [g, seen] : compare) check_same_members(*g, *seen, file);
@@ -244,10 +245,9 @@ Recording Recording::read(const std::string& dir) {
   auto table = std::make_shared<detail::Table>(n);
   std::map<std::string, detail::SeenGroup> first_seen;
   detail::check_dump_header(0, d0.rank, d0.world_size, n, d0.groups, first);
-  for (const dist::DumpedGroup& g : d0.groups) {
-    detail::check_distinct_members(g, first);
-    first_seen[g.group.name] = {0, g.group.members};
-  }
+  for (const dist::DumpedGroup& g : d0.groups)
+    if (const detail::SeenGroup* seen = detail::see_group(first_seen, g, 0, first))
+      detail::check_same_members(g, *seen, first);
   table->add(d0, {}, first);
   detail::read_rest(dir, *table, n, first_seen);
   table->finish();

@@ -89,8 +89,13 @@ struct SeenGroup {
   int seen_rank = 0;
   std::vector<int> members;
 };
-/// `g`'s members are distinct (checked once per group, where it is first seen).
-void check_distinct_members(const dist::DumpedGroup& g, const std::string& file);
+/// Where group `g` (in rank `r`'s `file`) is first seen, checks that its
+/// members are distinct, records them in `first_seen` and returns nullptr;
+/// otherwise returns the earlier record, which the caller must compare with
+/// check_same_members (now, or outside a lock). Both readers use it, so they
+/// refuse a bad directory with the same line.
+const SeenGroup* see_group(std::map<std::string, SeenGroup>& first_seen, const dist::DumpedGroup& g,
+                           int r, const std::string& file);
 /// `g`'s members must be `seen`'s (InvalidArgument naming both files).
 void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen, const std::string& file);
 

@@ -231,11 +231,20 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
   for (auto& bucket : plan.buckets) std::sort(bucket.begin(), bucket.end());
 
   // Destinations: the exchange ranks whose tokens intersect the span.
+  // Owned ranges once per (sample, rank), not per item: a long Qwen3-VL video
+  // is tens of thousands of items of one sample.
   plan.destinations.assign(plan.items.size(), {});
+  std::vector<Ranges> owned(static_cast<std::size_t>(plan.exchange_size));
+  int64_t owned_sample = -1;
   for (const auto& item : plan.items) {
+    if (item.batch_index != owned_sample) {
+      owned_sample = item.batch_index;
+      for (int r = 0; r < plan.exchange_size; ++r)
+        owned[static_cast<std::size_t>(r)] = plan.owned(owned_sample, r);
+    }
     const int64_t lo = item.decoder_token_start, hi = lo + item.output_rows;  // <= seq_len
     for (int r = 0; r < plan.exchange_size; ++r)
-      for (const auto& [b, e] : plan.owned(item.batch_index, r))
+      for (const auto& [b, e] : owned[static_cast<std::size_t>(r)])
         if (std::max(lo, b) < std::min(hi, e)) {
           plan.destinations[static_cast<std::size_t>(item.item_id)].push_back(r);
           break;
