@@ -5,13 +5,17 @@
 //   native      diffcomm, checks off, MPI's own reductions (not bit-identical)
 //   det         diffcomm, checks off, deterministic reductions (the default)
 //   checked     diffcomm, checked mode (fingerprints), deterministic reductions
+//   nn          the differentiable op (nn::, out of place: a fresh output from
+//               the host block cache) on the det group, inputs not requiring grad
 // Run under mpirun, e.g.
 //   mpirun -np 4 --oversubscribe --allow-run-as-root --mca btl self,vader bench/bench_mpi
 // Every iteration times `reps` calls of each variant back to back (rotating
 // which goes first), each bracketed by barriers, taking the slowest process's
 // time. Counters: <variant>_us per call (median over iterations),
 // native_vs_raw and det_vs_raw (medians of the per-iteration ratios to the
-// raw call), det_vs_native and checked_vs_det (ratios of the medians), MBps =
+// raw call), nn_vs_det (median of the per-iteration ratio of nn to det: what
+// the differentiable op adds over the primitive under it), det_vs_native and
+// checked_vs_det (ratios of the medians), MBps =
 // per-rank bytes / det time. Only process 0 prints.
 #include <benchmark/benchmark.h>
 #include <mpi.h>
@@ -22,6 +26,7 @@
 
 #include "diffcomm/backends/mpi.hpp"
 #include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/nn/functional.hpp"
 
 using namespace diffcomm;
 
@@ -99,7 +104,18 @@ void run(benchmark::State& state, Op op) {
       }
     };
   };
-  const std::vector<std::function<void()>> variants = {raw, ours(native), ours(det), ours(checked)};
+  const dist::Splits even;  // all_to_all_single: empty splits are even splits
+  auto differentiable = [&] {
+    switch (op) {
+      case Op::AllReduce: (void)nn::all_reduce(in, det); break;
+      case Op::Broadcast: (void)nn::broadcast(in, 0, det); break;
+      case Op::AllGatherSingle: (void)nn::all_gather_single(in, det); break;
+      case Op::ReduceScatterSingle: (void)nn::reduce_scatter_single(in, det); break;
+      case Op::AllToAllSingle: (void)nn::all_to_all_single(in, even, even, det); break;
+    }
+  };
+  const std::vector<std::function<void()>> variants = {raw, ours(native), ours(det), ours(checked),
+                                                        differentiable};
   // Medians over iterations: this machine is shared, and a median ignores
   // the iterations another process disturbed.
   std::vector<std::vector<double>> samples(variants.size());
@@ -134,6 +150,12 @@ void run(benchmark::State& state, Op op) {
   };
   state.counters["native_vs_raw"] = vs_raw(1);
   state.counters["det_vs_raw"] = vs_raw(2);
+  state.counters["nn_us"] = us(4);
+  std::vector<double> nn_det;
+  for (std::size_t i = 0; i < samples[4].size(); ++i) nn_det.push_back(samples[4][i] / samples[2][i]);
+  std::nth_element(nn_det.begin(), nn_det.begin() + static_cast<std::ptrdiff_t>(nn_det.size() / 2),
+                   nn_det.end());
+  state.counters["nn_vs_det"] = nn_det[nn_det.size() / 2];
   state.counters["det_vs_native"] = us(2) / us(1);
   state.counters["checked_vs_det"] = us(3) / us(2);
   state.counters["MBps"] = static_cast<double>(bytes) / us(2);

@@ -24,7 +24,7 @@ set(_root "${DIFFCOMM_SOURCE_DIR}")
 function(_file_layer rel out)
   set(_layer "")
   if(rel MATCHES "^include/diffcomm/(dtype|tensor|error|cuda|config)\\.hpp$"
-     OR rel MATCHES "^src/(tensor|dlpack|error)\\.cpp$"
+     OR rel MATCHES "^src/(tensor|dlpack|error|host_cache)\\.(cpp|hpp)$"
      OR rel MATCHES "^src/(cuda|detail)/")
     set(_layer tensor)
   elseif(rel MATCHES "^include/diffcomm/(autograd|ops)\\.hpp$"

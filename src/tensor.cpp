@@ -15,6 +15,7 @@
 
 #include "detail/device_ops.hpp"
 #include "diffcomm/error.hpp"
+#include "host_cache.hpp"
 
 namespace diffcomm {
 
@@ -294,15 +295,11 @@ std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
     return std::allocate_shared<Storage>(InlineAlloc<Storage>(nbytes + kAlign, &data), data, nbytes,
                                          device, Deleter());
   }
-  void* raw = std::malloc(nbytes + kAlign);
-  if (raw == nullptr) throw std::bad_alloc();
-  // malloc aligns to at least sizeof(void*), so there is always room for
-  // malloc's pointer just below the aligned block.
-  const auto base = reinterpret_cast<std::uintptr_t>(raw);
-  void* p = reinterpret_cast<void*>((base + kAlign) & ~std::uintptr_t{kAlign - 1});
-  static_cast<void**>(p)[-1] = raw;
+  // Large: the process-wide block cache (host_cache.hpp), 64-byte aligned.
+  std::size_t capacity = 0;
+  void* p = detail::host_allocate(nbytes, &capacity);
   return std::make_shared<Storage>(p, nbytes, device,
-                                   [](void* ptr) { std::free(static_cast<void**>(ptr)[-1]); });
+                                   [capacity](void* ptr) { detail::host_free(ptr, capacity); });
 }
 
 // ---------------------------------------------------------------- shapes

@@ -44,7 +44,8 @@ class Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  /// Allocates nbytes on device (CPU: aligned new; CUDA: cudaMalloc).
+  /// Allocates nbytes on device (CPU: 64-byte aligned, from the host block
+  /// cache above 64 KiB, see HostCacheStats; CUDA: cudaMalloc).
   /// Throws InvalidArgument for CUDA when built without CUDA.
   static std::shared_ptr<Storage> allocate(std::size_t nbytes, Device device);
 
@@ -228,6 +229,26 @@ inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 48;
 /// "nn::all_to_all_single output") on a negative dim or when the count
 /// overflows or exceeds kMaxTensorBytes.
 uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what);
+
+// ---- the host block cache ----
+/// CPU storages above 64 KiB come from a process-wide cache: a freed block
+/// keeps its pages and is reused by the next request of its size class
+/// (four classes per power of two), as torch's CUDA caching allocator does,
+/// so a loop allocating the same outputs and scratch each step does not pay
+/// first-touch page faults every call. At most DIFFCOMM_HOST_CACHE_MB MiB
+/// (read at the first large allocation; default 1024, 0: no cache; another
+/// value throws InvalidArgument) are held; beyond that, blocks go back to
+/// the heap. Smaller storages use a per-thread cache inside the tensor.
+struct HostCacheStats {
+  uint64_t cached_bytes = 0;  ///< held for reuse now
+  uint64_t hits = 0;          ///< requests served from the cache
+  uint64_t misses = 0;        ///< requests that went to the heap
+  uint64_t limit_bytes = 0;   ///< DIFFCOMM_HOST_CACHE_MB in bytes
+};
+HostCacheStats host_cache_stats();
+/// Frees every cached block (torch.cuda.empty_cache's counterpart); blocks
+/// in use are not affected.
+void empty_host_cache();
 
 // ---- factories ----
 /// Uninitialised tensor. Throws InvalidArgument on a negative dim or a size

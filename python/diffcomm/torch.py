@@ -56,6 +56,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.dlpack import from_dlpack as _from_dlpack
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _context, _core, _exit_dump, _mpi_job, _participation
 from ._core import InvalidArgument
@@ -276,12 +278,14 @@ def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
     InvalidArgument for non-contiguous tensors."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"diffcomm.torch: expected a torch.Tensor, got {type(t).__name__}")
-    return _core.from_dlpack(t.detach(), requires_grad)
+    # A capsule from torch.utils.dlpack, not the __dlpack__ protocol: 0.3-1 us
+    # instead of 2-3 us per tensor (bench/RESULTS.md, the bridge's pieces).
+    return _core.from_dlpack(_to_dlpack(t.detach() if t.requires_grad else t), requires_grad)
 
 
 def from_diffcomm(t: _core.Tensor) -> torch.Tensor:
     """A torch.Tensor sharing the diffcomm tensor's storage (no copy)."""
-    return _core.to_torch(t)
+    return _from_dlpack(_core.to_dlpack(t))
 
 
 class _Bridge(torch.autograd.Function):
@@ -307,7 +311,7 @@ class _Bridge(torch.autograd.Function):
         saved, collectives = _core.hand_off(outs)
         ctx.dc_inputs = ins
         ctx.dc_outputs = outs
-        result = tuple(_core.to_torch(o) for o in outs)
+        result = tuple(from_diffcomm(o) for o in outs)
         frozen = [r for r, o in zip(result, outs) if not o.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -339,7 +343,7 @@ class _Bridge(torch.autograd.Function):
         # graph may run this node again).
         got = iter(_core.grad(roots, wanted, cotangents, True) if roots and wanted else [])
         for x in ctx.dc_inputs:
-            result.append(_core.to_torch(next(got)) if x.requires_grad else None)
+            result.append(from_diffcomm(next(got)) if x.requires_grad else None)
         return tuple(result)
 
 
@@ -361,16 +365,25 @@ def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.T
            group: Optional[_core.ProcessGroup] = None) -> Tuple[torch.Tensor, ...]:
     """Runs ``run`` through the bridge; ``group``: any group of this rank when
     ``run`` issues collectives (their backward joins the rank's pending ones)."""
+    grad = False
     for x in xs:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"diffcomm.torch: expected torch.Tensor inputs, got {type(x).__name__}")
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in xs)):
-        # Nothing to differentiate: diffcomm records no node for inputs that
-        # do not require grad, and the bridge would only add torch's
-        # autograd.Function machinery to the call (outputs are
-        # non-differentiable either way).
-        return tuple(_core.to_torch(o) for o in run([to_diffcomm(x) for x in xs]))
-    return _Bridge.apply(run, group._cohort_id if group is not None else None, *xs)
+        grad = grad or x.requires_grad
+    if grad and torch.is_grad_enabled():
+        return _Bridge.apply(run, group._cohort_id if group is not None else None, *xs)
+    # Nothing to differentiate: diffcomm records no node for inputs that do
+    # not require grad, and the bridge would only add torch's
+    # autograd.Function machinery to the call (outputs are non-differentiable
+    # either way). Written out, not with comprehensions: this is every
+    # no-grad call's path (issue 27 item 3).
+    ins = []
+    for x in xs:
+        ins.append(_core.from_dlpack(_to_dlpack(x.detach() if x.requires_grad else x)))
+    outs = run(ins)
+    if len(outs) == 1:
+        return (_from_dlpack(_core.to_dlpack(outs[0])),)
+    return tuple(_from_dlpack(_core.to_dlpack(o)) for o in outs)
 
 
 # ----------------------------------------------------------------- backward
@@ -442,11 +455,17 @@ def premul_sum(factor: float) -> _core.ReduceOp:
     return _core.ReduceOp.premul_sum(float(factor))
 
 
+_OP_OF_NAME = {name: _core.ReduceOp(kind) for name, kind in _OPS.items()}
+
+
 def _op(op: Any) -> _core.ReduceOp:
     """diffcomm.ReduceOp from a diffcomm.ReduceOp, a torch.distributed.ReduceOp
     or a name ("sum", "avg", "product"/"prod", "min", "max", "mean")."""
     if isinstance(op, _core.ReduceOp):
         return op
+    known = _OP_OF_NAME.get(op) if isinstance(op, str) else None
+    if known is not None:  # the common case, a lower-case name: no new object
+        return known
     if isinstance(op, str):
         key = op.lower()
     else:  # torch.distributed.ReduceOp (its repr differs between torch versions)

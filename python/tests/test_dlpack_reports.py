@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,6 +34,56 @@ def test_outputs_share_diffcomm_storage():
         return d.data_ptr == y.data_ptr()
 
     assert all(sim.run(2, fn).results)
+
+
+def test_a_requires_grad_input_is_borrowed_under_no_grad():
+    x = torch.ones(4, dtype=torch.float64, requires_grad=True)
+
+    def fn(rank, world):
+        with torch.no_grad():
+            y = dt.all_reduce(x)
+        return y.tolist(), y.requires_grad
+
+    assert sim.run(2, fn).results == [([2.0] * 4, False)] * 2
+
+
+def test_an_unconsumed_capsule_frees_its_tensor():
+    diffcomm.empty_host_cache()
+    d = diffcomm._core.zeros([1 << 17], "float64")  # 1 MiB: a host-cache block
+    cap = diffcomm._core.to_dlpack(d)
+    del d
+    before = diffcomm.host_cache_stats()["cached_bytes"]
+    del cap  # never consumed: the capsule's destructor runs the DLPack deleter
+    assert diffcomm.host_cache_stats()["cached_bytes"] == before + (1 << 20)
+
+
+def test_outputs_handed_to_torch_return_to_the_host_cache():
+    diffcomm.empty_host_cache()
+
+    def fn(rank, world):
+        y = dt.all_reduce(torch.ones(1 << 18))  # 1 MiB float32
+        ptr = y.data_ptr()
+        del y  # torch drops diffcomm's storage: back to the cache
+        z = dt.all_reduce(torch.ones(1 << 18))
+        return ptr, z.data_ptr(), z[0].item()
+
+    results = sim.run(2, fn).results
+    # Each output block is reused by the next call of the same size class
+    # (on one rank or the other: the cache is per process).
+    assert {r[0] for r in results} == {r[1] for r in results}
+    assert all(r[2] == 2.0 for r in results)
+    assert diffcomm.host_cache_stats()["hits"] >= 2
+
+
+def test_a_bad_host_cache_limit_is_named():
+    code = ("import diffcomm\n"
+            "try:\n"
+            "    diffcomm._core.zeros([1 << 20], 'float64')\n"
+            "except diffcomm.InvalidArgument as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "DIFFCOMM_HOST_CACHE_MB": "lots"}, timeout=120)
+    assert "DIFFCOMM_HOST_CACHE_MB='lots': expected a whole number of MiB" in out.stdout, out
 
 
 def test_non_contiguous_rejected_clearly():
