@@ -115,7 +115,7 @@ void run(benchmark::State& state, Op op) {
     }
   };
   const std::vector<std::function<void()>> variants = {raw, ours(native), ours(det), ours(checked),
-                                                        differentiable};
+                                                       differentiable};
   // Medians over iterations: this machine is shared, and a median ignores
   // the iterations another process disturbed.
   std::vector<std::vector<double>> samples(variants.size());
@@ -152,7 +152,8 @@ void run(benchmark::State& state, Op op) {
   state.counters["det_vs_raw"] = vs_raw(2);
   state.counters["nn_us"] = us(4);
   std::vector<double> nn_det;
-  for (std::size_t i = 0; i < samples[4].size(); ++i) nn_det.push_back(samples[4][i] / samples[2][i]);
+  for (std::size_t i = 0; i < samples[4].size(); ++i)
+    nn_det.push_back(samples[4][i] / samples[2][i]);
   std::nth_element(nn_det.begin(), nn_det.begin() + static_cast<std::ptrdiff_t>(nn_det.size() / 2),
                    nn_det.end());
   state.counters["nn_vs_det"] = nn_det[nn_det.size() / 2];

@@ -1,10 +1,9 @@
 // diffcomm._core: errors, tensors (DLPack in and out), autograd and the
 // differentiable local ops.
+#include <dlpack/dlpack.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
-
-#include <dlpack/dlpack.h>
 
 #include <array>
 #include <cstring>
