@@ -16,7 +16,6 @@
 
 #include <fmt/format.h>
 
-#include <bit>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -43,16 +42,6 @@ namespace {
 
 constexpr std::size_t kAlign = 64;
 constexpr std::size_t kMaxCacheMb = std::size_t{1} << 24;  // 16 TiB
-
-// n rounded up to its class: with 2^(b-1) < n <= 2^b, steps of 2^(b-3)
-// (four classes per power of two, < 25 % rounding), at least kAlign.
-std::size_t class_bytes(std::size_t n) {
-  if (n <= kAlign) return kAlign;
-  const int b = static_cast<int>(std::bit_width(n - 1));
-  const int shift = b > 9 ? b - 3 : 6;
-  const std::size_t step = std::size_t{1} << shift;
-  return (n + step - 1) / step * step;
-}
 
 // DIFFCOMM_HOST_CACHE_MB (default 1024; 0 turns the cache off), read once.
 std::size_t limit_from_env() {
@@ -85,6 +74,8 @@ Cache& cache() {
 namespace detail {
 
 void* host_allocate(std::size_t nbytes, std::size_t* capacity) {
+  // Only storages above 64 KiB come here: their classes are whole steps of
+  // 8 KiB or more, multiples of kAlign as aligned_alloc needs.
   const std::size_t bytes = class_bytes(nbytes);
   *capacity = bytes;
   Cache& c = cache();
@@ -101,7 +92,7 @@ void* host_allocate(std::size_t nbytes, std::size_t* capacity) {
     }
     ++c.stats.misses;
   }
-  void* p = std::aligned_alloc(kAlign, bytes);  // bytes is a multiple of kAlign
+  void* p = std::aligned_alloc(kAlign, bytes);
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }

@@ -6,9 +6,19 @@
 // and empty_host_cache() in diffcomm/tensor.hpp.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 
 namespace diffcomm::detail {
+
+/// n > 1 KiB rounded up to its size class: with 2^(b-1) < n <= 2^b, steps
+/// of 2^(b-3), four classes per power of two, < 25 % rounding. Shared by
+/// this cache and the per-thread small-block cache in tensor.cpp.
+inline std::size_t class_bytes(std::size_t n) {
+  const int shift = static_cast<int>(std::bit_width(n - 1)) - 3;
+  const std::size_t step = std::size_t{1} << shift;
+  return (n + step - 1) >> shift << shift;
+}
 
 /// A block of at least `nbytes` bytes, 64-byte aligned, from the cache or
 /// the heap; `*capacity` receives the block's size, to be passed back to

@@ -187,9 +187,9 @@ SizeClass size_class(std::size_t n) {
     return {static_cast<int>(steps) - 1, steps << 6};
   }
   const int b = static_cast<int>(std::bit_width(n - 1));
-  const int shift = b - 3;
-  const std::size_t steps = (n + (std::size_t{1} << shift) - 1) >> shift;  // 5..8
-  return {16 + (b - 11) * 4 + static_cast<int>(steps) - 5, steps << shift};
+  const std::size_t bytes = detail::class_bytes(n);
+  const auto steps = static_cast<int>(bytes >> (b - 3));  // 5..8
+  return {16 + (b - 11) * 4 + steps - 5, bytes};
 }
 bool cacheable(std::size_t n) { return kUseBlockCache && n > 0 && n <= kCacheMaxBytes; }
 

@@ -375,15 +375,8 @@ def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.T
     # Nothing to differentiate: diffcomm records no node for inputs that do
     # not require grad, and the bridge would only add torch's
     # autograd.Function machinery to the call (outputs are non-differentiable
-    # either way). Written out, not with comprehensions: this is every
-    # no-grad call's path (issue 27 item 3).
-    ins = []
-    for x in xs:
-        ins.append(_core.from_dlpack(_to_dlpack(x.detach() if x.requires_grad else x)))
-    outs = run(ins)
-    if len(outs) == 1:
-        return (_from_dlpack(_core.to_dlpack(outs[0])),)
-    return tuple(_from_dlpack(_core.to_dlpack(o)) for o in outs)
+    # either way).
+    return tuple(from_diffcomm(o) for o in run([to_diffcomm(x) for x in xs]))
 
 
 # ----------------------------------------------------------------- backward
