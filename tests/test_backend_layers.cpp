@@ -194,5 +194,80 @@ TEST(ComposedReductions, OverTheSimulatedWorldGivesItsBitsExactly) {
   }
 }
 
+// A backend that reduces only in place (as the MPI, NCCL and torch
+// transports with native_reduction): all_reduce_into must hand it in-place
+// calls. Counts the calls that are not.
+class InPlaceOnly final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  bool all_reduce_out_of_place() const override { return false; }
+  int out_of_place_calls = 0;
+
+ protected:
+  void forward(Call& c) override {
+    if (c.op == OpType::AllReduce && !c.inputs[0].same(c.outputs[0])) ++out_of_place_calls;
+    inner().run(c);
+  }
+};
+
+// all_reduce_into gives all_reduce's bits on every stack (the simulated
+// world's own out-of-place reduction, the composed one over it, and an
+// in-place-only backend) and never writes its input.
+TEST(AllReduceInto, EqualsAllReduceOfACopyOnEveryStack) {
+  for (int n : {1, 2, 3, 5}) {
+    sim::WorldOptions o;
+    o.ranks = n;
+    o.seed = 5;
+    sim::World world(o);
+    world.run([&](sim::Rank& rank) {
+      const ProcessGroup& native = rank.world();
+      std::shared_ptr<Backend> sim_backend(std::shared_ptr<Backend>{}, &native.backend());
+      auto in_place = std::make_shared<InPlaceOnly>(sim_backend);
+      const ProcessGroup composed(std::make_shared<ComposedReductions>(sim_backend), "composed",
+                                  nullptr);
+      const ProcessGroup copying(in_place, "in_place_only", nullptr);
+      EXPECT_TRUE(native.backend().all_reduce_out_of_place());
+      EXPECT_TRUE(composed.backend().all_reduce_out_of_place());
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Product}) {
+        const Tensor x = rand_normal({4, 7}, rank.generator());
+        const std::vector<double> before = x.to_vector();
+        Tensor expected = x.copy_data();
+        all_reduce(native, expected, op);
+        for (const ProcessGroup* g : {&native, &composed, &copying}) {
+          Tensor out = full({4, 7}, -1.0);
+          all_reduce_into(*g, out, x, op);
+          EXPECT_EQ(out.to_vector(), expected.to_vector()) << g->name() << ", world " << n;
+          EXPECT_EQ(x.to_vector(), before) << g->name() << ": the input was written";
+        }
+      }
+      EXPECT_EQ(in_place->out_of_place_calls, 0);
+      // The output is the input itself: the in-place all_reduce.
+      Tensor t = full({3}, 2.0);
+      all_reduce_into(native, t, t);
+      EXPECT_EQ(t.to_vector(), std::vector<double>(3, 2.0 * n));
+    });
+  }
+}
+
+TEST(AllReduceInto, NamesTheMismatchedOutput) {
+  sim::WorldOptions o;
+  o.ranks = 2;
+  sim::World world(o);
+  world.run([&](sim::Rank& rank) {
+    const Tensor x = zeros({4}, DType::Float64);
+    try {
+      all_reduce_into(rank.world(), zeros({5}, DType::Float64), x);
+      ADD_FAILURE() << "a [5] output for a [4] input was accepted";
+    } catch (const InvalidArgument& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("all_reduce"), std::string::npos) << m;
+      EXPECT_NE(m.find("output has shape [5], expected [4]"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank " + std::to_string(rank.rank())), std::string::npos) << m;
+    }
+    EXPECT_THROW(all_reduce_into(rank.world(), zeros({4}, DType::Float32), x), InvalidArgument);
+    dist::barrier(rank.world());  // nothing was issued: the group still matches
+  });
+}
+
 }  // namespace
 }  // namespace diffcomm::dist

@@ -25,6 +25,8 @@ class SimBackend final : public dist::Backend {
   int size() const override { return static_cast<int>(group_->members.size()); }
   int global_rank(int r) const override { return group_->members[static_cast<std::size_t>(r)]; }
   bool supports(const Device& d) const override { return d.is_cpu(); }
+  /// move_all_reduce reads every member's inputs[0] and writes its outputs[0].
+  bool all_reduce_out_of_place() const override { return true; }
 
   // O(1): the run flag, and the rank of the running fiber (its properties)
   // against this handle's owner. Touches nothing of the World unless its run

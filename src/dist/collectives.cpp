@@ -372,6 +372,28 @@ void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op) {
   c.dispatch(bus, bus);
 }
 
+void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                     ReduceOp op) {
+  if (output.defined() && input.defined() && output.same(input))
+    return all_reduce(group, output, op);
+  Checker c(group, OpType::AllReduce);
+  c.tensor(input, "input");
+  c.tensor(output, "output");
+  c.same_shape(output, input.shape(), "output");
+  c.reduce_op(op);
+  Tensor in = input;
+  if (output.nbytes() > 0 && overlap(range_of(in), range_of(output))) in = in.copy_data();
+  if (!group.backend().all_reduce_out_of_place()) {
+    Tensor(output).copy_(in);  // a handle: writes output's elements
+    in = output;
+  }
+  c.call().inputs = TensorList::borrow(in);
+  c.call().outputs = TensorList::borrow(output);
+  const uint64_t n = static_cast<uint64_t>(c.size());
+  const uint64_t bus = n > 1 ? 2 * (n - 1) * nbytes(output) / n : 0;
+  c.dispatch(bus, bus);
+}
+
 void broadcast(const ProcessGroup& group, const Tensor& tensor, int src) {
   Checker c(group, OpType::Broadcast);
   c.tensor(tensor, "tensor");

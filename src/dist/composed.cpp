@@ -42,10 +42,12 @@ void reduce_scatter_blocks(Backend& b, const Call& parent, const Tensor& in, con
 }  // namespace
 
 void composed_all_reduce(Backend& b, Call& c) {
+  // In place (inputs[0] is outputs[0]) or out of place (all_reduce_into):
+  // the blocks are sent before anything is written into the output.
   const Tensor t = flat(c.outputs[0]);
   const Splits counts = even_blocks(t.numel(), c.group_size);
   Tensor mine = empty({counts[static_cast<std::size_t>(c.rank)]}, c.dtype, t.device());
-  reduce_scatter_blocks(b, c, t, counts, mine);
+  reduce_scatter_blocks(b, c, flat(c.inputs[0]), counts, mine);
   Call gather = c.step(OpType::AllGatherV);
   gather.inputs = {mine};
   gather.outputs = {t};

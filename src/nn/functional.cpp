@@ -146,8 +146,10 @@ struct AllReduceFn : Function<AllReduceFn> {
   SavedTensor x, y;  // for Max/Min/Product
   std::vector<Tensor> saved() const { return {x.peek(), y.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    Tensor out = in[0].copy_data();
-    dist::all_reduce(group, out, op);
+    // Out of place: the composed reduction and the simulated world read the
+    // input directly (no copy of it into the output first).
+    Tensor out = empty_like(in[0]);
+    dist::all_reduce_into(group, out, in[0], op);
     forward_call = group.last_call();
     if (!linear(op)) {
       x = SavedTensor(in[0], 0);
@@ -161,8 +163,8 @@ struct AllReduceFn : Function<AllReduceFn> {
       (void)x.get(kName);
       (void)y.get(kName);
     }
-    Tensor total = grads[0].copy_data();
-    dist::all_reduce(group, total, linear(op) ? op : ReduceOp(ReduceOp::Sum));
+    Tensor total = empty_like(grads[0]);
+    dist::all_reduce_into(group, total, grads[0], linear(op) ? op : ReduceOp(ReduceOp::Sum));
     if (linear(op)) return {total};
     return {nonlinear_grad(op, group, x.get(kName), y.get(kName), total)};
   }

@@ -213,6 +213,36 @@ inline void case_barrier(const ProcessGroup& g, DType dt) {
       ctx(g, "all_reduce after barriers"));
 }
 
+// Out of place (dist::all_reduce_into): the output gets the reduction, the
+// input keeps its values; an output overlapping the input (rows 1..2 of a
+// buffer whose rows 0..1 are the input) reduces the input as it was.
+inline void case_all_reduce_into(const ProcessGroup& g, DType dt, ReduceOp op,
+                                 const std::vector<Shape>& shapes) {
+  const int me = g.rank();
+  const std::string name = "all_reduce_into(" + dist::reduce_op_name(op);
+  for (const Shape& shape : shapes) {
+    const Tensor in = make_tensor(shape, dt, [&](int64_t i) { return rval(op, g, me, i); });
+    Tensor out = make_tensor(shape, dt, [](int64_t) { return kSentinel; });
+    dist::all_reduce_into(g, out, in, op);
+    expect_tensor(
+        out, shape, dt, [&](int64_t i) { return rexpect(op, g, i); },
+        ctx(g, name + ", " + shape_str(shape) + ") output"));
+    expect_tensor(
+        in, shape, dt, [&](int64_t i) { return rval(op, g, me, i); },
+        ctx(g, name + ", " + shape_str(shape) + ") input unchanged"));
+  }
+  Tensor buf = make_tensor(
+      {4, kCols}, dt, [&](int64_t i) { return i < 2 * kCols ? rval(op, g, me, i) : kSentinel; });
+  dist::all_reduce_into(g, buf.row_view(1, 2), buf.row_view(0, 2), op);
+  expect_tensor(
+      buf, {4, kCols}, dt,
+      [&](int64_t i) {
+        const int64_t row = i / kCols;
+        return row == 0 ? rval(op, g, me, i) : row == 3 ? kSentinel : rexpect(op, g, i - kCols);
+      },
+      ctx(g, name + ") into rows 1..2 from rows 0..1 of a [4, 3] buffer"));
+}
+
 inline void case_all_reduce(const ProcessGroup& g, DType dt) {
   const int me = g.rank();
   const std::vector<Shape> shapes = {{2, kCols}, {}, {5}, {0, kCols}, {1, 0, 2}};
@@ -238,6 +268,7 @@ inline void case_all_reduce(const ProcessGroup& g, DType dt) {
           return row == 1 || row == 2 ? rexpect(op, g, i - kCols) : kSentinel;
         },
         ctx(g, "all_reduce(" + dist::reduce_op_name(op) + ") on rows 1..2 of a [4, 3] buffer"));
+    case_all_reduce_into(g, dt, op, shapes);
   }
 }
 

@@ -213,6 +213,29 @@ TEST(MpiErrors, BadArgumentsAreRefusedLocally) {
   EXPECT_THROW(dist::all_to_all_single(g, zeros({3, 1}), zeros({5, 1}), {3}, {5}), InvalidArgument);
 }
 
+// dist::all_reduce_into on a real transport: the composed path reduces out
+// of place (reads the input directly), the native one is sent a copy; both
+// give all_reduce's values and leave the input as it was.
+TEST(MpiSemantics, AllReduceIntoOnTheComposedAndNativePaths) {
+  for (bool native : {false, true}) {
+    dist::Options opts;
+    opts.native_reduction = native;
+    const auto world = mpi::world(opts);
+    EXPECT_EQ(world.backend().all_reduce_out_of_place(), !native);
+    const int r = world.rank(), n = world.size();
+    std::vector<double> v(1000);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.5 * (r + 1) + static_cast<double>(i);
+    const Tensor in = from_vector(v, {1000}, DType::Float64);
+    Tensor out = zeros({1000}, DType::Float64);
+    dist::all_reduce_into(world, out, in);
+    const auto got = out.to_vector();
+    for (std::size_t i = 0; i < v.size(); ++i)
+      ASSERT_EQ(got[i], 0.25 * n * (n + 1) + n * static_cast<double>(i))
+          << "element " << i << (native ? ", native" : ", composed");
+    EXPECT_EQ(in.to_vector(), v) << "the input was written";
+  }
+}
+
 // ---------------------------------------------------------------- defined semantics (issue 13)
 // The values of tests/test_semantics.cpp on a real transport, on the default
 // (composed) path and on MPI's native reductions.

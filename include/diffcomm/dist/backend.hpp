@@ -38,6 +38,12 @@ class Backend {
   /// per rank) and one whose world run has ended. Default: always usable.
   virtual void check_caller(const Call& call) const { (void)call; }
 
+  /// Whether all_reduce() accepts a call whose outputs[0] is not its
+  /// inputs[0] (dist::all_reduce_into; the two then share no byte). Default
+  /// false: the funnel copies the input into the output and sends an
+  /// in-place call.
+  virtual bool all_reduce_out_of_place() const { return false; }
+
   /// Runs `call` on the primitive call.op names (the one dispatch; a
   /// decorator forwards a call with it). Throws InvalidArgument for
   /// OpType::NewGroup, which returns a backend: use split().

@@ -50,6 +50,21 @@ void barrier(const ProcessGroup& group);
 /// tensor <- reduce over members of tensor (any shape). In place.
 void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op = ReduceOp::Sum);
 
+/// output <- reduce over members of input; input is left unchanged. The
+/// result is bit-identical to copying input into output and calling
+/// all_reduce(group, output, op), and the call is the same all_reduce to
+/// every check (fingerprint, checked mode, flight recorder, stats). Shapes:
+/// output has input's shape, dtype and device; output may be input itself
+/// (then this is all_reduce). Cost: where the backend reduces out of place
+/// (Backend::all_reduce_out_of_place: the composed deterministic reductions,
+/// the simulated world) input is read directly; otherwise (native_reduction
+/// over MPI/NCCL/torch) input is copied into output first. An output sharing
+/// only some bytes with input gets input's values as they were at the call.
+/// Throws InvalidArgument naming op, rank and group for a shape, dtype or
+/// device mismatch.
+void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                     ReduceOp op = ReduceOp::Sum);
+
 /// tensor <- tensor of member src. In place; shapes must agree.
 void broadcast(const ProcessGroup& group, const Tensor& tensor, int src);
 

@@ -31,6 +31,8 @@ namespace diffcomm::dist {
 class ComposedReductions final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
+  /// The composition reads inputs[0] and writes outputs[0].
+  bool all_reduce_out_of_place() const override { return true; }
 
  protected:
   void forward(Call& call) override;
