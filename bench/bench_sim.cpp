@@ -15,6 +15,9 @@
 //    byte read once and every output byte written once).
 //  - BM_NnFwdBwd: nn::all_to_all_single / nn::all_reduce forward + backward
 //    (autograd) in a world of 8 created once; rank 0 times `iters` iterations.
+//  - BM_NnAllReduce8B: nn::all_reduce of one float64 (input requiring grad
+//    or not, forward only) in a world of 8, vs dist::all_reduce: the C++
+//    side of bench/bench_sim_run.py's comparison with diffcomm.sim.run.
 //  - BM_AllToAllHuge: 16384 ranks, all_to_all_single of 2 rows x 4 B per peer:
 //    time per call and peak resident memory, vs the N^2 block-copy floor.
 //  - BM_ListForm: list-form all_to_all / all_gather (one 4-byte tensor per
@@ -315,6 +318,42 @@ void BM_NnFwdBwd(benchmark::State& state) {
       [&] { return nn_loop(world, op, iters, true); }, 8, 0);
 }
 
+// ---------------------------------------------------------------- the op diffcomm.sim.run times
+// World 8, one float64, `iters` calls per rank of nn::all_reduce (what
+// diffcomm.torch.all_reduce runs under diffcomm.sim.run), its input
+// requiring grad or not (forward only: no backward); the floor is the same
+// loop with dist::all_reduce in place. bench/bench_sim_run.py compares
+// sim.run against us_per_op here.
+double nn_all_reduce_loop(sim::World& world, int iters, int mode) {
+  Clock::time_point t0, t1;
+  world.run([&](sim::Rank& rank) {
+    const auto& g = rank.world();
+    Tensor x = full({1}, 1.0, DType::Float64);
+    if (mode == 2) x.set_requires_grad(true);
+    dist::barrier(g);
+    if (rank.rank() == 0) t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) {
+      if (mode == 0)
+        dist::all_reduce(g, x);
+      else
+        benchmark::DoNotOptimize(nn::all_reduce(x, g));
+    }
+    dist::barrier(g);
+    if (rank.rank() == 0) t1 = Clock::now();
+  });
+  return std::chrono::duration<double>(t1 - t0).count() / iters;
+}
+
+// args: requires_grad (0/1), config
+void BM_NnAllReduce8B(benchmark::State& state) {
+  sim::World world(options(8, state.range(1)));
+  const int iters = 2000;
+  const int mode = state.range(0) != 0 ? 2 : 1;
+  pair(
+      state, [&] { return nn_all_reduce_loop(world, iters, 0); },
+      [&] { return nn_all_reduce_loop(world, iters, mode); }, 8, 0);
+}
+
 // ---------------------------------------------------------------- 16384 ranks
 // all_to_all_single, 2 rows of one float32 per peer (8 B per peer-pair), even
 // splits. Floor: the N^2 block copies alone, between N distinct buffers.
@@ -451,6 +490,13 @@ BENCHMARK(BM_AllReduce8B)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_ListForm)->Args({0, 1024})->Args({1, 1024})->UseManualTime()->Iterations(5);
 BENCHMARK(BM_NnFwdBwd)
+    ->Args({0, 0})
+    ->Args({1, 0})
+    ->Args({0, 1})
+    ->Args({1, 1})
+    ->UseManualTime()
+    ->Iterations(7);
+BENCHMARK(BM_NnAllReduce8B)
     ->Args({0, 0})
     ->Args({1, 0})
     ->Args({0, 1})

@@ -4,6 +4,8 @@
 // world's reports (mismatch, deadlock) reaching every rank instead of a hang.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <functional>
 #include <string>
@@ -48,6 +50,53 @@ WorldOptions options(int ranks, uint64_t seed) {
   o.ranks = ranks;
   o.seed = seed;
   return o;
+}
+
+int allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (pthread_getaffinity_np(pthread_self(), sizeof(set), &set) != 0) return -1;
+  return CPU_COUNT(&set);
+}
+
+// CpuPlacement::OneCpu: the world's thread and every rank thread run on the
+// world's one CPU while the world runs, and get their CPU sets back after
+// (finish() on a rank thread, the end of run() on the world's). Os: nothing
+// is pinned.
+TEST(ThreadedWorld, OneCpuPinsEveryThreadOnlyWhileTheWorldRuns) {
+  const int all = allowed_cpus();
+  if (all < 2) GTEST_SKIP() << "this process may use " << all << " CPU(s): pinning is invisible";
+  for (CpuPlacement placement : {CpuPlacement::OneCpu, CpuPlacement::Os}) {
+    const bool one = placement == CpuPlacement::OneCpu;
+    ThreadedWorld w(options(3, 1), placement);
+    if (one) {
+      ASSERT_GE(w.cpu(), 0);
+    } else {
+      EXPECT_EQ(w.cpu(), -1);
+    }
+    std::vector<int> during(3), after(3), cpu(3);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r)
+      threads.emplace_back([&, r] {
+        dist::ProcessGroup g = w.start(r);
+        dist::barrier(g);
+        during[static_cast<std::size_t>(r)] = allowed_cpus();
+        cpu[static_cast<std::size_t>(r)] = sched_getcpu();
+        w.finish(r, "");
+        after[static_cast<std::size_t>(r)] = allowed_cpus();
+      });
+    w.run();
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(allowed_cpus(), all) << "the world's thread kept its pinning";
+    for (int r = 0; r < 3; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      EXPECT_EQ(during[i], one ? 1 : all) << "rank " << r;
+      if (one) {
+        EXPECT_EQ(cpu[i], w.cpu()) << "rank " << r;
+      }
+      EXPECT_EQ(after[i], all) << "rank " << r << " kept its pinning after finish()";
+    }
+  }
 }
 
 TEST(ThreadedWorld, RanksOnThreadsComputeTheWorldsResults) {

@@ -189,6 +189,7 @@ def run(
     fault: Optional[Tuple[int, int]] = None,
     trace: bool = True,
     torch_distributed: bool = False,
+    one_cpu: bool = True,
 ) -> RunResult:
     """Runs ``fn(rank, group)`` for every rank of a simulated world.
 
@@ -209,6 +210,14 @@ def run(
     (default group = this simulated world) before fn runs and destroyed after,
     so unmodified torch.distributed code runs with the guarantees above.
 
+    ``one_cpu=True`` (default): the world's thread and the rank threads are
+    pinned to one CPU (the one ``run`` was called on) while the world runs,
+    and get their CPU sets back after: only one of them runs at a time, and
+    a hand-over between threads on one CPU is a context switch, not a
+    wake-up on another core (about 4x cheaper per collective at world 8;
+    docs/python.md). Threads that torch or OpenMP first start inside ``fn``
+    inherit the pinning. ``one_cpu=False`` leaves placement to the OS.
+
     Returns a RunResult. If any rank raised, re-raises the first failure in
     the world's (deterministic) order, with ``.rank`` (the rank that raised
     it) and ``.rank_errors`` (every rank's exception or None) attached;
@@ -218,8 +227,8 @@ def run(
         from . import _c10d_sim  # noqa: PLC0415 (torch >= 2 only: imported on request)
 
         return _c10d_sim.run(lambda body: run(world_size, body, seed=seed, schedule=schedule,
-                                              fault=fault, trace=trace), fn)
-    world = _core.sim.ThreadedWorld(world_size, seed, schedule, fault, trace)
+                                              fault=fault, trace=trace, one_cpu=one_cpu), fn)
+    world = _core.sim.ThreadedWorld(world_size, seed, schedule, fault, trace, one_cpu)
     results: List[Any] = [None] * world_size
     errors: List[Optional[BaseException]] = [None] * world_size
     order: List[int] = []

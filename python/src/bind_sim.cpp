@@ -86,7 +86,7 @@ void bind_sim(nb::module_& m) {
       .def(
           "__init__",
           [](dc::sim::ThreadedWorld* w, int ranks, uint64_t seed, const std::string& schedule,
-             std::optional<std::pair<int, int>> fault, bool trace) {
+             std::optional<std::pair<int, int>> fault, bool trace, bool one_cpu) {
             dc::sim::WorldOptions o;
             o.ranks = ranks;
             o.seed = seed;
@@ -100,16 +100,19 @@ void bind_sim(nb::module_& m) {
             if (fault) o.fault = dc::sim::Fault{fault->first, fault->second};
             o.trace = trace;
             o.stack_size = 64 * 1024;  // proxy fibers only forward calls
-            new (w) dc::sim::ThreadedWorld(o);
+            new (w) dc::sim::ThreadedWorld(
+                o, one_cpu ? dc::sim::CpuPlacement::OneCpu : dc::sim::CpuPlacement::Os);
           },
           "ranks"_a, "seed"_a = 0, "schedule"_a = "random", "fault"_a = nb::none(),
-          "trace"_a = true)
+          "trace"_a = true, "one_cpu"_a = true)
       .def("start", &dc::sim::ThreadedWorld::start, "rank"_a, release())
       .def("finish", &dc::sim::ThreadedWorld::finish, "rank"_a, "failure"_a, release())
       .def("run", &dc::sim::ThreadedWorld::run, release())
       .def("cancel", &dc::sim::ThreadedWorld::cancel, "why"_a, release())
       .def("running_rank", &dc::sim::ThreadedWorld::running_rank, release(),
            "The rank whose thread holds the baton now, or -1.")
+      .def("cpu", &dc::sim::ThreadedWorld::cpu,
+           "The CPU the world's threads share (one_cpu=True), or -1.")
       .def("size", &dc::sim::ThreadedWorld::size)
       .def("error_messages", &dc::sim::ThreadedWorld::error_messages)
       .def("trace_hash", [](const dc::sim::ThreadedWorld& w) { return w.world().trace_hash(); })

@@ -286,6 +286,30 @@ def test_wrong_receiver_convention_fails_the_reference():
 
 
 # ------------------------------------------------ cost of the baton
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: pinning is invisible")
+@pytest.mark.parametrize("one_cpu", [True, False])
+def test_one_cpu_pins_the_rank_threads_while_the_world_runs(one_cpu):
+    # one_cpu=True: every rank thread runs on one CPU (the world's thread too)
+    # and the same results come out; the caller's CPU set is untouched.
+    # one_cpu=False: the OS places the threads.
+    before = os.sched_getaffinity(0)
+
+    def fn(rank, world):
+        seen = os.sched_getaffinity(0)
+        x = torch.full((3,), float(rank + 1), dtype=f64)
+        return seen, dt.all_reduce(x).tolist()
+
+    res = sim.run(4, fn, seed=2, one_cpu=one_cpu)
+    sets = [seen for seen, _ in res]
+    if one_cpu:
+        assert all(len(s) == 1 for s in sets) and len(set(map(frozenset, sets))) == 1, sets
+        assert sets[0] <= before
+    else:
+        assert all(s == before for s in sets), sets
+    assert all(v == [10.0, 10.0, 10.0] for _, v in res)
+    assert os.sched_getaffinity(0) == before
+
+
 def test_cost_per_collective(capsys):
     """Measures one 8-byte all_reduce per rank through the thread baton and
     prints it (docs/python.md, 'Cost'); bounds it loosely."""

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "cpu_pin.hpp"
 #include "diffcomm/dist/backend/forwarding.hpp"
 #include "diffcomm/error.hpp"
 
@@ -125,17 +126,22 @@ class BatonBackend final : public dist::ForwardingBackend {
 struct ThreadedWorldState {
   explicit ThreadedWorldState(WorldOptions o) : world(std::move(o)) {}
   World world;
+  int cpu = -1;  // CpuPlacement::OneCpu: the CPU every thread is pinned to
   std::vector<std::shared_ptr<RankChannel>> channels;
+  // Each rank thread's pinning, touched only by that thread (start, finish).
+  std::vector<detail::CpuPin> pins;
   // Filled by each proxy fiber before it hands the baton over.
   std::vector<std::optional<dist::ProcessGroup>> groups;
   std::mutex mutex;
 };
 
-ThreadedWorld::ThreadedWorld(WorldOptions options)
+ThreadedWorld::ThreadedWorld(WorldOptions options, CpuPlacement placement)
     : state_(std::make_shared<ThreadedWorldState>(std::move(options))) {
   const auto n = static_cast<std::size_t>(state_->world.options().ranks);
   for (std::size_t r = 0; r < n; ++r) state_->channels.push_back(std::make_shared<RankChannel>());
   state_->groups.resize(n);
+  state_->pins.resize(n);
+  if (placement == CpuPlacement::OneCpu) state_->cpu = detail::current_cpu();
 }
 
 ThreadedWorld::~ThreadedWorld() = default;
@@ -146,6 +152,7 @@ int ThreadedWorld::running_rank() const {
   return -1;
 }
 
+int ThreadedWorld::cpu() const { return state_->cpu; }
 int ThreadedWorld::size() const { return state_->world.options().ranks; }
 const World& ThreadedWorld::world() const { return state_->world; }
 std::vector<std::string> ThreadedWorld::error_messages() const {
@@ -156,8 +163,15 @@ dist::ProcessGroup ThreadedWorld::start(int rank) {
   if (rank < 0 || rank >= size())
     throw InvalidArgument(
         fmt::format("ThreadedWorld::start: rank {} outside [0, {})", rank, size()));
-  auto& ch = *state_->channels[static_cast<std::size_t>(rank)];
-  ch.wait_start();
+  const auto slot = static_cast<std::size_t>(rank);
+  auto& pin = state_->pins[slot];
+  pin.pin(state_->cpu);
+  try {
+    state_->channels[slot]->wait_start();
+  } catch (...) {
+    pin.restore();  // the world never ran this rank: finish() will not be called
+    throw;
+  }
   std::lock_guard lock(state_->mutex);
   return *state_->groups[static_cast<std::size_t>(rank)];
 }
@@ -174,11 +188,13 @@ void ThreadedWorld::finish(int rank, std::string failure) {
     auto& group = state_->groups[static_cast<std::size_t>(rank)];
     if (group) group->cohort()->discard();
   }
+  state_->pins[static_cast<std::size_t>(rank)].restore();
   state_->channels[static_cast<std::size_t>(rank)]->finish(std::move(failure));
 }
 
 void ThreadedWorld::run() {
   auto state = state_;
+  const detail::ScopedCpuPin pin(state->cpu);  // the world's thread shares the ranks' CPU
   // A rank's group holds its baton backend, which holds the state, which
   // holds the group: once the world ended, the state lets go of the groups
   // (handles the rank threads still hold keep what they need alive).

@@ -17,6 +17,11 @@
 //    something other than diffcomm (a lock, a queue, an endless loop).
 // Cost: each dist call crosses threads twice (rank thread -> world thread ->
 // rank thread), plus one hand-over per rank that the world schedules.
+// Since only one of these threads ever runs, by default they all share one
+// CPU (CpuPlacement::OneCpu): a hand-over is then a context switch on that
+// CPU (about 2 us) instead of a wake-up on another core (a cross-CPU
+// interrupt and often a core leaving its idle state: 10-30 us per hand-over
+// measured on a 2-core machine, 4-7x the per-collective cost at world 8).
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -66,6 +71,19 @@ class RankChannel {
 
 struct ThreadedWorldState;
 
+/// Where the threads of a ThreadedWorld run.
+enum class CpuPlacement {
+  /// The world's thread and every rank thread are pinned to one CPU (the one
+  /// the constructing thread ran on) between start()/run() and finish()/the
+  /// end of run(); each thread's previous CPU set is restored then. Nothing
+  /// runs in parallel anyway (one baton), so nothing is lost but the
+  /// cross-CPU wake-ups. When the OS refuses the pinning (e.g. a cpuset that
+  /// changed), the threads stay where the OS puts them (cpu() says -1).
+  OneCpu,
+  /// Threads go where the OS puts them.
+  Os,
+};
+
 /// A simulated world of `options.ranks` thread-ranks. Usage:
 ///   ThreadedWorld w(options);
 ///   // thread r:  auto g = w.start(r); ... diffcomm calls on g ...; w.finish(r, "");
@@ -73,7 +91,7 @@ struct ThreadedWorldState;
 class ThreadedWorld {
  public:
   /// Throws InvalidArgument for options sim::World rejects.
-  explicit ThreadedWorld(WorldOptions options);
+  explicit ThreadedWorld(WorldOptions options, CpuPlacement placement = CpuPlacement::OneCpu);
   ~ThreadedWorld();
 
   /// Rank thread: waits for the baton, returns this rank's world group
@@ -95,6 +113,8 @@ class ThreadedWorld {
   /// runs, or the world ended): for an interrupt that must reach the one
   /// rank running its own code (Python's Ctrl-C in diffcomm.sim.run).
   int running_rank() const;
+  /// The CPU the world's threads share (CpuPlacement::OneCpu), or -1.
+  int cpu() const;
   int size() const;
   const World& world() const;
   std::vector<std::string> error_messages() const;
