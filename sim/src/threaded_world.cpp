@@ -2,88 +2,15 @@
 
 #include <fmt/format.h>
 
+#include <mutex>
+#include <optional>
+
 #include "cpu_pin.hpp"
 #include "diffcomm/dist/backend/forwarding.hpp"
 #include "diffcomm/error.hpp"
+#include "rank_channel.hpp"
 
 namespace diffcomm::sim {
-
-// ---------------------------------------------------------------- channel
-void RankChannel::hand_to_rank(std::unique_lock<std::mutex>& lock) {
-  rank_turn_ = true;
-  cv_.notify_all();
-  cv_.wait(lock, [&] { return !rank_turn_; });
-}
-
-void RankChannel::serve() {
-  std::unique_lock lock(mutex_);
-  started_ = true;
-  hand_to_rank(lock);
-  while (!finished_) {
-    // The world's thread runs the call; the rank thread waits. The op may
-    // block this fiber in a rendezvous: other proxy fibers then run (the
-    // lock is released so they never touch this channel's mutex anyway).
-    const std::function<void()>* op = op_;
-    op_ = nullptr;
-    lock.unlock();
-    std::exception_ptr error;
-    try {
-      (*op)();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    lock.lock();
-    op_error_ = error;
-    hand_to_rank(lock);
-  }
-  done_ = true;
-  if (!failure_.empty()) throw Error(failure_);
-}
-
-void RankChannel::abort(std::string why) {
-  std::lock_guard lock(mutex_);
-  if (started_) return;
-  aborted_ = std::move(why);
-  rank_turn_ = true;
-  cv_.notify_all();
-}
-
-void RankChannel::wait_start() {
-  std::unique_lock lock(mutex_);
-  cv_.wait(lock, [&] { return rank_turn_; });
-  if (!aborted_.empty()) throw Error(aborted_);
-}
-
-void RankChannel::call(const std::function<void()>& op) {
-  std::unique_lock lock(mutex_);
-  if (done_ || finished_ || !rank_turn_)
-    throw InvalidArgument(
-        "diffcomm.sim: this rank's simulated world has finished (a group from sim.run was used "
-        "after its rank function returned, or from another thread)");
-  op_ = &op;
-  rank_turn_ = false;
-  cv_.notify_all();
-  cv_.wait(lock, [&] { return rank_turn_; });
-  if (op_error_) {
-    std::exception_ptr e = op_error_;
-    op_error_ = nullptr;
-    std::rethrow_exception(e);
-  }
-}
-
-void RankChannel::finish(std::string failure) {
-  std::lock_guard lock(mutex_);
-  if (!aborted_.empty()) return;  // the world never started this rank
-  finished_ = true;
-  failure_ = std::move(failure);
-  rank_turn_ = false;
-  cv_.notify_all();
-}
-
-bool RankChannel::running() {
-  std::lock_guard lock(mutex_);
-  return started_ && rank_turn_ && !finished_ && aborted_.empty();
-}
 
 // ---------------------------------------------------------------- backend
 namespace {
@@ -92,7 +19,7 @@ namespace {
 // on the world's thread through the channel, by the world's own backend.
 class BatonBackend final : public dist::ForwardingBackend {
  public:
-  BatonBackend(std::shared_ptr<void> keep_alive, std::shared_ptr<RankChannel> channel,
+  BatonBackend(std::shared_ptr<void> keep_alive, std::shared_ptr<detail::RankChannel> channel,
                std::shared_ptr<dist::Backend> real)
       : ForwardingBackend(std::move(real)),
         keep_alive_(std::move(keep_alive)),
@@ -117,7 +44,7 @@ class BatonBackend final : public dist::ForwardingBackend {
 
  private:
   std::shared_ptr<void> keep_alive_;  // the world: outlives every group handle
-  std::shared_ptr<RankChannel> channel_;
+  std::shared_ptr<detail::RankChannel> channel_;
 };
 
 }  // namespace
@@ -127,7 +54,7 @@ struct ThreadedWorldState {
   explicit ThreadedWorldState(WorldOptions o) : world(std::move(o)) {}
   World world;
   int cpu = -1;  // CpuPlacement::OneCpu: the CPU every thread is pinned to
-  std::vector<std::shared_ptr<RankChannel>> channels;
+  std::vector<std::shared_ptr<detail::RankChannel>> channels;
   // Each rank thread's pinning, touched only by that thread (start, finish).
   std::vector<detail::CpuPin> pins;
   // Filled by each proxy fiber before it hands the baton over.
@@ -138,7 +65,8 @@ struct ThreadedWorldState {
 ThreadedWorld::ThreadedWorld(WorldOptions options, CpuPlacement placement)
     : state_(std::make_shared<ThreadedWorldState>(std::move(options))) {
   const auto n = static_cast<std::size_t>(state_->world.options().ranks);
-  for (std::size_t r = 0; r < n; ++r) state_->channels.push_back(std::make_shared<RankChannel>());
+  for (std::size_t r = 0; r < n; ++r)
+    state_->channels.push_back(std::make_shared<detail::RankChannel>());
   state_->groups.resize(n);
   state_->pins.resize(n);
   if (placement == CpuPlacement::OneCpu) state_->cpu = detail::current_cpu();

@@ -22,11 +22,7 @@
 // CPU (about 2 us) instead of a wake-up on another core (a cross-CPU
 // interrupt and often a core leaving its idle state: 10-30 us per hand-over
 // measured on a 2-core machine, 4-7x the per-collective cost at world 8).
-#include <condition_variable>
-#include <exception>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -34,40 +30,6 @@
 #include "diffcomm/sim/world.hpp"
 
 namespace diffcomm::sim {
-
-/// The baton between one rank's thread and its proxy fiber.
-class RankChannel {
- public:
-  /// Rank thread: blocks until the world first hands this rank the baton.
-  /// Throws Error when the world was aborted before the rank started.
-  void wait_start();
-  /// Rank thread: runs `op` on the world's thread (the fiber) and blocks
-  /// until it finished; rethrows what it threw.
-  void call(const std::function<void()>& op);
-  /// Rank thread: the rank function finished (failure: its message, or "").
-  /// The proxy fiber then returns or throws Error(failure).
-  void finish(std::string failure);
-  /// Whether the rank thread holds the baton now (running its own code, not
-  /// waiting for a call or for its start).
-  bool running();
-
-  // World side (the proxy fiber).
-  void serve();                 ///< hands the baton over and serves calls until finish()
-  void abort(std::string why);  ///< wakes a rank thread that never got the baton
-
- private:
-  void hand_to_rank(std::unique_lock<std::mutex>& lock);
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool rank_turn_ = false;
-  bool started_ = false;
-  bool finished_ = false;
-  bool done_ = false;  // the fiber returned: further calls are refused
-  std::string failure_;
-  std::string aborted_;
-  const std::function<void()>* op_ = nullptr;
-  std::exception_ptr op_error_;
-};
 
 struct ThreadedWorldState;
 
