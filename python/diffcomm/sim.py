@@ -16,9 +16,9 @@ How: every rank has a proxy fiber in an ordinary ``sim::World``; the proxy
 hands the baton to its rank's thread and executes that thread's collectives
 on the world's own backend (rendezvous, fingerprint comparison, data move,
 stats, faults, deadlock report). Cost: each collective call crosses two
-threads per rank (measured in ``python/tests/test_sim_run.py::test_cost``
-and reported in docs/python.md: tens of microseconds per rank per call, against
-about a microsecond in the C++ world).
+threads per rank, on one CPU (``one_cpu``): about 3 us per rank per call
+plus the torch bridge, against a fraction of a microsecond in the C++ world
+(``bench/bench_sim_run.py``; docs/python.md).
 
 Also here: ``step``, ``check`` and ``sweep`` return the fields of
 ``diffcomm-sim ... --json`` (the reports are built by the C++ library), and
