@@ -481,6 +481,12 @@ void BandwidthArgs(benchmark::internal::Benchmark* b) {
         b->Args({op, ranks, bytes, config});
 }
 
+// {variant 0/1} x {bench config, defaults}.
+void OpByConfig(benchmark::internal::Benchmark* b) {
+  for (int64_t config : {0, 1})
+    for (int64_t variant : {0, 1}) b->Args({variant, config});
+}
+
 }  // namespace
 
 BENCHMARK(BM_Barrier)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
@@ -489,20 +495,8 @@ BENCHMARK(BM_Barrier)->Args({16384, 2})->Args({16384, 3})->UseManualTime()->Iter
 BENCHMARK(BM_AllReduce8B)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_ListForm)->Args({0, 1024})->Args({1, 1024})->UseManualTime()->Iterations(5);
-BENCHMARK(BM_NnFwdBwd)
-    ->Args({0, 0})
-    ->Args({1, 0})
-    ->Args({0, 1})
-    ->Args({1, 1})
-    ->UseManualTime()
-    ->Iterations(7);
-BENCHMARK(BM_NnAllReduce8B)
-    ->Args({0, 0})
-    ->Args({1, 0})
-    ->Args({0, 1})
-    ->Args({1, 1})
-    ->UseManualTime()
-    ->Iterations(7);
+BENCHMARK(BM_NnFwdBwd)->Apply(OpByConfig)->UseManualTime()->Iterations(7);
+BENCHMARK(BM_NnAllReduce8B)->Apply(OpByConfig)->UseManualTime()->Iterations(7);
 // Heavy (GiBs, minutes before the fixes): run alone, e.g.
 // --benchmark_filter=AllToAllHuge, so other benchmarks do not share its peak.
 BENCHMARK(BM_AllToAllHuge)->Args({16384, 0})->UseManualTime()->Iterations(1);
