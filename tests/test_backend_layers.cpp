@@ -265,6 +265,9 @@ TEST(AllReduceInto, NamesTheMismatchedOutput) {
       EXPECT_NE(m.find("rank " + std::to_string(rank.rank())), std::string::npos) << m;
     }
     EXPECT_THROW(all_reduce_into(rank.world(), zeros({4}, DType::Float32), x), InvalidArgument);
+    // A kind cast from an integer outside the enum.
+    EXPECT_THROW(all_reduce(rank.world(), zeros({4}), ReduceOp(ReduceOp::Kind(9))),
+                 InvalidArgument);
     dist::barrier(rank.world());  // nothing was issued: the group still matches
   });
 }

@@ -110,6 +110,35 @@ TEST(SimWorldOptions, InvalidOptionsAreRejected) {
   EXPECT_NO_THROW(make(options(16384)));
 }
 
+// Ranks that catch diffcomm's errors and keep calling: after an injected
+// fault the members drift apart (the faulted rank's call number moved on),
+// so calls deadlock and a member may arrive at a call that already failed
+// for the others. It raises that call's error; it does not join it (that
+// read the others' unwound calls: a use after free, found by a hostile test).
+TEST(SimWorld, RanksThatCatchErrorsAndGoOnNeverTouchAFailedCall) {
+  for (int n : {2, 3, 4, 5, 8})
+    for (int at : {1, 2, 3}) {
+      sim::WorldOptions o;
+      o.ranks = n;
+      o.seed = static_cast<uint64_t>(at);
+      o.fault = sim::Fault{0, at};
+      sim::World world(o);
+      std::vector<int> errors(static_cast<std::size_t>(n));
+      world.run([&](sim::Rank& rank) {
+        for (int i = 0; i < 10; ++i) {
+          try {
+            Tensor t = full({2}, 1.0);
+            dist::all_reduce(rank.world(), t);
+          } catch (const Error&) {
+            ++errors[static_cast<std::size_t>(rank.rank())];
+          }
+        }
+      });
+      for (int r = 0; r < n; ++r)
+        EXPECT_GT(errors[static_cast<std::size_t>(r)], 0) << "world " << n << ", rank " << r;
+    }
+}
+
 TEST(SimWorld, RanksAndWorldGroup) {
   World w(options(5, 3));
   std::vector<int> seen(5, -1);

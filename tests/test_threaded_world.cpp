@@ -7,7 +7,9 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <atomic>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -96,6 +98,63 @@ TEST(ThreadedWorld, OneCpuPinsEveryThreadOnlyWhileTheWorldRuns) {
       }
       EXPECT_EQ(after[i], all) << "rank " << r << " kept its pinning after finish()";
     }
+  }
+}
+
+// Misuse gets an error, never a crash or a hang: a group kept past its
+// rank's end (the world's backend is gone by then), a group used from
+// another thread, start() twice, finish() without start(), run() twice.
+TEST(ThreadedWorld, MisuseIsRefusedNotACrashOrAHang) {
+  ThreadedWorld w(options(3, 4));
+  std::vector<std::string> after_end(3), other_thread(3), own_call(3);
+  std::string second_start;
+  std::atomic<bool> world_ended{false};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<std::size_t>(r);
+      std::optional<dist::ProcessGroup> kept;
+      {
+        dist::ProcessGroup g = w.start(r);
+        kept = g;
+        std::thread([&] {
+          try {
+            dist::barrier(g);
+          } catch (const InvalidArgument& e) {
+            other_thread[i] = e.what();
+          }
+        }).join();
+        try {
+          dist::barrier(g);  // rank 2 never started: fails, naming it
+        } catch (const Error& e) {
+          own_call[i] = e.what();
+        }
+      }
+      w.finish(r, "");
+      try {
+        (void)w.start(r);
+      } catch (const Error& e) {
+        if (r == 0) second_start = e.what();
+      }
+      while (!world_ended) std::this_thread::yield();
+      try {
+        dist::barrier(*kept);  // the world's backends are gone
+      } catch (const InvalidArgument& e) {
+        after_end[i] = e.what();
+      }
+    });
+  // Rank 2's thread gives up before start(): the world counts it finished,
+  // so the others' barrier fails instead of waiting for ever.
+  threads.emplace_back([&] { w.finish(2, "gave up before start"); });
+  w.run();
+  world_ended = true;
+  EXPECT_THROW(w.run(), InvalidArgument);
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(second_start, HasSubstr("already started"));
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_THAT(other_thread[i], HasSubstr("from a thread that is not the rank's")) << i;
+    EXPECT_THAT(own_call[i], HasSubstr("gave up before start")) << i;
+    EXPECT_THAT(after_end[i], HasSubstr("has finished")) << i;
   }
 }
 

@@ -22,7 +22,7 @@ class Baton {
   /// Gives the turn to `to` and wakes a thread waiting for it. Everything the
   /// caller wrote before is visible to that thread after its wait_for().
   void pass(int to) {
-    turn_.store(to, std::memory_order_release);
+    turn_.store(to);  // sequentially consistent: RankChannel::serve pairs it with a load
 #if defined(__linux__)
     syscall(SYS_futex, reinterpret_cast<int*>(&turn_), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
 #else

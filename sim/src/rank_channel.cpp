@@ -10,7 +10,10 @@ void RankChannel::serve() {
     started_ = true;
   }
   baton_.pass(kRank);
-  baton_.wait_for(kWorld);
+  // finish() before the rank ever waited for its start: it passed the baton
+  // back before this pass, or set finished_ after the check (then its pass
+  // follows this one). Both stores and this load are sequentially consistent.
+  if (!finished_) baton_.wait_for(kWorld);
   while (!finished_) {
     // The world's thread runs the call; the rank thread waits. The op may
     // block this fiber in a rendezvous: other proxy fibers then run, each
@@ -40,15 +43,26 @@ void RankChannel::abort(std::string why) {
 }
 
 void RankChannel::wait_start() {
+  if (finished_ || owner_.load() != std::thread::id{})
+    throw Error("diffcomm.sim: this rank already started (start() is called once per rank)");
+  owner_ = std::this_thread::get_id();
   baton_.wait_for(kRank);
   if (aborted_) throw Error(abort_why_);
 }
 
-void RankChannel::call(const std::function<void()>& op) {
-  if (done_ || finished_ || baton_.holder() != kRank)
+void RankChannel::check_usable() const {
+  if (done_ || finished_ || aborted_)
     throw InvalidArgument(
         "diffcomm.sim: this rank's simulated world has finished (a group from sim.run was used "
-        "after its rank function returned, or from another thread)");
+        "after its rank function returned)");
+  if (owner_.load() != std::this_thread::get_id())
+    throw InvalidArgument(
+        "diffcomm.sim: a rank's group was used from a thread that is not the rank's (each rank "
+        "of sim.run / ThreadedWorld calls diffcomm from its own thread only)");
+}
+
+void RankChannel::call(const std::function<void()>& op) {
+  check_usable();
   op_ = &op;
   baton_.pass(kWorld);
   baton_.wait_for(kRank);

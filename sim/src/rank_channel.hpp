@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "baton.hpp"
 
@@ -15,8 +16,9 @@ namespace diffcomm::sim::detail {
 
 class RankChannel {
  public:
-  /// Rank thread: blocks until the world first hands this rank the baton.
-  /// Throws Error when the world was aborted before the rank started.
+  /// Rank thread: blocks until the world first hands this rank the baton;
+  /// the calling thread becomes the rank's. Throws Error when the world was
+  /// aborted before the rank started, or the rank already finished.
   void wait_start();
   /// Rank thread: runs `op` on the world's thread (the fiber) and blocks
   /// until it finished; rethrows what it threw. Throws InvalidArgument when
@@ -24,8 +26,14 @@ class RankChannel {
   /// thread's call).
   void call(const std::function<void()>& op);
   /// Rank thread: the rank function finished (failure: its message, or "").
-  /// The proxy fiber then returns or throws Error(failure).
+  /// The proxy fiber then returns or throws Error(failure). Also before
+  /// wait_start() (the rank never ran its function): the world then counts
+  /// the rank as finished when it reaches it.
   void finish(std::string failure);
+  /// Throws InvalidArgument unless the calling thread is the rank's and the
+  /// rank has not finished: a group used after its rank function returned
+  /// (the world may be gone) or from another thread.
+  void check_usable() const;
   /// Any thread: whether the rank thread holds the baton now (running its
   /// own code, not waiting for a call or for its start).
   bool running() const;
@@ -48,6 +56,7 @@ class RankChannel {
   std::atomic<bool> aborted_{false};
   std::mutex start_mutex_;  // orders abort() against serve()'s start
   std::string abort_why_;
+  std::atomic<std::thread::id> owner_{};  // the rank thread, from wait_start()
 };
 
 }  // namespace diffcomm::sim::detail

@@ -237,6 +237,12 @@ std::shared_ptr<Rendezvous> World::Impl::join(std::shared_ptr<Rendezvous>& entry
                                               Last&& last) {
   if (!entry) make(entry);
   std::shared_ptr<Rendezvous> rv = entry;  // keeps it alive after erase
+  // A call that already failed for the members who came (a deadlock, a
+  // member's failure) stays in the group's table until one of them raises
+  // from it. A member arriving now (it caught its own error and went on)
+  // raises the same error; it must not join: the rendezvous is no longer
+  // pending, and those members' calls are gone from their stacks.
+  if (rv->done) return rv;
   rv->calls[static_cast<std::size_t>(slot)] = &call;
   rv->arrival_order.push_back(slot);
   if (call.op == OpType::AllToAll)

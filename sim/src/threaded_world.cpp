@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <mutex>
 #include <optional>
 
@@ -17,18 +18,37 @@ namespace {
 
 // The rank thread's view of one simulated group: every primitive is executed
 // on the world's thread through the channel, by the world's own backend.
+// The group's identity is copied at creation: the world's backend dies with
+// World::run, and a handle kept past its rank's end must still answer its
+// rank and size and then refuse the call (check_caller), not read freed
+// memory.
 class BatonBackend final : public dist::ForwardingBackend {
  public:
   BatonBackend(std::shared_ptr<void> keep_alive, std::shared_ptr<detail::RankChannel> channel,
                std::shared_ptr<dist::Backend> real)
-      : ForwardingBackend(std::move(real)),
+      : ForwardingBackend(real),
         keep_alive_(std::move(keep_alive)),
-        channel_(std::move(channel)) {}
+        channel_(std::move(channel)),
+        name_(real->backend_name()),
+        rank_(real->rank()),
+        cpu_(real->supports(Device::cpu())),
+        out_of_place_(real->all_reduce_out_of_place()) {
+    for (int r = 0; r < real->size(); ++r) global_.push_back(real->global_rank(r));
+  }
+
+  std::string backend_name() const override { return name_; }
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(global_.size()); }
+  int global_rank(int group_rank) const override {
+    return global_.at(static_cast<std::size_t>(group_rank));
+  }
+  bool supports(const Device& d) const override { return d.is_cpu() && cpu_; }
+  bool all_reduce_out_of_place() const override { return out_of_place_; }
 
   // The rank thread is not a fiber of the world: the simulated handle's
   // caller check (which fiber runs) applies on the world's thread, where
-  // the call is executed, not here.
-  void check_caller(const dist::Call&) const override {}
+  // the call is executed. Here: the rank's own thread, before its end.
+  void check_caller(const dist::Call&) const override { channel_->check_usable(); }
 
   std::shared_ptr<dist::Backend> split(dist::Call& call, int color, int key) override {
     std::shared_ptr<dist::Backend> out;
@@ -43,8 +63,12 @@ class BatonBackend final : public dist::ForwardingBackend {
   }
 
  private:
-  std::shared_ptr<void> keep_alive_;  // the world: outlives every group handle
+  std::shared_ptr<void> keep_alive_;  // the world's state (not its per-run backends)
   std::shared_ptr<detail::RankChannel> channel_;
+  std::string name_;
+  int rank_;
+  bool cpu_, out_of_place_;
+  std::vector<int> global_;
 };
 
 }  // namespace
@@ -54,6 +78,7 @@ struct ThreadedWorldState {
   explicit ThreadedWorldState(WorldOptions o) : world(std::move(o)) {}
   World world;
   int cpu = -1;  // CpuPlacement::OneCpu: the CPU every thread is pinned to
+  std::atomic<bool> ran{false};
   std::vector<std::shared_ptr<detail::RankChannel>> channels;
   // Each rank thread's pinning, touched only by that thread (start, finish).
   std::vector<detail::CpuPin> pins;
@@ -122,6 +147,8 @@ void ThreadedWorld::finish(int rank, std::string failure) {
 
 void ThreadedWorld::run() {
   auto state = state_;
+  if (state->ran.exchange(true))
+    throw InvalidArgument("ThreadedWorld::run: this world already ran (run() is called once)");
   const detail::ScopedCpuPin pin(state->cpu);  // the world's thread shares the ranks' CPU
   // A rank's group holds its baton backend, which holds the state, which
   // holds the group: once the world ended, the state lets go of the groups

@@ -246,6 +246,10 @@ class Checker {
     return static_cast<uint64_t>(t.row_numel()) * element_size(t.dtype());
   }
   void reduce_op(ReduceOp op) {
+    // A Kind cast from an integer outside the enum (e.g. ReduceOp::Kind(9)).
+    if (static_cast<unsigned>(op.kind()) > ReduceOp::PremulSum)
+      fail(fmt::format("reduce op kind {} is not one of sum, avg, product, min, max, premul_sum",
+                       static_cast<unsigned>(op.kind())));
     if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(call_.dtype))
       fail(fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
                        dtype_name(call_.dtype)));

@@ -57,11 +57,18 @@ class ThreadedWorld {
   ~ThreadedWorld();
 
   /// Rank thread: waits for the baton, returns this rank's world group
-  /// (sub-groups and meshes made from it work as in sim::World).
+  /// (sub-groups and meshes made from it work as in sim::World). The group
+  /// is usable from this thread only, until finish(); otherwise its calls
+  /// throw InvalidArgument. Throws Error when the world ended before this
+  /// rank ran, or when the rank already started.
   dist::ProcessGroup start(int rank);
-  /// Rank thread: see RankChannel::finish.
+  /// Rank thread: the rank function finished (failure: its message, or ""):
+  /// the world then ends this rank as sim::World ends a rank whose function
+  /// returned (or threw Error(failure)). Also allowed without start() (the
+  /// thread could not run the rank): the world counts the rank as finished.
   void finish(int rank, std::string failure);
-  /// Runs the world (blocks). Returns normally even when ranks failed; see
+  /// Runs the world (blocks), once: a second call throws InvalidArgument.
+  /// Returns normally even when ranks failed; see
   /// error_messages(). Any rank thread still waiting afterwards is released.
   /// Throws what sim::World::run throws when the world cannot run at all
   /// (BackendError: no fiber stacks; InvalidArgument), after releasing the
