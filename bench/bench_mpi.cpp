@@ -63,49 +63,57 @@ void run(benchmark::State& state, Op op) {
   const int64_t bytes = state.range(0);  // per rank
   const int64_t elems = std::max<int64_t>(bytes / 4, n) / n * n;
   const int reps = bytes >= (1 << 20) ? 5 : 50;
-  Tensor in = full({elems}, 1.0, DType::Float32);
-  Tensor out_big = empty({elems * n}, DType::Float32);
-  Tensor out_small = empty({elems / n}, DType::Float32);
-  Tensor out_same = empty({elems}, DType::Float32);
   const int count = static_cast<int>(elems);
   // The calls diffcomm wraps take per-peer counts (splits may differ per
   // rank): MPI_Reduce_scatter and MPI_Alltoallv, not the _block/uniform forms.
   std::vector<int> block_counts(static_cast<std::size_t>(n), count / n), block_displs;
   for (int p = 0; p < n; ++p) block_displs.push_back(p * (count / n));
-  auto raw = [&] {
+  // Every variant has its own buffers (nn's output is its cached block), so
+  // each starts its turn on buffers the previous variant did not touch. With
+  // shared buffers the variant after nn found them hot in the cache and nn
+  // found its block cold: 0.8 ms of a 4 ms 16 MiB all_gather at np 2 came
+  // from which variant ran before, not from the op (2026-12-03).
+  struct Buffers {
+    Tensor in, out_big, out_small, out_same;
+  };
+  auto buffers = [&] {
+    return Buffers{full({elems}, 1.0, DType::Float32), empty({elems * n}, DType::Float32),
+                   empty({elems / n}, DType::Float32), empty({elems}, DType::Float32)};
+  };
+  auto raw = [&, b = buffers()]() mutable {
     switch (op) {
       case Op::AllReduce:
-        MPI_Allreduce(MPI_IN_PLACE, in.data_ptr(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        MPI_Allreduce(MPI_IN_PLACE, b.in.data_ptr(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
         break;
-      case Op::Broadcast: MPI_Bcast(in.data_ptr(), count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
+      case Op::Broadcast: MPI_Bcast(b.in.data_ptr(), count, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
       case Op::AllGatherSingle:
-        MPI_Allgather(in.data_ptr(), count, MPI_FLOAT, out_big.data_ptr(), count, MPI_FLOAT,
+        MPI_Allgather(b.in.data_ptr(), count, MPI_FLOAT, b.out_big.data_ptr(), count, MPI_FLOAT,
                       MPI_COMM_WORLD);
         break;
       case Op::ReduceScatterSingle:
-        MPI_Reduce_scatter(in.data_ptr(), out_small.data_ptr(), block_counts.data(), MPI_FLOAT,
+        MPI_Reduce_scatter(b.in.data_ptr(), b.out_small.data_ptr(), block_counts.data(), MPI_FLOAT,
                            MPI_SUM, MPI_COMM_WORLD);
         break;
       case Op::AllToAllSingle:
-        MPI_Alltoallv(in.data_ptr(), block_counts.data(), block_displs.data(), MPI_FLOAT,
-                      out_same.data_ptr(), block_counts.data(), block_displs.data(), MPI_FLOAT,
+        MPI_Alltoallv(b.in.data_ptr(), block_counts.data(), block_displs.data(), MPI_FLOAT,
+                      b.out_same.data_ptr(), block_counts.data(), block_displs.data(), MPI_FLOAT,
                       MPI_COMM_WORLD);
         break;
     }
   };
   auto ours = [&](const dist::ProcessGroup& group) {
-    return [&, group] {
+    return [&, group, b = buffers()]() mutable {
       switch (op) {
-        case Op::AllReduce: dist::all_reduce(group, in); break;
-        case Op::Broadcast: dist::broadcast(group, in, 0); break;
-        case Op::AllGatherSingle: dist::all_gather_single(group, out_big, in); break;
-        case Op::ReduceScatterSingle: dist::reduce_scatter_single(group, out_small, in); break;
-        case Op::AllToAllSingle: dist::all_to_all_single(group, out_same, in); break;
+        case Op::AllReduce: dist::all_reduce(group, b.in); break;
+        case Op::Broadcast: dist::broadcast(group, b.in, 0); break;
+        case Op::AllGatherSingle: dist::all_gather_single(group, b.out_big, b.in); break;
+        case Op::ReduceScatterSingle: dist::reduce_scatter_single(group, b.out_small, b.in); break;
+        case Op::AllToAllSingle: dist::all_to_all_single(group, b.out_same, b.in); break;
       }
     };
   };
   const dist::Splits even;  // all_to_all_single: empty splits are even splits
-  auto differentiable = [&] {
+  auto differentiable = [&, in = full({elems}, 1.0, DType::Float32)] {
     switch (op) {
       case Op::AllReduce: (void)nn::all_reduce(in, det); break;
       case Op::Broadcast: (void)nn::broadcast(in, 0, det); break;

@@ -208,15 +208,16 @@ class MpiBackend final : public dist::Backend {
     const auto blocks = dist::BlockLayout::of(c.output_splits, in.row_numel());
     const int64_t es = static_cast<int64_t>(element_size(c.dtype));
     const auto me = static_cast<std::size_t>(rank_);
-    std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
-                static_cast<std::size_t>(blocks.length(me) * es));
     std::vector<Block> sends, recvs;
     peers_.each_peer([&](int to, int from) {
       const auto f = static_cast<std::size_t>(from);
       sends.push_back({to, static_cast<const char*>(in.data_ptr()), in.numel() * es});
       recvs.push_back({from, bytes(out) + blocks.offset(f) * es, blocks.length(f) * es});
     });
-    peers_.exchange(c, sends, recvs);
+    Requests reqs = peers_.post(c, sends, recvs);
+    std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
+                static_cast<std::size_t>(blocks.length(me) * es));
+    peers_.complete(c, reqs);
   }
 
   void gather(Call& c) override {
@@ -309,15 +310,15 @@ class MpiBackend final : public dist::Backend {
     std::vector<Block> sends, recvs;
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
-      if (p == rank_) {
-        c.outputs.writable(pi).copy_(c.inputs[pi]);
-        continue;
-      }
+      if (p == rank_) continue;
       sends.push_back({p, static_cast<const char*>(c.inputs[pi].data_ptr()),
                        static_cast<int64_t>(c.inputs[pi].nbytes())});
       recvs.push_back({p, bytes(c.outputs[pi]), static_cast<int64_t>(c.outputs[pi].nbytes())});
     }
-    peers_.exchange(c, sends, recvs);
+    Requests reqs = peers_.post(c, sends, recvs);
+    const auto me = static_cast<std::size_t>(rank_);
+    c.outputs.writable(me).copy_(c.inputs[me]);  // while the messages are in flight
+    peers_.complete(c, reqs);
   }
 
   void all_to_all_single(Call& c) override {
@@ -333,15 +334,15 @@ class MpiBackend final : public dist::Backend {
     std::vector<Block> sends, recvs;
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
-      if (p == rank_)
-        std::memcpy(bytes(out) + recv.offset(pi), bytes(in) + send.offset(pi),
-                    static_cast<std::size_t>(send.length(pi)));
-      else {
-        sends.push_back({p, bytes(in) + send.offset(pi), send.length(pi)});
-        recvs.push_back({p, bytes(out) + recv.offset(pi), recv.length(pi)});
-      }
+      if (p == rank_) continue;
+      sends.push_back({p, bytes(in) + send.offset(pi), send.length(pi)});
+      recvs.push_back({p, bytes(out) + recv.offset(pi), recv.length(pi)});
     }
-    peers_.exchange(c, sends, recvs);
+    Requests reqs = peers_.post(c, sends, recvs);
+    const auto me = static_cast<std::size_t>(rank_);  // own block while the messages fly
+    std::memcpy(bytes(out) + recv.offset(me), bytes(in) + send.offset(me),
+                static_cast<std::size_t>(send.length(me)));
+    peers_.complete(c, reqs);
   }
 
   void send(Call& c) override {

@@ -18,13 +18,14 @@ constexpr int kTag = 0x5d1c;  // tag of diffcomm's own messages (on the backend'
 // (bench/RESULTS.md, "MPI at raw speed").
 void Peers::gather_fixed(const dist::Call& c, const Tensor& in, const Tensor& out) const {
   const int64_t nb = static_cast<int64_t>(in.nbytes());
-  std::memcpy(bytes(out) + rank_ * nb, in.data_ptr(), static_cast<std::size_t>(nb));
   std::vector<Block> sends, recvs;
   each_peer([&](int to, int from) {
     sends.push_back({to, static_cast<const char*>(in.data_ptr()), nb});
     recvs.push_back({from, bytes(out) + from * nb, nb});
   });
-  exchange(c, sends, recvs);
+  Requests reqs = post(c, sends, recvs);
+  std::memcpy(bytes(out) + rank_ * nb, in.data_ptr(), static_cast<std::size_t>(nb));
+  complete(c, reqs);
 }
 
 // Where the ring beat MPI_Iallreduce (bench/RESULTS.md, "MPI at raw
@@ -68,7 +69,7 @@ void Peers::ring_all_reduce(const dist::Call& c, const Tensor& t) const {
   }
 }
 
-void Peers::exchange(const dist::Call& c, const std::vector<Block>& sends,
+Requests Peers::post(const dist::Call& c, const std::vector<Block>& sends,
                      const std::vector<Block>& recvs) const {
   Requests reqs;
   for (const Block& b : recvs)
@@ -84,7 +85,15 @@ void Peers::exchange(const dist::Call& c, const std::vector<Block>& sends,
       DIFFCOMM_MPI_CHECK(MPI_Isend(b.data + off, count, MPI_BYTE, b.peer, kTag, comm_, reqs.add()),
                          c);
     });
-  wait(c, timeout_s_, reqs);
+  return reqs;
+}
+
+void Peers::complete(const dist::Call& c, Requests& reqs) const { wait(c, timeout_s_, reqs); }
+
+void Peers::exchange(const dist::Call& c, const std::vector<Block>& sends,
+                     const std::vector<Block>& recvs) const {
+  Requests reqs = post(c, sends, recvs);
+  complete(c, reqs);
 }
 
 }  // namespace diffcomm::mpi::detail

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "diffcomm/dist/backend.hpp"
+#include "mpi_util.hpp"
 
 namespace diffcomm::mpi::detail {
 
@@ -37,7 +38,13 @@ class Peers {
     for (int i = 1; i < size_; ++i) f((rank_ + i) % size_, (rank_ - i + size_) % size_);
   }
 
-  // Per-peer non-blocking messages in chunks of at most max_count bytes.
+  // Per-peer non-blocking messages in chunks of at most max_count bytes:
+  // post issues them, complete waits for them within the deadline, and
+  // exchange does both. Between the two a caller copies its own block, so
+  // the copy overlaps the transfers (as Open MPI's blocking calls do).
+  Requests post(const dist::Call& c, const std::vector<Block>& sends,
+                const std::vector<Block>& recvs) const;
+  void complete(const dist::Call& c, Requests& reqs) const;
   void exchange(const dist::Call& c, const std::vector<Block>& sends,
                 const std::vector<Block>& recvs) const;
 
