@@ -20,7 +20,13 @@ Conventions (differences from torch.distributed.nn.functional):
   backend was created from (MPI_COMM_WORLD, the mpi4py communicator, the
   simulated world). ``group_src``/``group_dst`` are group-local ranks. Give
   exactly one.
-* Ops return new tensors; there are no output arguments (torch's
+* In-place forms where the semantics allow: ``all_reduce_`` and
+  ``broadcast_`` overwrite their tensor as torch.distributed.all_reduce and
+  broadcast do (same values, bit for bit, as the out-of-place ops, no output
+  buffer). They are not differentiable: a tensor requiring grad raises
+  InvalidArgument unless grad mode is off (torch.no_grad()). Each counts as
+  an in-place write in torch's version counter.
+* The other ops return new tensors; there are no output arguments (torch's
   ``reduce_scatter(output, input_list)``, ``all_to_all(output_list,
   input_list)`` and ``all_to_all_single(output, input, ...)`` take outputs
   first; here ``reduce_scatter(input_list)``, ``all_to_all(input_list,
@@ -70,7 +76,7 @@ __all__ = [
     "backward", "backward_pending", "discard_pending",
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
-    "all_to_all", "all_to_all_single", "copy_to_tp_region",
+    "all_to_all", "all_to_all_single", "copy_to_tp_region", "all_reduce_", "broadcast_",
     "Record", "route_features", "unpack_records", "merge_into_decoder",
 ]
 
@@ -604,6 +610,55 @@ def copy_to_tp_region(tensor: torch.Tensor,
     """Megatron's copy to the TP region: identity forward, all_reduce of the gradient."""
     g = _group(group)
     return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor, group=g)[0]
+
+
+# ------------------------------------------------------------ in-place forms
+def _in_place(name: str, tensor: torch.Tensor, g: _core.ProcessGroup) -> _core.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"diffcomm.torch.{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgument(
+            f"diffcomm.torch.{name} on group '{g.name}' (rank {g.rank()} of {g.size()}): the "
+            f"tensor requires grad and in-place collectives are not differentiable; use "
+            f"{name[:-1]} (a new tensor, differentiable) or call it under torch.no_grad()")
+    return to_diffcomm(tensor)
+
+
+def _bump_version(tensor: torch.Tensor) -> None:
+    """Counts the write as torch's in-place ops do, so a tensor torch saved for
+    backward and then overwritten here fails backward with torch's "modified
+    by an inplace operation" instead of giving a wrong gradient (a write
+    through DLPack is invisible to torch)."""
+    increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    if increment is not None:
+        increment(tensor)
+    else:  # torch < 2.1: copy_ onto itself moves no bytes but is an in-place op
+        with torch.no_grad():
+            tensor.copy_(tensor)
+
+
+def all_reduce_(tensor: torch.Tensor, op: Any = "sum",
+                group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+    """In place: tensor = reduce over members of tensor, as torch.distributed.all_reduce;
+    returns tensor. Not differentiable: InvalidArgument if tensor requires grad
+    while grad mode is on. The same values, bit for bit, as all_reduce."""
+    g, o = _group(group), _op(op)
+    g.all_reduce_(_in_place("all_reduce_", tensor, g), o)
+    _bump_version(tensor)
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, src: Optional[int] = None,
+               group: Optional[_core.ProcessGroup] = None, *,
+               group_src: Optional[int] = None) -> torch.Tensor:
+    """In place: tensor = src's tensor on every member, as torch.distributed.broadcast;
+    returns tensor. Not differentiable (as all_reduce_)."""
+    g = _group(group)
+    s = _root(g, src, group_src, "src")
+    g.broadcast_(_in_place("broadcast_", tensor, g), s)
+    _bump_version(tensor)
+    return tensor
 
 
 # ----------------------------------------------------------------- exchange

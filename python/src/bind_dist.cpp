@@ -168,6 +168,21 @@ void bind_dist(nb::module_& m) {
           "Receives into tensor (in place; same shape and dtype as sent) from group-local rank "
           "src (dist::recv).")
       .def(
+          "all_reduce_",
+          [](const ProcessGroup& g, const dc::Tensor& t, const dc::dist::ReduceOp& op) {
+            dc::dist::all_reduce(g, t, op);
+          },
+          "tensor"_a, "op"_a, release(),
+          "Reduces tensor over the members, in place (dist::all_reduce; not differentiable).")
+      .def(
+          "broadcast_",
+          [](const ProcessGroup& g, const dc::Tensor& t, int src) {
+            dc::dist::broadcast(g, t, src);
+          },
+          "tensor"_a, "src"_a, release(),
+          "Overwrites tensor with group-local rank src's, in place (dist::broadcast; not "
+          "differentiable).")
+      .def(
           "backward_pending", [](const ProcessGroup& g) { g.cohort()->backward_pending(); },
           release(),
           "Runs, with zero cotangents, the backward of every differentiable collective of this "

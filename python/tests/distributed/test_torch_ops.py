@@ -75,6 +75,21 @@ def test_broadcast_global_and_group_src():
                               lambda x: oracle.broadcast(x, src), [data(2, 2)]))
 
 
+def test_in_place_forms_match_torch_distributed():
+    # all_reduce_ / broadcast_ against torch.distributed's own in-place calls
+    # on gloo, same data; float64 integer-valued data, so every op is exact.
+    for op in (tdist.ReduceOp.SUM, tdist.ReduceOp.MAX, tdist.ReduceOp.MIN, tdist.ReduceOp.PRODUCT):
+        x, t = data(3, 4), data(3, 4)
+        assert dt.all_reduce_(x, op) is x
+        tdist.all_reduce(t, op)
+        torch.testing.assert_close(x, t, rtol=0, atol=0)
+    for src in range(size()):
+        x, t = data(5, salt=src), data(5, salt=src)
+        dt.broadcast_(x, src=src)
+        tdist.broadcast(t, src)
+        torch.testing.assert_close(x, t, rtol=0, atol=0)
+
+
 def test_reduce_sum():
     dst = 2
     (yd, gd), (yt, gt) = run_both(lambda x: dt.reduce(x, dst=dst),
