@@ -29,7 +29,7 @@
 // 0 = bench config (RoundRobin, trace off, 64 KiB stacks), 1 = WorldOptions{}
 // defaults (Random schedule, trace on, 256 KiB stacks: what diffcomm-sim and
 // the examples run); 2 = defaults with the trace off and 3 = defaults with
-// RoundRobin (BM_Barrier at 16384 ranks only, to attribute the defaults' cost).
+// RoundRobin (BM_Barrier at 1024 and 16384 ranks only, to attribute the defaults' cost).
 // Times are wall clock, or each side's thread CPU time with
 // DIFFCOMM_BENCH_CLOCK=cpu (for a shared machine; see BenchClock).
 #include <benchmark/benchmark.h>
@@ -491,7 +491,13 @@ void OpByConfig(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Barrier)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 // Which part of the defaults costs at 16384 ranks: trace off / RoundRobin.
-BENCHMARK(BM_Barrier)->Args({16384, 2})->Args({16384, 3})->UseManualTime()->Iterations(5);
+BENCHMARK(BM_Barrier)
+    ->Args({1024, 2})
+    ->Args({1024, 3})
+    ->Args({16384, 2})
+    ->Args({16384, 3})
+    ->UseManualTime()
+    ->Iterations(5);
 BENCHMARK(BM_AllReduce8B)->Apply(BarrierArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_ListForm)->Args({0, 1024})->Args({1, 1024})->UseManualTime()->Iterations(5);
