@@ -14,6 +14,10 @@
 //    has no loss term).
 //  - Outputs a rank does not own (non-root outputs of reduce and gather) are
 //    defined as zeros and carry no gradient.
+// Outputs are new tensors (above 64 KiB from the host block cache, see
+// tensor.hpp). The in-place forms are the non-differentiable primitives
+// themselves: dist::all_reduce and dist::broadcast (diffcomm.torch's
+// all_reduce_ / broadcast_), with the same bits as these ops.
 // Errors: InvalidArgument for bad arguments (before any communication),
 // plus whatever the backend raises (see dist/collectives.hpp).
 #include <vector>
