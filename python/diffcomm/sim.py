@@ -196,7 +196,8 @@ def run(
     ``group`` is the rank's world group (a ``diffcomm.ProcessGroup``); inside
     ``fn``, ``group=None`` in diffcomm.torch means this group. ``schedule``:
     ``"random"`` (seeded) or ``"round_robin"``. ``fault=(rank, k)`` makes that
-    rank fail at its k-th diffcomm call (the others get ``RankFailure``).
+    rank fail at its k-th diffcomm call (the others get ``RankFailure``; a
+    ``Deadlock`` instead if that rank catches its error and returns).
 
     Ctrl-C (SIGINT) interrupts the run: the rank running its own code gets
     KeyboardInterrupt, the world ends the others as it does for any failing

@@ -57,6 +57,7 @@ Conventions (differences from torch.distributed.nn.functional):
 from __future__ import annotations
 
 import collections
+import operator
 import os
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -259,7 +260,12 @@ def get_world() -> _core.ProcessGroup:
 
 
 def _group(group: Optional[_core.ProcessGroup]) -> _core.ProcessGroup:
-    return group if group is not None else _context.default_group()
+    if group is None:
+        return _context.default_group()
+    if not isinstance(group, _core.ProcessGroup):
+        raise TypeError(f"diffcomm.torch: group must be a diffcomm ProcessGroup (from "
+                        f"init_process_group or new_group) or None, got {type(group).__name__}")
+    return group
 
 
 def get_rank(group: Optional[_core.ProcessGroup] = None) -> int:
@@ -281,9 +287,13 @@ def new_group(ranks: Sequence[int], group: Optional[_core.ProcessGroup] = None,
 # ----------------------------------------------------------------- tensors
 def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
     """A diffcomm Tensor sharing ``t``'s storage (DLPack, no copy). Raises
-    InvalidArgument for non-contiguous tensors."""
+    InvalidArgument for non-contiguous tensors and for lazily negated or
+    conjugated views (is_neg() / is_conj())."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"diffcomm.torch: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_neg() or t.is_conj():  # DLPack would export the memory without the sign
+        raise InvalidArgument("diffcomm.torch: the tensor is a lazily negated or conjugated view "
+                              "(is_neg() / is_conj()); call .resolve_neg() / .resolve_conj()")
     # A capsule from torch.utils.dlpack, not the __dlpack__ protocol: 0.3-1 us
     # instead of 2-3 us per tensor (bench/RESULTS.md, the bridge's pieces).
     return _core.from_dlpack(_to_dlpack(t.detach() if t.requires_grad else t), requires_grad)
@@ -467,6 +477,8 @@ def _op(op: Any) -> _core.ReduceOp:
         return known
     if isinstance(op, str):
         key = op.lower()
+    elif type(op) in (int, bool):  # torch 2's enum compares equal to ints: refuse them
+        key = ""
     else:  # torch.distributed.ReduceOp (its repr differs between torch versions)
         key = ""
         import torch.distributed as tdist  # noqa: PLC0415
@@ -485,14 +497,32 @@ def _op(op: Any) -> _core.ReduceOp:
     return _core.ReduceOp(_OPS[key])
 
 
-def _root(g: _core.ProcessGroup, rank: Optional[int], group_rank: Optional[int], what: str) -> int:
+def _where(op: str, g: _core.ProcessGroup) -> str:
+    return f"diffcomm.torch.{op} on group '{g.name}' (rank {g.rank()} of {g.size()})"
+
+
+def _root(g: _core.ProcessGroup, rank: Optional[int], group_rank: Optional[int], what: str,
+          op: str) -> int:
+    """The group-local root from a global rank or a group-local one (exactly one)."""
     if rank is not None and group_rank is not None:
-        raise InvalidArgument(f"diffcomm.torch: give {what} (global) or group_{what}, not both")
-    if group_rank is not None:
-        return group_rank
+        raise InvalidArgument(f"{_where(op, g)}: give {what} (global) or group_{what}, not both")
+    if rank is None and group_rank is None:
+        raise InvalidArgument(f"{_where(op, g)}: {what} (global rank) or group_{what} is required")
+    name, value = (what, rank) if rank is not None else (f"group_{what}", group_rank)
+    try:  # ints and numpy integers; not bools, floats or strings
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{_where(op, g)}: {name} must be an int, got {value!r}") from None
+    if not -2**31 <= value < 2**31:
+        raise InvalidArgument(f"{_where(op, g)}: {name}={value} is not a rank")
     if rank is None:
-        raise InvalidArgument(f"diffcomm.torch: {what} (global rank) or group_{what} is required")
-    return g.group_rank(rank)
+        return value  # the op checks it against the group's size
+    try:
+        return g.group_rank(value)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{_where(op, g)}: {e}") from None
 
 
 # ----------------------------------------------------------------- the 13 ops
@@ -510,7 +540,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
               group_src: Optional[int] = None) -> torch.Tensor:
     """y = tensor of src on every rank; dx = sum of the gradients on src, zeros elsewhere."""
     g = _group(group)
-    s = _root(g, src, group_src, "src")
+    s = _root(g, src, group_src, "src", "broadcast")
     return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor, group=g)[0]
 
 
@@ -519,7 +549,7 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
            group_dst: Optional[int] = None) -> torch.Tensor:
     """y = reduce of tensor on dst; zeros on other ranks. dx: dst's gradient on every rank."""
     g, o = _group(group), _op(op)
-    d = _root(g, dst, group_dst, "dst")
+    d = _root(g, dst, group_dst, "dst", "reduce")
     return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor, group=g)[0]
 
 
@@ -550,7 +580,8 @@ def gather(tensor: torch.Tensor, dst: Optional[int] = None,
            group_dst: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
     """On dst y[s] = tensor of member s; zeros elsewhere. dst defaults to group rank 0 as in torch."""
     g = _group(group)
-    d = _root(g, dst, group_dst if (group_dst is not None or dst is not None) else 0, "dst")
+    d = _root(g, dst, group_dst if (group_dst is not None or dst is not None) else 0, "dst",
+              "gather")
     return _apply(lambda i: list(_nn.gather(i[0], d, g)), tensor, group=g)
 
 
@@ -560,7 +591,8 @@ def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
     """y = tensors[rank] of src. Every rank passes size() tensors of the output shape
     (values ignored off src). src defaults to group rank 0."""
     g = _group(group)
-    s = _root(g, src, group_src if (group_src is not None or src is not None) else 0, "src")
+    s = _root(g, src, group_src if (group_src is not None or src is not None) else 0, "src",
+              "scatter")
     return _apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors, group=g)[0]
 
 
@@ -619,10 +651,13 @@ def _in_place(name: str, tensor: torch.Tensor, g: _core.ProcessGroup) -> _core.T
             f"diffcomm.torch.{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.requires_grad and torch.is_grad_enabled():
         raise InvalidArgument(
-            f"diffcomm.torch.{name} on group '{g.name}' (rank {g.rank()} of {g.size()}): the "
-            f"tensor requires grad and in-place collectives are not differentiable; use "
-            f"{name[:-1]} (a new tensor, differentiable) or call it under torch.no_grad()")
-    return to_diffcomm(tensor)
+            f"{_where(name, g)}: the tensor requires grad and in-place collectives are not "
+            f"differentiable; use {name[:-1]} (a new tensor, differentiable) or call it under "
+            "torch.no_grad()")
+    try:
+        return to_diffcomm(tensor)
+    except (InvalidArgument, RuntimeError) as e:  # RuntimeError: torch's to_dlpack refusing
+        raise InvalidArgument(f"{_where(name, g)}: {e}") from None
 
 
 def _bump_version(tensor: torch.Tensor) -> None:
@@ -630,6 +665,8 @@ def _bump_version(tensor: torch.Tensor) -> None:
     backward and then overwritten here fails backward with torch's "modified
     by an inplace operation" instead of giving a wrong gradient (a write
     through DLPack is invisible to torch)."""
+    if tensor.is_inference():  # no version counter (and torch 1.13 refuses the copy_ below)
+        return
     increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
     if increment is not None:
         increment(tensor)
@@ -655,7 +692,7 @@ def broadcast_(tensor: torch.Tensor, src: Optional[int] = None,
     """In place: tensor = src's tensor on every member, as torch.distributed.broadcast;
     returns tensor. Not differentiable (as all_reduce_)."""
     g = _group(group)
-    s = _root(g, src, group_src, "src")
+    s = _root(g, src, group_src, "src", "broadcast_")
     g.broadcast_(_in_place("broadcast_", tensor, g), s)
     _bump_version(tensor)
     return tensor

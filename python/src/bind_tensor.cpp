@@ -31,10 +31,18 @@ dc::DType dtype_from_dl(const nb::dlpack::dtype& d) {
     if (code == C::Int && d.bits == 32) return dc::DType::Int32;
     if (code == C::UInt && d.bits == 8) return dc::DType::UInt8;
   }
-  throw dc::InvalidArgument(
-      "diffcomm: unsupported tensor dtype (DLPack code " + std::to_string(d.code) + ", " +
-      std::to_string(d.bits) +
-      " bits); supported: float64, float32, bfloat16, float16, int64, int32, uint8");
+  // The name as torch and numpy spell it (DLPack codes: 0 int, 1 uint, 2
+  // float, 4 bfloat, 5 complex, 6 bool).
+  static constexpr const char* kKinds[] = {"int",    "uint",    "float", "opaque",
+                                           "bfloat", "complex", "bool"};
+  const std::string name =
+      d.code < std::size(kKinds)
+          ? std::string(kKinds[d.code]) + (d.code == 6 ? "" : std::to_string(d.bits))
+          : "DLPack code " + std::to_string(d.code) + ", " + std::to_string(d.bits) + " bits";
+  throw dc::InvalidArgument("diffcomm: unsupported tensor dtype " + name +
+                            (d.lanes != 1 ? " x" + std::to_string(d.lanes) + " lanes" : "") +
+                            "; supported: float64, float32, bfloat16, float16, int64, int32, "
+                            "uint8");
 }
 
 nb::dlpack::dtype dl_from_dtype(dc::DType t) {
@@ -107,6 +115,10 @@ Tensor tensor_from_dlpack(nb::ndarray<> a, bool requires_grad) {
                               std::to_string(a.device_type()) + ")");
   }
   const dc::DType dtype = dtype_from_dl(a.dtype());
+  if (numel > 0 && a.data() == nullptr)  // torch's ZeroTensor: a shape and no memory
+    throw dc::InvalidArgument("diffcomm: tensor of shape " + dc::shape_str(shape) +
+                              " has no memory (null data pointer, e.g. torch's "
+                              "_efficientzerotensor); materialize it first (.clone())");
   auto keep = std::make_shared<nb::ndarray<>>(a);  // releases the producer's buffer last
   Tensor t = dc::from_blob(a.data(), shape, dtype, device, [keep](void*) mutable { keep.reset(); });
   if (requires_grad) t.set_requires_grad(true);

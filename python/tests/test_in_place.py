@@ -3,6 +3,8 @@ simulated world: values against closed forms computed here from every rank's
 data (float64, integer-valued, so sums are exact), bit-identity with the
 out-of-place ops, torch's version counter, and the errors at the boundary.
 The same ops over MPI and torch's gloo: tests/distributed/test_torch_ops.py."""
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -135,3 +137,53 @@ def test_mismatched_in_place_calls_are_reported_on_every_rank():
 
     for m in sim.run(3, fn, seed=4).results:
         assert m is not None and "shape differs" in m, m
+
+
+def test_an_inference_tensor_is_reduced_in_place_without_error():
+    # A metric computed under inference_mode, reduced outside it: no version
+    # counter to bump (torch 1.13 refused the fallback's copy_ after the write).
+    def fn(rank, world):
+        with torch.inference_mode():
+            x = torch.full((3,), float(rank + 1))
+        dt.all_reduce_(x)
+        dt.broadcast_(x, src=0)
+        return x.tolist()
+
+    assert sim.run(2, fn).results == [[3.0, 3.0, 3.0]] * 2
+
+
+def test_tensors_diffcomm_cannot_read_as_they_are_refused_by_name():
+    def fn(rank, world):
+        where = f"on group 'world' (rank {rank} of 2)"
+        neg = torch._neg_view(torch.tensor([1.0, 2.0]))  # memory +1, +2; values -1, -2
+        for op in (dt.all_reduce, dt.all_reduce_):
+            with pytest.raises(diffcomm.InvalidArgument, match="lazily negated"):
+                op(neg, "max")
+        with pytest.raises(diffcomm.InvalidArgument, match="has no memory"):
+            dt.all_reduce(torch._efficientzerotensor(3))
+        with pytest.raises(diffcomm.InvalidArgument) as e:
+            dt.all_reduce_(torch.ones(2, dtype=torch.int16))
+        assert where in str(e.value) and "dtype int16" in str(e.value)
+        for op in (1, True, 0):  # torch 2's ReduceOp enum compares equal to ints
+            with pytest.raises(diffcomm.InvalidArgument, match="unknown reduce op"):
+                dt.all_reduce_(torch.ones(2), op)
+        with pytest.raises(TypeError, match=re.escape(f"broadcast_ {where}: src must be an int, "
+                                                      "got 1.0")):
+            dt.broadcast_(torch.ones(2), src=1.0)
+        with pytest.raises(diffcomm.InvalidArgument, match=r"src=1099511627776 is not a rank"):
+            dt.broadcast_(torch.ones(2), src=2**40)
+        with pytest.raises(diffcomm.InvalidArgument, match=re.escape(
+                f"broadcast {where}: diffcomm: global rank 5 is not a member")):
+            dt.broadcast(torch.ones(2), src=5)
+        with pytest.raises(TypeError, match="group must be a diffcomm ProcessGroup"):
+            dt.all_reduce_(torch.ones(2), group="world")
+        dt.broadcast_(torch.ones(2), src=np_int(1))  # numpy integers are ranks
+        return True
+
+    assert sim.run(2, fn).results == [True, True]
+
+
+def np_int(v):
+    import numpy  # noqa: PLC0415 (only this test needs it)
+
+    return numpy.int64(v)

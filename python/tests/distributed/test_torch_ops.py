@@ -90,6 +90,18 @@ def test_in_place_forms_match_torch_distributed():
         torch.testing.assert_close(x, t, rtol=0, atol=0)
 
 
+def test_empty_tensors_move_nothing_and_do_not_crash():
+    # torch 1.13's gloo all_gather divides by the element count (SIGFPE) on
+    # empty tensors: the torch transport skips gathers that move nothing
+    # (the composed all_reduce issues one).
+    for op in (dt.all_reduce, dt.all_reduce_):
+        assert op(torch.ones(0)).shape == (0,)
+    assert [t.shape for t in dt.all_gather(torch.ones(0, 2))] == [(0, 2)] * size()
+    assert dt.all_gather_single(torch.ones(0, 2)).shape == (0, 2)
+    assert dt.broadcast_(torch.ones(0), src=0).shape == (0,)
+    assert dt.all_reduce(torch.ones(2))[0].item() == size()  # the group is still in step
+
+
 def test_reduce_sum():
     dst = 2
     (yd, gd), (yt, gt) = run_both(lambda x: dt.reduce(x, dst=dst),
