@@ -7,21 +7,27 @@
 //   checked     diffcomm, checked mode (fingerprints), deterministic reductions
 //   nn          the differentiable op (nn::, out of place: a fresh output from
 //               the host block cache) on the det group, inputs not requiring grad
+//   into        the dist:: primitive nn:: calls: all_reduce_into (out of place,
+//               its own output) for all_reduce, the det call for the others
 // Run under mpirun, e.g.
 //   mpirun -np 4 --oversubscribe --allow-run-as-root --mca btl self,vader bench/bench_mpi
-// Every iteration times `reps` calls of each variant back to back (rotating
-// which goes first), each bracketed by barriers, taking the slowest process's
-// time. Counters: <variant>_us per call (median over iterations),
-// native_vs_raw and det_vs_raw (medians of the per-iteration ratios to the
-// raw call), nn_vs_det (median of the per-iteration ratio of nn to det: what
-// the differentiable op adds over the primitive under it), det_vs_native and
-// checked_vs_det (ratios of the medians), MBps =
+// Every iteration times `reps` calls of each variant back to back, in an order
+// shuffled per iteration (the same seeded order on every process: a rotation
+// keeps each variant's predecessor fixed, and what a predecessor leaves in the
+// caches biases the variant after it; bench_torch_mpi.py's `core` read 1.2x
+// `torch` at 16 MiB under rotation, equal shuffled), each bracketed by
+// barriers, taking the slowest process's time. Counters: <variant>_us per call (median over
+// iterations), native_vs_raw and det_vs_raw (medians of the per-iteration ratios to the raw call),
+// nn_vs_det (median of the per-iteration ratio of nn to into: what the differentiable op adds
+// over the primitive under it), det_vs_native and checked_vs_det (ratios of the medians), MBps =
 // per-rank bytes / det time. Only process 0 prints.
 #include <benchmark/benchmark.h>
 #include <mpi.h>
 
 #include <algorithm>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
@@ -122,19 +128,26 @@ void run(benchmark::State& state, Op op) {
       case Op::AllToAllSingle: (void)nn::all_to_all_single(in, even, even, det); break;
     }
   };
-  const std::vector<std::function<void()>> variants = {raw, ours(native), ours(det), ours(checked),
-                                                       differentiable};
+  // The primitive under nn::: all_reduce_into for all_reduce (nn::all_reduce
+  // is out of place), the det call itself for the others.
+  auto primitive = [&, into = ours(det), b = buffers()]() mutable {
+    if (op == Op::AllReduce)
+      dist::all_reduce_into(det, b.out_same, b.in);
+    else
+      into();
+  };
+  const std::vector<std::function<void()>> variants = {raw,           ours(native),   ours(det),
+                                                       ours(checked), differentiable, primitive};
   // Medians over iterations: this machine is shared, and a median ignores
   // the iterations another process disturbed.
   std::vector<std::vector<double>> samples(variants.size());
-  int64_t k = 0;
+  std::mt19937 shuffle(static_cast<unsigned>(bytes));  // same seed, same order on every rank
+  std::vector<std::size_t> order(variants.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
   for (auto _ : state) {
     std::vector<double> t(variants.size());
-    for (std::size_t v = 0; v < variants.size(); ++v) {
-      const std::size_t i = (v + static_cast<std::size_t>(k)) % variants.size();  // rotate order
-      t[i] = timed(reps, variants[i]);
-    }
-    ++k;
+    std::shuffle(order.begin(), order.end(), shuffle);
+    for (std::size_t i : order) t[i] = timed(reps, variants[i]);
     for (std::size_t v = 0; v < t.size(); ++v) samples[v].push_back(t[v]);
     state.SetIterationTime(t[2]);
   }
@@ -159,9 +172,10 @@ void run(benchmark::State& state, Op op) {
   state.counters["native_vs_raw"] = vs_raw(1);
   state.counters["det_vs_raw"] = vs_raw(2);
   state.counters["nn_us"] = us(4);
+  state.counters["into_us"] = us(5);
   std::vector<double> nn_det;
   for (std::size_t i = 0; i < samples[4].size(); ++i)
-    nn_det.push_back(samples[4][i] / samples[2][i]);
+    nn_det.push_back(samples[4][i] / samples[5][i]);
   std::nth_element(nn_det.begin(), nn_det.begin() + static_cast<std::ptrdiff_t>(nn_det.size() / 2),
                    nn_det.end());
   state.counters["nn_vs_det"] = nn_det[nn_det.size() / 2];

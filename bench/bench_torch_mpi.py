@@ -5,8 +5,10 @@ Run under mpirun (np 2 or 4), e.g.
     mpirun -np 2 --allow-run-as-root --mca btl self,vader \\
         build/python-venv/bin/python bench/bench_torch_mpi.py
 
-Every iteration times `reps` calls of each variant back to back, rotating which
-goes first, each bracketed by barriers, taking the slowest process's time; the
+Every iteration times `reps` calls of each variant back to back, in an order
+shuffled per iteration (seeded: the same on every process; a rotation kept each
+variant's predecessor fixed, which moved `core` by 20 % at 16 MiB), each
+bracketed by barriers, taking the slowest process's time; the
 table gives medians over iterations of the time per call, of the paired ratio
 to the mpi4py call of the same iteration and (diffcomm.torch variants) of the
 paired difference to `core`: what the torch layer adds over the C++ op.
@@ -30,6 +32,7 @@ cooled) by the variant before it (as bench_mpi.cpp).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 
@@ -98,9 +101,11 @@ def main():
         for fn in fns.values():  # warm-up: first touch, MPI connections
             fn()
         samples = {k: [] for k in names}
-        for it in range(args.iters):
-            for j in range(len(names)):
-                k = names[(j + it) % len(names)]
+        shuffle = random.Random(nbytes)  # the same order on every process
+        for _ in range(args.iters):
+            order = names[:]
+            shuffle.shuffle(order)
+            for k in order:
                 samples[k].append(timed(comm, reps, fns[k]))
         if rank == 0:
             cells = []
