@@ -307,7 +307,7 @@ def from_diffcomm(t: _core.Tensor) -> torch.Tensor:
 class _Bridge(torch.autograd.Function):
     """The one bridge between torch autograd and diffcomm autograd.
 
-    forward(run, cohort, *xs): xs become diffcomm leaves (requires_grad where
+    forward(run, cohort, where, *xs): xs become diffcomm leaves (requires_grad where
     torch needs their gradient), ``run`` applies diffcomm ops to them and
     returns diffcomm tensors, recorded in diffcomm's graph. That graph is
     handed off to torch: it leaves diffcomm's cohort (a bridge with
@@ -320,9 +320,9 @@ class _Bridge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: Callable[[List[_core.Tensor]], List[_core.Tensor]],
-                cohort: Optional[int], *xs: torch.Tensor):
-        needs = ctx.needs_input_grad[2:]
-        ins = [to_diffcomm(x, bool(n)) for x, n in zip(xs, needs)]
+                cohort: Optional[int], where: Tuple[str, Optional[_core.ProcessGroup]],
+                *xs: torch.Tensor):
+        ins = _borrow(xs, ctx.needs_input_grad[3:], *where)
         outs = run(ins)
         saved, collectives = _core.hand_off(outs)
         ctx.dc_inputs = ins
@@ -354,7 +354,7 @@ class _Bridge(torch.autograd.Function):
             roots.append(out)
             cotangents.append(to_diffcomm(g.contiguous()))
         wanted = [x for x in ctx.dc_inputs if x.requires_grad]
-        result: List[Optional[torch.Tensor]] = [None, None]
+        result: List[Optional[torch.Tensor]] = [None, None, None]  # run, cohort, where
         # retain_graph: torch owns the graph's lifetime (a retained torch
         # graph may run this node again).
         got = iter(_core.grad(roots, wanted, cotangents, True) if roots and wanted else [])
@@ -377,22 +377,36 @@ def _torch_peers(saved: Sequence[_core.Tensor],
     return peers
 
 
+def _borrow(xs: Sequence[torch.Tensor], needs: Sequence[bool], op: str,
+            group: Optional[_core.ProcessGroup]) -> List[_core.Tensor]:
+    """to_diffcomm of every input; a refused input's error names the op (and
+    the rank and group when the op has one)."""
+    try:
+        return [to_diffcomm(x, bool(n)) for x, n in zip(xs, needs)]
+    except (InvalidArgument, RuntimeError) as e:  # RuntimeError: torch's to_dlpack refusing
+        where = _where(op, group) if group is not None else f"diffcomm.torch.{op}"
+        raise InvalidArgument(f"{where}: {e}") from None
+
+
 def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.Tensor,
-           group: Optional[_core.ProcessGroup] = None) -> Tuple[torch.Tensor, ...]:
-    """Runs ``run`` through the bridge; ``group``: any group of this rank when
-    ``run`` issues collectives (their backward joins the rank's pending ones)."""
+           op: str, group: Optional[_core.ProcessGroup] = None) -> Tuple[torch.Tensor, ...]:
+    """Runs ``run`` through the bridge; ``op`` names it in errors; ``group``:
+    any group of this rank when ``run`` issues collectives (their backward
+    joins the rank's pending ones)."""
     grad = False
     for x in xs:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"diffcomm.torch: expected torch.Tensor inputs, got {type(x).__name__}")
+            raise TypeError(f"diffcomm.torch.{op}: expected torch.Tensor inputs, got "
+                            f"{type(x).__name__}")
         grad = grad or x.requires_grad
     if grad and torch.is_grad_enabled():
-        return _Bridge.apply(run, group._cohort_id if group is not None else None, *xs)
+        return _Bridge.apply(run, group._cohort_id if group is not None else None, (op, group),
+                             *xs)
     # Nothing to differentiate: diffcomm records no node for inputs that do
     # not require grad, and the bridge would only add torch's
     # autograd.Function machinery to the call (outputs are non-differentiable
     # either way).
-    return tuple(from_diffcomm(o) for o in run([to_diffcomm(x) for x in xs]))
+    return tuple(from_diffcomm(o) for o in run(_borrow(xs, [False] * len(xs), op, group)))
 
 
 # ----------------------------------------------------------------- backward
@@ -532,7 +546,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = "sum",
     Max/Min: gradient to the extremum holders, split among ties.
     Product: dx_r = G * prod_{s != r} x_s."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.all_reduce(i[0], g, o)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.all_reduce(i[0], g, o)], tensor, op="all_reduce", group=g)[0]
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
@@ -541,7 +555,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
     """y = tensor of src on every rank; dx = sum of the gradients on src, zeros elsewhere."""
     g = _group(group)
     s = _root(g, src, group_src, "src", "broadcast")
-    return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor, op="broadcast", group=g)[0]
 
 
 def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
@@ -550,21 +564,22 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
     """y = reduce of tensor on dst; zeros on other ranks. dx: dst's gradient on every rank."""
     g, o = _group(group), _op(op)
     d = _root(g, dst, group_dst, "dst", "reduce")
-    return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor, op="reduce", group=g)[0]
 
 
 def all_gather(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
                grad: str = "partial") -> Tuple[torch.Tensor, ...]:
     """y[s] = tensor of member s. Backward: one reduce_scatter (partial) or own slice (replicated)."""
     g = _group(group)
-    return _apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor, group=g)
+    return _apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor, op="all_gather", group=g)
 
 
 def all_gather_single(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
                       grad: str = "partial") -> torch.Tensor:
     """Rows of every member concatenated along dim 0 (torch's all_gather_into_tensor)."""
     g = _group(group)
-    return _apply(lambda i: [_nn.all_gather_single(i[0], g, grad)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.all_gather_single(i[0], g, grad)], tensor,
+                  op="all_gather_single", group=g)[0]
 
 
 def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
@@ -572,7 +587,8 @@ def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
                  grad: str = "partial") -> torch.Tensor:
     """Concatenation of the members' tensors, member s having output_split_sizes[s] rows."""
     g, splits = _group(group), list(output_split_sizes)
-    return _apply(lambda i: [_nn.all_gather_v(i[0], splits, g, grad)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.all_gather_v(i[0], splits, g, grad)], tensor,
+                  op="all_gather_v", group=g)[0]
 
 
 def gather(tensor: torch.Tensor, dst: Optional[int] = None,
@@ -582,7 +598,7 @@ def gather(tensor: torch.Tensor, dst: Optional[int] = None,
     g = _group(group)
     d = _root(g, dst, group_dst if (group_dst is not None or dst is not None) else 0, "dst",
               "gather")
-    return _apply(lambda i: list(_nn.gather(i[0], d, g)), tensor, group=g)
+    return _apply(lambda i: list(_nn.gather(i[0], d, g)), tensor, op="gather", group=g)
 
 
 def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
@@ -593,28 +609,31 @@ def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
     g = _group(group)
     s = _root(g, src, group_src if (group_src is not None or src is not None) else 0, "src",
               "scatter")
-    return _apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors, group=g)[0]
+    return _apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors, op="scatter", group=g)[0]
 
 
 def reduce_scatter(input_list: Sequence[torch.Tensor], op: Any = "sum",
                    group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """y = reduce over members s of input_list[rank] of s (no output argument)."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list, group=g)[0]
+    return _apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list,
+                  op="reduce_scatter", group=g)[0]
 
 
 def reduce_scatter_single(tensor: torch.Tensor, op: Any = "sum",
                           group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[size*R, ...] -> [R, ...] (torch's reduce_scatter_tensor)."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.reduce_scatter_single(i[0], g, o)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.reduce_scatter_single(i[0], g, o)], tensor,
+                  op="reduce_scatter_single", group=g)[0]
 
 
 def reduce_scatter_v(tensor: torch.Tensor, input_split_sizes: Sequence[int], op: Any = "sum",
                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[sum(input_split_sizes), ...] -> [input_split_sizes[rank], ...]."""
     g, o, splits = _group(group), _op(op), list(input_split_sizes)
-    return _apply(lambda i: [_nn.reduce_scatter_v(i[0], splits, g, o)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.reduce_scatter_v(i[0], splits, g, o)], tensor,
+                  op="reduce_scatter_v", group=g)[0]
 
 
 def all_to_all(input_tensor_list: Sequence[torch.Tensor],
@@ -624,7 +643,8 @@ def all_to_all(input_tensor_list: Sequence[torch.Tensor],
     (default: the shape of input_tensor_list[s] here)."""
     g = _group(group)
     shapes = [list(s) for s in output_shapes] if output_shapes is not None else []
-    return _apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list, group=g)
+    return _apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list,
+                  op="all_to_all", group=g)
 
 
 def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence[int]] = None,
@@ -634,14 +654,16 @@ def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence
     g = _group(group)
     out = list(output_split_sizes) if output_split_sizes is not None else []
     inp = list(input_split_sizes) if input_split_sizes is not None else []
-    return _apply(lambda i: [_nn.all_to_all_single(i[0], out, inp, g)], input, group=g)[0]
+    return _apply(lambda i: [_nn.all_to_all_single(i[0], out, inp, g)], input,
+                  op="all_to_all_single", group=g)[0]
 
 
 def copy_to_tp_region(tensor: torch.Tensor,
                       group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """Megatron's copy to the TP region: identity forward, all_reduce of the gradient."""
     g = _group(group)
-    return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor, group=g)[0]
+    return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor,
+                  op="copy_to_tp_region", group=g)[0]
 
 
 # ------------------------------------------------------------ in-place forms
@@ -654,10 +676,7 @@ def _in_place(name: str, tensor: torch.Tensor, g: _core.ProcessGroup) -> _core.T
             f"{_where(name, g)}: the tensor requires grad and in-place collectives are not "
             f"differentiable; use {name[:-1]} (a new tensor, differentiable) or call it under "
             "torch.no_grad()")
-    try:
-        return to_diffcomm(tensor)
-    except (InvalidArgument, RuntimeError) as e:  # RuntimeError: torch's to_dlpack refusing
-        raise InvalidArgument(f"{_where(name, g)}: {e}") from None
+    return _borrow([tensor], [False], name, g)[0]
 
 
 def _bump_version(tensor: torch.Tensor) -> None:
@@ -736,7 +755,8 @@ def route_features(producer_records: Sequence[Tuple[Any, torch.Tensor]], prototy
         received.extend(routed.items)
         return [routed.rows]
 
-    rows = _apply(run, prototype, *[r[1] for r in producer_records], group=g)[0]
+    rows = _apply(run, prototype, *[r[1] for r in producer_records], op="route_features",
+                  group=g)[0]
     return rows, received
 
 
@@ -751,7 +771,7 @@ def unpack_records(rows: torch.Tensor, received_items: Sequence[Any]) -> List[Re
         order.extend(r.item for r in recs)
         return [r.rows for r in recs]
 
-    outs = _apply(run, rows)
+    outs = _apply(run, rows, op="unpack_records")
     return [Record(it, t) for it, t in zip(order, outs)]
 
 
@@ -770,4 +790,4 @@ def merge_into_decoder(base: torch.Tensor, records: Sequence[Tuple[Any, torch.Te
         feats = [_ep.EncoderFeature(it, t) for it, t in zip(items, rec_t)]
         return [_ep.merge_into_decoder(ins[0], feats, layout, ins[1] if has_anchor else None)]
 
-    return _apply(run, *xs)[0]
+    return _apply(run, *xs, op="merge_into_decoder")[0]

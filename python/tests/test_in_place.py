@@ -187,3 +187,20 @@ def np_int(v):
     import numpy  # noqa: PLC0415 (only this test needs it)
 
     return numpy.int64(v)
+
+
+def test_every_op_names_itself_when_it_refuses_an_input():
+    # The out-of-place ops too, with and without the autograd bridge.
+    def fn(rank, world):
+        where = f"on group 'world' (rank {rank} of 2)"
+        for requires_grad in (False, True):
+            x = torch.ones(4, 4).t().detach().requires_grad_(requires_grad)  # non-contiguous
+            for name, call in (("all_reduce", lambda: dt.all_reduce(x)),
+                               ("all_gather_single", lambda: dt.all_gather_single(x)),
+                               ("broadcast", lambda: dt.broadcast(x, src=0))):
+                with pytest.raises(diffcomm.InvalidArgument,
+                                   match=re.escape(f"diffcomm.torch.{name} {where}: ")):
+                    call()
+        return True
+
+    assert sim.run(2, fn).results == [True, True]
