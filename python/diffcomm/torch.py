@@ -56,20 +56,18 @@ Conventions (differences from torch.distributed.nn.functional):
 """
 from __future__ import annotations
 
-import collections
-import operator
 import os
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
-from torch.utils.dlpack import from_dlpack as _from_dlpack
-from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from . import _context, _core, _exit_dump, _mpi_job, _participation
 from ._core import InvalidArgument
-from ._core import encoder_parallel as _ep
 from ._core import nn as _nn
+from ._torch_args import _group, _op, _root, premul_sum
+from ._torch_bridge import _apply, from_diffcomm, to_diffcomm
+from ._torch_exchange import Record, merge_into_decoder, route_features, unpack_records
+from ._torch_in_place import all_reduce_, broadcast_
 
 __all__ = [
     "init_process_group", "destroy_process_group", "abort", "get_world", "get_rank", "get_world_size",
@@ -80,9 +78,6 @@ __all__ = [
     "all_to_all", "all_to_all_single", "copy_to_tp_region", "all_reduce_", "broadcast_",
     "Record", "route_features", "unpack_records", "merge_into_decoder",
 ]
-
-#: An encoder record on torch: the work item and its feature rows [output_rows, hidden].
-Record = collections.namedtuple("Record", ["item", "rows"])
 
 
 # ----------------------------------------------------------------- groups
@@ -259,15 +254,6 @@ def get_world() -> _core.ProcessGroup:
     return _context.default_group()
 
 
-def _group(group: Optional[_core.ProcessGroup]) -> _core.ProcessGroup:
-    if group is None:
-        return _context.default_group()
-    if not isinstance(group, _core.ProcessGroup):
-        raise TypeError(f"diffcomm.torch: group must be a diffcomm ProcessGroup (from "
-                        f"init_process_group or new_group) or None, got {type(group).__name__}")
-    return group
-
-
 def get_rank(group: Optional[_core.ProcessGroup] = None) -> int:
     return _group(group).rank()
 
@@ -282,141 +268,6 @@ def new_group(ranks: Sequence[int], group: Optional[_core.ProcessGroup] = None,
     (torch.distributed.new_group); None on non-members."""
     g = _group(group)
     return g.new_group([g.group_rank(r) for r in ranks], name)
-
-
-# ----------------------------------------------------------------- tensors
-def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
-    """A diffcomm Tensor sharing ``t``'s storage (DLPack, no copy). Raises
-    InvalidArgument for non-contiguous tensors and for lazily negated views
-    (is_neg())."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"diffcomm.torch: expected a torch.Tensor, got {type(t).__name__}")
-    # (A conjugated view is complex, which diffcomm refuses by dtype.)
-    if t.is_neg():  # DLPack would export the memory without the sign
-        raise InvalidArgument("diffcomm.torch: the tensor is a lazily negated view (is_neg()); "
-                              "call .resolve_neg() first")
-    # A capsule from torch.utils.dlpack, not the __dlpack__ protocol: 0.3-1 us
-    # instead of 2-3 us per tensor (bench/RESULTS.md, the bridge's pieces).
-    return _core.from_dlpack(_to_dlpack(t.detach() if t.requires_grad else t), requires_grad)
-
-
-def from_diffcomm(t: _core.Tensor) -> torch.Tensor:
-    """A torch.Tensor sharing the diffcomm tensor's storage (no copy)."""
-    return _from_dlpack(_core.to_dlpack(t))
-
-
-class _Bridge(torch.autograd.Function):
-    """The one bridge between torch autograd and diffcomm autograd.
-
-    forward(run, cohort, where, *xs): xs become diffcomm leaves (requires_grad where
-    torch needs their gradient), ``run`` applies diffcomm ops to them and
-    returns diffcomm tensors, recorded in diffcomm's graph. That graph is
-    handed off to torch: it leaves diffcomm's cohort (a bridge with
-    collectives registers its outputs as pending for ``backward`` instead),
-    and the tensors it saved for backward are saved through torch too, so a
-    torch in-place write to one raises torch's "modified by an inplace
-    operation". backward: diffcomm::grad of those outputs w.r.t. those
-    leaves, with torch's output gradients.
-    """
-
-    @staticmethod
-    def forward(ctx, run: Callable[[List[_core.Tensor]], List[_core.Tensor]],
-                cohort: Optional[int], where: Tuple[str, Optional[_core.ProcessGroup]],
-                *xs: torch.Tensor):
-        ins = _borrow(xs, ctx.needs_input_grad[3:], *where)
-        outs = run(ins)
-        saved, collectives = _core.hand_off(outs)
-        ctx.dc_inputs = ins
-        ctx.dc_outputs = outs
-        result = tuple(from_diffcomm(o) for o in outs)
-        frozen = [r for r, o in zip(result, outs) if not o.requires_grad]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        ctx.save_for_backward(*_torch_peers(saved, list(zip(ins, xs)) + list(zip(outs, result))))
-        ctx.pending = None
-        if collectives:
-            assert cohort is not None, "a bridge with collectives needs its rank's cohort"
-            differentiable = tuple(r for r, o in zip(result, outs) if o.requires_grad)
-            ctx.pending = (cohort, _participation.add(cohort, differentiable))
-        return result
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads: torch.Tensor):
-        if ctx.pending is not None:  # ran (or failed): no longer pending either way
-            _participation.ran(*ctx.pending)
-        ctx.saved_tensors  # noqa: B018 -- torch's version check, before any collective
-        roots, cotangents = [], []
-        for out, g in zip(ctx.dc_outputs, grads):
-            if not out.requires_grad:
-                continue
-            if g is None:
-                g = torch.zeros(out.shape, dtype=getattr(torch, out.dtype))
-            roots.append(out)
-            cotangents.append(to_diffcomm(g.contiguous()))
-        wanted = [x for x in ctx.dc_inputs if x.requires_grad]
-        result: List[Optional[torch.Tensor]] = [None, None, None]  # run, cohort, where
-        # retain_graph: torch owns the graph's lifetime (a retained torch
-        # graph may run this node again).
-        got = iter(_core.grad(roots, wanted, cotangents, True) if roots and wanted else [])
-        for x in ctx.dc_inputs:
-            result.append(from_diffcomm(next(got)) if x.requires_grad else None)
-        return tuple(result)
-
-
-def _torch_peers(saved: Sequence[_core.Tensor],
-                 pairs: Sequence[Tuple[_core.Tensor, torch.Tensor]]) -> List[torch.Tensor]:
-    """The torch tensors (bridge inputs and outputs) whose storage diffcomm
-    saved for backward. A tensor diffcomm made inside the op has no torch
-    peer: no torch op can write to it."""
-    peers = []
-    for s in saved:
-        for dc, t in pairs:
-            if s.numel() > 0 and dc.data_ptr == s.data_ptr and all(p is not t for p in peers):
-                peers.append(t)
-                break
-    return peers
-
-
-def _refused(e: Exception, op: str, group: Optional[_core.ProcessGroup]) -> InvalidArgument:
-    """A refused input's error (to_diffcomm's, or torch's own to_dlpack
-    RuntimeError) naming the op, and the rank and group when it has one."""
-    where = _where(op, group) if group is not None else f"diffcomm.torch.{op}"
-    return InvalidArgument(f"{where}: {e}")
-
-
-def _borrow(xs: Sequence[torch.Tensor], needs: Sequence[bool], op: str,
-            group: Optional[_core.ProcessGroup]) -> List[_core.Tensor]:
-    """to_diffcomm of every input, errors named (see _refused)."""
-    try:
-        return [to_diffcomm(x, bool(n)) for x, n in zip(xs, needs)]
-    except (InvalidArgument, RuntimeError) as e:
-        raise _refused(e, op, group) from None
-
-
-def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.Tensor,
-           op: str, group: Optional[_core.ProcessGroup] = None) -> Tuple[torch.Tensor, ...]:
-    """Runs ``run`` through the bridge; ``op`` names it in errors; ``group``:
-    any group of this rank when ``run`` issues collectives (their backward
-    joins the rank's pending ones)."""
-    grad = False
-    for x in xs:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"diffcomm.torch.{op}: expected torch.Tensor inputs, got "
-                            f"{type(x).__name__}")
-        grad = grad or x.requires_grad
-    if grad and torch.is_grad_enabled():
-        return _Bridge.apply(run, group._cohort_id if group is not None else None, (op, group),
-                             *xs)
-    # Nothing to differentiate: diffcomm records no node for inputs that do
-    # not require grad, and the bridge would only add torch's
-    # autograd.Function machinery to the call (outputs are non-differentiable
-    # either way).
-    try:  # _borrow written out: this is every no-grad call's path (0.2 us less)
-        ins = [to_diffcomm(x) for x in xs]
-    except (InvalidArgument, RuntimeError) as e:
-        raise _refused(e, op, group) from None
-    return tuple(from_diffcomm(o) for o in run(ins))
 
 
 # ----------------------------------------------------------------- backward
@@ -476,77 +327,6 @@ def discard_pending(group: Optional[_core.ProcessGroup] = None) -> None:
     (an evaluation step on tensors that require grad). Every rank of the
     groups concerned must do the same, or backward calls no longer pair."""
     _participation.discard(_group(group)._cohort_id)
-
-
-_OPS = {"sum": "sum", "avg": "avg", "product": "product", "min": "min", "max": "max",
-        "prod": "product", "mean": "avg"}
-
-
-def premul_sum(factor: float) -> _core.ReduceOp:
-    """The PREMUL_SUM reduce op (torch/NCCL): factor * sum of the inputs; its
-    adjoint is the same scaled adjoint. Pass it as ``op=``."""
-    return _core.ReduceOp.premul_sum(float(factor))
-
-
-_OP_OF_NAME = {name: _core.ReduceOp(kind) for name, kind in _OPS.items()}
-
-
-def _op(op: Any) -> _core.ReduceOp:
-    """diffcomm.ReduceOp from a diffcomm.ReduceOp, a torch.distributed.ReduceOp
-    or a name ("sum", "avg", "product"/"prod", "min", "max", "mean")."""
-    if isinstance(op, _core.ReduceOp):
-        return op
-    known = _OP_OF_NAME.get(op) if isinstance(op, str) else None
-    if known is not None:  # the common case, a lower-case name: no new object
-        return known
-    if isinstance(op, str):
-        key = op.lower()
-    elif type(op) in (int, bool):  # torch 2's enum compares equal to ints: refuse them
-        key = ""
-    else:  # torch.distributed.ReduceOp (its repr differs between torch versions)
-        key = ""
-        import torch.distributed as tdist  # noqa: PLC0415
-
-        for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
-            value = getattr(tdist.ReduceOp, name, None)
-            try:
-                if value is not None and op == value:
-                    key = name.lower()
-                    break
-            except TypeError:
-                pass
-    if key not in _OPS:
-        raise InvalidArgument(f"diffcomm.torch: unknown reduce op {op!r} (sum, avg, product, "
-                              "min, max, diffcomm.ReduceOp or torch.distributed.ReduceOp)")
-    return _core.ReduceOp(_OPS[key])
-
-
-def _where(op: str, g: _core.ProcessGroup) -> str:
-    return f"diffcomm.torch.{op} on group '{g.name}' (rank {g.rank()} of {g.size()})"
-
-
-def _root(g: _core.ProcessGroup, rank: Optional[int], group_rank: Optional[int], what: str,
-          op: str) -> int:
-    """The group-local root from a global rank or a group-local one (exactly one)."""
-    if rank is not None and group_rank is not None:
-        raise InvalidArgument(f"{_where(op, g)}: give {what} (global) or group_{what}, not both")
-    if rank is None and group_rank is None:
-        raise InvalidArgument(f"{_where(op, g)}: {what} (global rank) or group_{what} is required")
-    name, value = (what, rank) if rank is not None else (f"group_{what}", group_rank)
-    try:  # ints and numpy integers; not bools, floats or strings
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{_where(op, g)}: {name} must be an int, got {value!r}") from None
-    if not -2**31 <= value < 2**31:
-        raise InvalidArgument(f"{_where(op, g)}: {name}={value} is not a rank")
-    if rank is None:
-        return value  # the op checks it against the group's size
-    try:
-        return g.group_rank(value)
-    except InvalidArgument as e:
-        raise InvalidArgument(f"{_where(op, g)}: {e}") from None
 
 
 # ----------------------------------------------------------------- the 13 ops
@@ -674,130 +454,3 @@ def copy_to_tp_region(tensor: torch.Tensor,
     g = _group(group)
     return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor,
                   op="copy_to_tp_region", group=g)[0]
-
-
-# ------------------------------------------------------------ in-place forms
-def _in_place(name: str, tensor: torch.Tensor, g: _core.ProcessGroup) -> _core.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(
-            f"diffcomm.torch.{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.requires_grad and torch.is_grad_enabled():
-        raise InvalidArgument(
-            f"{_where(name, g)}: the tensor requires grad and in-place collectives are not "
-            f"differentiable; use {name[:-1]} (a new tensor, differentiable) or call it under "
-            "torch.no_grad()")
-    return _borrow([tensor], [False], name, g)[0]
-
-
-def _bump_version(tensor: torch.Tensor) -> None:
-    """Counts the write as torch's in-place ops do, so a tensor torch saved for
-    backward and then overwritten here fails backward with torch's "modified
-    by an inplace operation" instead of giving a wrong gradient (a write
-    through DLPack is invisible to torch)."""
-    if tensor.is_inference():  # no version counter (and torch 1.13 refuses the copy_ below)
-        return
-    increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
-    if increment is not None:
-        increment(tensor)
-    else:  # torch < 2.1: copy_ onto itself moves no bytes but is an in-place op
-        with torch.no_grad():
-            tensor.copy_(tensor)
-
-
-def all_reduce_(tensor: torch.Tensor, op: Any = "sum",
-                group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
-    """In place: tensor = reduce over members of tensor, as torch.distributed.all_reduce;
-    returns tensor. Not differentiable: InvalidArgument if tensor requires grad
-    while grad mode is on. The same values, bit for bit, as all_reduce."""
-    g, o = _group(group), _op(op)
-    g.all_reduce_(_in_place("all_reduce_", tensor, g), o)
-    _bump_version(tensor)
-    return tensor
-
-
-def broadcast_(tensor: torch.Tensor, src: Optional[int] = None,
-               group: Optional[_core.ProcessGroup] = None, *,
-               group_src: Optional[int] = None) -> torch.Tensor:
-    """In place: tensor = src's tensor on every member, as torch.distributed.broadcast;
-    returns tensor. Not differentiable (as all_reduce_)."""
-    g = _group(group)
-    s = _root(g, src, group_src, "src", "broadcast_")
-    g.broadcast_(_in_place("broadcast_", tensor, g), s)
-    _bump_version(tensor)
-    return tensor
-
-
-# ----------------------------------------------------------------- exchange
-def route_features(producer_records: Sequence[Tuple[Any, torch.Tensor]], prototype: torch.Tensor,
-                   plan: "_ep.ExchangePlan", group: Optional[_core.ProcessGroup] = None, *,
-                   exchange_rank: Optional[int] = None, mode: Any = None,
-                   receiver_grad: Any = None) -> Tuple[torch.Tensor, List[Any]]:
-    """Sends this rank's encoder records (``(EncoderWorkItem, rows)`` pairs,
-    exactly the items of the bucket it produces, in bucket order; empty on
-    non-producers) to the exchange ranks that own their tokens.
-
-    ``prototype`` fixes dtype, device and width ([0, hidden] is fine).
-    ``group`` is the exchange group (TP group in TP modes, CP x TP parent
-    group in the parent mode); ``exchange_rank`` defaults to group.rank();
-    ``mode`` to plan.mode; ``receiver_grad`` to the mesh's convention
-    (ReplicatedOverTp for tp > 1 without SP, else Partial).
-    Returns (rows, items): received rows and their work items in row order.
-    In the all-to-all modes an item may be a piece of an image (row-level
-    routing): the rows of the tokens this rank owns, with the item's id and
-    decoder_token_start / output_rows narrowed to them; unpack_records and
-    merge_into_decoder take pieces like whole items.
-    The op always records a backward node (like cat_or_empty), so a rank that
-    sends nothing still runs the backward all-to-all.
-    """
-    g = _group(group)
-    er = g.rank() if exchange_rank is None else exchange_rank
-    m = plan.mode if mode is None else mode
-    rg = receiver_grad if receiver_grad is not None else _ep.receiver_grad_for(
-        plan.decoder.context(0, 0))
-    items = [r[0] for r in producer_records]
-    if not prototype.requires_grad:
-        prototype = prototype.detach().requires_grad_()
-    received: List[Any] = []
-
-    def run(ins: List[_core.Tensor]) -> List[_core.Tensor]:
-        feats = [_ep.EncoderFeature(it, t) for it, t in zip(items, ins[1:])]
-        routed = _ep.route_features(m, feats, ins[0], er, plan, g, rg)
-        received.extend(routed.items)
-        return [routed.rows]
-
-    rows = _apply(run, prototype, *[r[1] for r in producer_records], op="route_features",
-                  group=g)[0]
-    return rows, received
-
-
-def unpack_records(rows: torch.Tensor, received_items: Sequence[Any]) -> List[Record]:
-    """Splits routed rows by the plan into Records sorted by (batch_index,
-    decoder_token_start, item_id); each record's rows are differentiable.
-    InvalidArgument when rows and items disagree."""
-    order: List[Any] = []
-
-    def run(ins: List[_core.Tensor]) -> List[_core.Tensor]:
-        recs = _ep.unpack_records(ins[0], list(received_items))
-        order.extend(r.item for r in recs)
-        return [r.rows for r in recs]
-
-    outs = _apply(run, rows, op="unpack_records")
-    return [Record(it, t) for it, t in zip(order, outs)]
-
-
-def merge_into_decoder(base: torch.Tensor, records: Sequence[Tuple[Any, torch.Tensor]],
-                       layout: "_ep.ShardLayout",
-                       anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """base [layout.rows(), hidden] with every record's owned image-token rows
-    replaced by the record's rows. ``anchor``: the routed rows the records came
-    from (keeps the exchange's backward reachable on a rank with no records)."""
-    items = [r[0] for r in records]
-    xs = [base] + ([anchor] if anchor is not None else []) + [r[1] for r in records]
-    has_anchor = anchor is not None
-
-    def run(ins: List[_core.Tensor]) -> List[_core.Tensor]:
-        rec_t = ins[2:] if has_anchor else ins[1:]
-        feats = [_ep.EncoderFeature(it, t) for it, t in zip(items, rec_t)]
-        return [_ep.merge_into_decoder(ins[0], feats, layout, ins[1] if has_anchor else None)]
-
-    return _apply(run, *xs, op="merge_into_decoder")[0]
