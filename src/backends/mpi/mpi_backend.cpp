@@ -214,10 +214,10 @@ class MpiBackend final : public dist::Backend {
       sends.push_back({to, static_cast<const char*>(in.data_ptr()), in.numel() * es});
       recvs.push_back({from, bytes(out) + blocks.offset(f) * es, blocks.length(f) * es});
     });
-    Requests reqs = peers_.post(c, sends, recvs);
-    std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
-                static_cast<std::size_t>(blocks.length(me) * es));
-    peers_.complete(c, reqs);
+    peers_.exchange(c, sends, recvs, [&] {
+      std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
+                  static_cast<std::size_t>(blocks.length(me) * es));
+    });
   }
 
   void gather(Call& c) override {
@@ -315,10 +315,8 @@ class MpiBackend final : public dist::Backend {
                        static_cast<int64_t>(c.inputs[pi].nbytes())});
       recvs.push_back({p, bytes(c.outputs[pi]), static_cast<int64_t>(c.outputs[pi].nbytes())});
     }
-    Requests reqs = peers_.post(c, sends, recvs);
     const auto me = static_cast<std::size_t>(rank_);
-    c.outputs.writable(me).copy_(c.inputs[me]);  // while the messages are in flight
-    peers_.complete(c, reqs);
+    peers_.exchange(c, sends, recvs, [&] { c.outputs.writable(me).copy_(c.inputs[me]); });
   }
 
   void all_to_all_single(Call& c) override {
@@ -338,11 +336,11 @@ class MpiBackend final : public dist::Backend {
       sends.push_back({p, bytes(in) + send.offset(pi), send.length(pi)});
       recvs.push_back({p, bytes(out) + recv.offset(pi), recv.length(pi)});
     }
-    Requests reqs = peers_.post(c, sends, recvs);
-    const auto me = static_cast<std::size_t>(rank_);  // own block while the messages fly
-    std::memcpy(bytes(out) + recv.offset(me), bytes(in) + send.offset(me),
-                static_cast<std::size_t>(send.length(me)));
-    peers_.complete(c, reqs);
+    const auto me = static_cast<std::size_t>(rank_);
+    peers_.exchange(c, sends, recvs, [&] {
+      std::memcpy(bytes(out) + recv.offset(me), bytes(in) + send.offset(me),
+                  static_cast<std::size_t>(send.length(me)));
+    });
   }
 
   void send(Call& c) override {

@@ -23,9 +23,9 @@ void Peers::gather_fixed(const dist::Call& c, const Tensor& in, const Tensor& ou
     sends.push_back({to, static_cast<const char*>(in.data_ptr()), nb});
     recvs.push_back({from, bytes(out) + from * nb, nb});
   });
-  Requests reqs = post(c, sends, recvs);
-  std::memcpy(bytes(out) + rank_ * nb, in.data_ptr(), static_cast<std::size_t>(nb));
-  complete(c, reqs);
+  exchange(c, sends, recvs, [&] {
+    std::memcpy(bytes(out) + rank_ * nb, in.data_ptr(), static_cast<std::size_t>(nb));
+  });
 }
 
 // Where the ring beat MPI_Iallreduce (bench/RESULTS.md, "MPI at raw
@@ -89,11 +89,5 @@ Requests Peers::post(const dist::Call& c, const std::vector<Block>& sends,
 }
 
 void Peers::complete(const dist::Call& c, Requests& reqs) const { wait(c, timeout_s_, reqs); }
-
-void Peers::exchange(const dist::Call& c, const std::vector<Block>& sends,
-                     const std::vector<Block>& recvs) const {
-  Requests reqs = post(c, sends, recvs);
-  complete(c, reqs);
-}
 
 }  // namespace diffcomm::mpi::detail

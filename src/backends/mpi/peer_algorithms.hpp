@@ -38,15 +38,21 @@ class Peers {
     for (int i = 1; i < size_; ++i) f((rank_ + i) % size_, (rank_ - i + size_) % size_);
   }
 
-  // Per-peer non-blocking messages in chunks of at most max_count bytes:
-  // post issues them, complete waits for them within the deadline, and
-  // exchange does both. Between the two a caller copies its own block, so
-  // the copy overlaps the transfers (as Open MPI's blocking calls do).
-  Requests post(const dist::Call& c, const std::vector<Block>& sends,
-                const std::vector<Block>& recvs) const;
-  void complete(const dist::Call& c, Requests& reqs) const;
+  // Per-peer non-blocking messages in chunks of at most max_count bytes,
+  // completed within the deadline. `while_in_flight` runs between posting
+  // and waiting: the caller's own-block copy, which then overlaps the
+  // transfers (as Open MPI's blocking calls do).
   void exchange(const dist::Call& c, const std::vector<Block>& sends,
-                const std::vector<Block>& recvs) const;
+                const std::vector<Block>& recvs) const {
+    exchange(c, sends, recvs, [] {});
+  }
+  template <class F>
+  void exchange(const dist::Call& c, const std::vector<Block>& sends,
+                const std::vector<Block>& recvs, F&& while_in_flight) const {
+    Requests reqs = post(c, sends, recvs);
+    while_in_flight();
+    complete(c, reqs);
+  }
 
   // Every member's `in` into its block of `out`, by per-peer messages.
   void gather_fixed(const dist::Call& c, const Tensor& in, const Tensor& out) const;
@@ -56,6 +62,10 @@ class Peers {
   void ring_all_reduce(const dist::Call& c, const Tensor& t) const;
 
  private:
+  Requests post(const dist::Call& c, const std::vector<Block>& sends,
+                const std::vector<Block>& recvs) const;
+  void complete(const dist::Call& c, Requests& reqs) const;
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   double timeout_s_ = 0;
