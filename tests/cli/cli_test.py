@@ -722,7 +722,7 @@ def tokens_bad_args(cli):
 
 @scenario
 def tokens_models_and_videos(cli):
-    # Hand-computed (see tests/test_encoder_parallel.cpp, issue 13):
+    # Hand-computed (see tests/encoder_parallel/test_inputs.cpp, issue 13):
     #   qwen2vl 56x56 image: 2 x 2 = 4; a 3-frame 56x56 video: 2 temporal
     #   groups of 2 x 2 = 8; qwen3vl (factor 32, >= 65536 px) 56x56 -> 256x256:
     #   8 x 8 = 64 tokens; its video processor bounds the clip (issue 23): 3
