@@ -1,0 +1,78 @@
+#pragma once
+// Shared helpers of the simulated world's unit tests (tests/sim_world/).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "diffcomm/dist/group.hpp"
+#include "diffcomm/dist/reduce_op.hpp"
+#include "diffcomm/sim/world.hpp"
+#include "diffcomm/tensor.hpp"
+
+namespace diffcomm::sim_testing {
+
+using dist::ProcessGroup;
+using dist::ReduceOp;
+using sim::Rank;
+using sim::World;
+using sim::WorldOptions;
+
+// Note: rank functions run as fibers on one OS thread, so no SCOPED_TRACE in
+// them (gtest's trace stack is per thread); context goes into messages.
+
+inline WorldOptions options(int ranks, uint64_t seed = 1) {
+  WorldOptions o;
+  o.ranks = ranks;
+  o.seed = seed;
+  return o;
+}
+
+template <class E>
+inline bool holds(const std::exception_ptr& e) {
+  if (!e) return false;
+  try {
+    std::rethrow_exception(e);
+  } catch (const E&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+inline std::string what_of(const std::exception_ptr& e) {
+  if (!e) return "";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+inline bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+#define EXPECT_CONTAINS(haystack, needle)                                                        \
+  EXPECT_TRUE(contains((haystack), (needle))) << "expected to find \"" << (needle) << "\" in:\n" \
+                                              << (haystack)
+
+/// Runs fn and returns the exception run() raised (null if none).
+inline std::exception_ptr run_catching(World& w, const std::function<void(Rank&)>& fn) {
+  try {
+    w.run(fn);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+inline Tensor f32(const std::vector<double>& v) {
+  return from_vector(v, {static_cast<int64_t>(v.size())}, DType::Float32);
+}
+
+}  // namespace diffcomm::sim_testing
