@@ -22,6 +22,7 @@
 #include "diffcomm/nn/functional.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "diffcomm/tensor.hpp"
+#include "exception_testing.hpp"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -69,14 +70,7 @@ std::string text(const Values& v) {
   return s + "]";
 }
 
-std::string what_of(const std::exception_ptr& e) {
-  if (!e) return "";
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  }
-}
+using test_util::what_of;
 
 // ---------------------------------------------------------------- NaN (CASES 11)
 

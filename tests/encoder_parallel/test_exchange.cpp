@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../exception_testing.hpp"
 #include "diffcomm/autograd.hpp"
 #include "diffcomm/encoder_parallel/contracts.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
@@ -254,16 +255,6 @@ TEST(RouteFeatures, RecordsThatDisagreeWithThePlanAreRejected) {
     }
     return world;
   };
-  auto rethrows_invalid = [](const std::exception_ptr& p) {
-    if (!p) return false;
-    try {
-      std::rethrow_exception(p);
-    } catch (const InvalidArgument&) {
-      return true;
-    } catch (...) {
-      return false;
-    }
-  };
   // Rank 0 swaps its records; rank 1 is fine: rank 0 refuses, rank 1 gets a
   // RankFailure (not a hang).
   {
@@ -272,7 +263,7 @@ TEST(RouteFeatures, RecordsThatDisagreeWithThePlanAreRejected) {
       if (q == 0) std::swap(r[0], r[1]);
       return r;
     });
-    EXPECT_TRUE(rethrows_invalid(w->errors()[0]));
+    EXPECT_TRUE(test_util::holds<InvalidArgument>(w->errors()[0]));
     EXPECT_THAT(w->error_messages()[0], HasSubstr("item"));
     ASSERT_TRUE(w->errors()[1]);
     EXPECT_THROW(std::rethrow_exception(w->errors()[1]), RankFailure);
@@ -285,8 +276,8 @@ TEST(RouteFeatures, RecordsThatDisagreeWithThePlanAreRejected) {
       if (q == 0) r.pop_back();
       return r;
     });
-    EXPECT_TRUE(rethrows_invalid(w->errors()[0]));
-    EXPECT_TRUE(rethrows_invalid(w->errors()[1]));
+    EXPECT_TRUE(test_util::holds<InvalidArgument>(w->errors()[0]));
+    EXPECT_TRUE(test_util::holds<InvalidArgument>(w->errors()[1]));
     EXPECT_THAT(w->error_messages()[0], HasSubstr("2 records"));
     EXPECT_THAT(w->error_messages()[1], HasSubstr("item 3"));
   }
@@ -303,7 +294,7 @@ TEST(RouteFeatures, RecordsThatDisagreeWithThePlanAreRejected) {
                          ep::ReceiverGrad::Partial);
     }),
                  Error);
-    EXPECT_TRUE(rethrows_invalid(world.errors()[1]));
+    EXPECT_TRUE(test_util::holds<InvalidArgument>(world.errors()[1]));
   }
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "../exception_testing.hpp"
 #include "diffcomm/dist/group.hpp"
 #include "diffcomm/dist/reduce_op.hpp"
 #include "diffcomm/sim/world.hpp"
@@ -20,6 +21,8 @@ using dist::ReduceOp;
 using sim::Rank;
 using sim::World;
 using sim::WorldOptions;
+using test_util::holds;
+using test_util::what_of;
 
 // Note: rank functions run as fibers on one OS thread, so no SCOPED_TRACE in
 // them (gtest's trace stack is per thread); context goes into messages.
@@ -29,29 +32,6 @@ inline WorldOptions options(int ranks, uint64_t seed = 1) {
   o.ranks = ranks;
   o.seed = seed;
   return o;
-}
-
-template <class E>
-inline bool holds(const std::exception_ptr& e) {
-  if (!e) return false;
-  try {
-    std::rethrow_exception(e);
-  } catch (const E&) {
-    return true;
-  } catch (...) {
-    return false;
-  }
-}
-
-inline std::string what_of(const std::exception_ptr& e) {
-  if (!e) return "";
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown exception";
-  }
 }
 
 inline bool contains(const std::string& haystack, const std::string& needle) {
