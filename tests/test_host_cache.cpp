@@ -1,12 +1,14 @@
 // The host block cache (HostCacheStats in diffcomm/tensor.hpp): large CPU
-// storages are reused after free, zeros() still zero a reused block, the
-// cache is shared across threads, and DIFFCOMM_HOST_CACHE_MB bounds it
-// (HostCacheEnv runs under ctest with the variable set, see CMakeLists.txt).
+// storages are reused after free (the newest block of a class first), zeros()
+// still zero a reused block, the cache is shared across threads, a miss over
+// 32 MiB cached releases the oldest blocks, and DIFFCOMM_HOST_CACHE_MB bounds
+// it (HostCacheEnv runs under ctest with the variable set, see CMakeLists.txt).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "diffcomm/error.hpp"
 #include "diffcomm/tensor.hpp"
@@ -67,6 +69,45 @@ TEST(HostCache, SmallAndOtherClassRequestsDoNotTakeTheBlock) {
   EXPECT_EQ(after.cached_bytes, uint64_t(kMiB));
   empty_host_cache();
   EXPECT_EQ(host_cache_stats().cached_bytes, 0u);
+}
+
+TEST(HostCache, AMissOver32MiBCachedReleasesTheOldestBlocks) {
+  if (limit_from_test_env()) GTEST_SKIP() << "run with the default limit only";
+  empty_host_cache();
+  constexpr int64_t kBlock = 8 * kMiB;  // a class of its own (steps of 2 MiB)
+  std::vector<const void*> freed;       // in the order they went back
+  {
+    std::vector<Tensor> blocks;
+    for (int i = 0; i < 6; ++i) blocks.push_back(empty({kBlock}, DType::UInt8));
+    for (Tensor& t : blocks) {
+      freed.push_back(t.data_ptr());
+      t = Tensor{};
+    }
+  }
+  const HostCacheStats full = host_cache_stats();
+  ASSERT_EQ(full.cached_bytes, uint64_t(6 * kBlock));  // 48 MiB
+  // A 12 MiB request: no block of its class. The two oldest 8 MiB blocks
+  // (16 MiB >= 12) go back to the kernel, leaving 32 MiB.
+  Tensor other = empty({12 * kMiB}, DType::UInt8);
+  const HostCacheStats after_miss = host_cache_stats();
+  EXPECT_EQ(after_miss.misses, full.misses + 1);
+  EXPECT_EQ(after_miss.released, full.released + 2);
+  EXPECT_EQ(after_miss.cached_bytes, uint64_t(4 * kBlock));
+  // The four kept are the newest, handed out newest first; then the class
+  // is empty (its two oldest were released).
+  std::vector<Tensor> again;
+  for (int i = 5; i >= 2; --i) {
+    again.push_back(empty({kBlock}, DType::UInt8));
+    EXPECT_EQ(again.back().data_ptr(), freed[static_cast<std::size_t>(i)]) << "block " << i;
+  }
+  const HostCacheStats drained = host_cache_stats();
+  EXPECT_EQ(drained.hits, after_miss.hits + 4);
+  EXPECT_EQ(drained.cached_bytes, 0u);
+  again.push_back(empty({kBlock}, DType::UInt8));
+  EXPECT_EQ(host_cache_stats().misses, drained.misses + 1);
+  again.clear();
+  other = Tensor{};
+  empty_host_cache();
 }
 
 TEST(HostCache, ABlockFreedOnOneThreadServesAnother) {

@@ -238,11 +238,16 @@ uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what
 /// first-touch page faults every call. At most DIFFCOMM_HOST_CACHE_MB MiB
 /// (read at the first large allocation; default 1024, 0: no cache; another
 /// value throws InvalidArgument) are held; beyond that, blocks go back to
-/// the heap. Smaller storages use a per-thread cache inside the tensor.
+/// the kernel. While more than 32 MiB are cached, a miss (a size no cached
+/// block has) first releases the blocks freed longest ago, at least as many
+/// bytes as it asks for: when the sizes in use change, the cache does not
+/// keep pages nobody asks for (what glibc's heap and a plain free list do).
+/// Smaller storages use a per-thread cache inside the tensor.
 struct HostCacheStats {
   uint64_t cached_bytes = 0;  ///< held for reuse now
   uint64_t hits = 0;          ///< requests served from the cache
-  uint64_t misses = 0;        ///< requests that went to the heap
+  uint64_t misses = 0;        ///< requests that mapped a new block
+  uint64_t released = 0;      ///< cached blocks released by misses
   uint64_t limit_bytes = 0;   ///< DIFFCOMM_HOST_CACHE_MB in bytes
 };
 HostCacheStats host_cache_stats();

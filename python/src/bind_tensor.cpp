@@ -210,12 +210,14 @@ void bind_tensor(nb::module_& m) {
         d["cached_bytes"] = s.cached_bytes;
         d["hits"] = s.hits;
         d["misses"] = s.misses;
+        d["released"] = s.released;
         d["limit_bytes"] = s.limit_bytes;
         return d;
       },
       "The host block cache (diffcomm::HostCacheStats, diffcomm/tensor.hpp): CPU storages above "
       "64 KiB, outputs handed to torch included, are reused after free, up to "
-      "DIFFCOMM_HOST_CACHE_MB (default 1024). A dict: cached_bytes, hits, misses, limit_bytes.");
+      "DIFFCOMM_HOST_CACHE_MB (default 1024); above 32 MiB cached, a miss releases the blocks "
+      "freed longest ago. A dict: cached_bytes, hits, misses, released, limit_bytes.");
   m.def("empty_host_cache", &dc::empty_host_cache,
         "Frees every cached host block (torch.cuda.empty_cache's counterpart).");
   m.def("to_numpy", &tensor_to_ndarray<nb::numpy>, "tensor"_a,
