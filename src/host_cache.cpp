@@ -28,6 +28,7 @@
 #include <sys/mman.h>
 
 #include <charconv>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -101,6 +102,13 @@ void unmap_block(void* p, std::size_t bytes) noexcept {
 #endif
 }
 
+void unmap_blocks(const std::vector<std::pair<void*, std::size_t>>& blocks) noexcept {
+  for (const auto& [p, size] : blocks) {
+    ASAN_UNPOISON_MEMORY_REGION(p, size);
+    unmap_block(p, size);
+  }
+}
+
 struct Cached {
   void* p;
   uint64_t freed_at;  // the cache's count of frees when it came back
@@ -116,11 +124,12 @@ struct Cache {
   HostCacheStats stats;
 
   // Under the lock: takes blocks freed longest ago out of the cache until
-  // `bytes` are taken or only kKeepOnMiss remain; the caller unmaps them
+  // `bytes` are taken or at most `keep` bytes remain; the caller unmaps them
   // outside the lock.
-  void take_oldest(std::size_t bytes, std::vector<std::pair<void*, std::size_t>>& out) {
+  void take_oldest(std::size_t bytes, std::size_t keep,
+                   std::vector<std::pair<void*, std::size_t>>& out) {
     std::size_t taken = 0;
-    while (taken < bytes && stats.cached_bytes > kKeepOnMiss) {
+    while (taken < bytes && stats.cached_bytes > keep) {
       auto oldest = free.begin();
       for (auto it = free.begin(); it != free.end(); ++it)
         if (it->second.front().freed_at < oldest->second.front().freed_at) oldest = it;
@@ -164,12 +173,9 @@ void* host_allocate(std::size_t nbytes, std::size_t* capacity) {
       return p;
     }
     ++c.stats.misses;
-    c.take_oldest(bytes, released);
+    c.take_oldest(bytes, kKeepOnMiss, released);
   }
-  for (const auto& [p, size] : released) {
-    ASAN_UNPOISON_MEMORY_REGION(p, size);
-    unmap_block(p, size);
-  }
+  unmap_blocks(released);
   return map_block(bytes);
 }
 
@@ -202,19 +208,16 @@ HostCacheStats host_cache_stats() {
   return s;
 }
 
-void empty_host_cache() {
+void trim_host_cache(uint64_t keep_bytes) {
   Cache& c = cache();
-  std::map<std::size_t, std::deque<Cached>> blocks;
+  std::vector<std::pair<void*, std::size_t>> released;
   {
     const std::lock_guard<std::mutex> hold(c.lock);
-    blocks.swap(c.free);
-    c.stats.cached_bytes = 0;
+    c.take_oldest(SIZE_MAX, keep_bytes, released);
   }
-  for (auto& [bytes, list] : blocks)
-    for (const Cached& b : list) {
-      ASAN_UNPOISON_MEMORY_REGION(b.p, bytes);
-      unmap_block(b.p, bytes);
-    }
+  unmap_blocks(released);
 }
+
+void empty_host_cache() { trim_host_cache(0); }
 
 }  // namespace diffcomm

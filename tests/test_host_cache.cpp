@@ -1,8 +1,9 @@
 // The host block cache (HostCacheStats in diffcomm/tensor.hpp): large CPU
 // storages are reused after free (the newest block of a class first), zeros()
 // still zero a reused block, the cache is shared across threads, a miss over
-// 32 MiB cached releases the oldest blocks, and DIFFCOMM_HOST_CACHE_MB bounds
-// it (HostCacheEnv runs under ctest with the variable set, see CMakeLists.txt).
+// 32 MiB cached and trim_host_cache release the oldest blocks, and
+// DIFFCOMM_HOST_CACHE_MB bounds it (HostCacheEnv runs under ctest with the
+// variable set, see CMakeLists.txt).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -108,6 +109,25 @@ TEST(HostCache, AMissOver32MiBCachedReleasesTheOldestBlocks) {
   again.clear();
   other = Tensor{};
   empty_host_cache();
+}
+
+TEST(HostCache, TrimKeepsTheNewestBlocksUpToTheBytesAskedFor) {
+  if (limit_from_test_env()) GTEST_SKIP() << "run with the default limit only";
+  empty_host_cache();
+  std::vector<const void*> freed;  // 1, 2, 3 MiB, freed in that order
+  for (int64_t mib = 1; mib <= 3; ++mib) {
+    Tensor t = empty({mib * kMiB}, DType::UInt8);
+    freed.push_back(t.data_ptr());
+  }
+  ASSERT_EQ(host_cache_stats().cached_bytes, uint64_t(6 * kMiB));
+  const uint64_t released = host_cache_stats().released;
+  trim_host_cache(uint64_t(4 * kMiB));  // the 1 and 2 MiB blocks go: 3 MiB remain
+  EXPECT_EQ(host_cache_stats().cached_bytes, uint64_t(3 * kMiB));
+  EXPECT_EQ(host_cache_stats().released, released + 2);
+  Tensor kept = empty({3 * kMiB}, DType::UInt8);
+  EXPECT_EQ(kept.data_ptr(), freed[2]);
+  trim_host_cache(0);
+  EXPECT_EQ(host_cache_stats().cached_bytes, 0u);
 }
 
 TEST(HostCache, ABlockFreedOnOneThreadServesAnother) {

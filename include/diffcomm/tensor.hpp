@@ -247,13 +247,16 @@ struct HostCacheStats {
   uint64_t cached_bytes = 0;  ///< held for reuse now
   uint64_t hits = 0;          ///< requests served from the cache
   uint64_t misses = 0;        ///< requests that mapped a new block
-  uint64_t released = 0;      ///< cached blocks released by misses
+  uint64_t released = 0;      ///< cached blocks given back to the kernel
   uint64_t limit_bytes = 0;   ///< DIFFCOMM_HOST_CACHE_MB in bytes
 };
 HostCacheStats host_cache_stats();
 /// Frees every cached block (torch.cuda.empty_cache's counterpart); blocks
 /// in use are not affected.
 void empty_host_cache();
+/// Frees the cached blocks freed longest ago until at most `keep_bytes`
+/// remain cached (e.g. after a phase whose sizes will not come back).
+void trim_host_cache(uint64_t keep_bytes);
 
 // ---- factories ----
 /// Uninitialised tensor. Throws InvalidArgument on a negative dim or a size
