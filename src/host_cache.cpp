@@ -10,7 +10,7 @@
 // freed on one thread (torch dropping a tensor) is reused on another, and
 // these blocks are large, so the lock is a small share of the call.
 //
-// A miss means the sizes in use changed: while more than kKeepOnMiss bytes
+// A miss means the sizes in use changed: while more than kHostCacheKeepOnMiss bytes
 // are cached, a miss first releases the blocks freed longest ago, as many
 // bytes as it asks for, so a program whose sizes keep changing (a simulated
 // world's thousands of ranks, each with its own shard sizes) does not hold
@@ -62,9 +62,8 @@ namespace {
 
 constexpr std::size_t kAlign = 64;
 constexpr std::size_t kMaxCacheMb = std::size_t{1} << 24;  // 16 TiB
-// What the cache may hold without releasing anything on a miss: a training
-// loop's few hot sizes that alternate with others stay cached.
-constexpr std::size_t kKeepOnMiss = std::size_t{32} << 20;
+// Blocks taken out of the cache, unmapped by the caller outside the lock.
+using Released = std::vector<std::pair<void*, std::size_t>>;
 
 // DIFFCOMM_HOST_CACHE_MB (default 1024; 0 turns the cache off), read once.
 std::size_t limit_from_env() {
@@ -102,7 +101,7 @@ void unmap_block(void* p, std::size_t bytes) noexcept {
 #endif
 }
 
-void unmap_blocks(const std::vector<std::pair<void*, std::size_t>>& blocks) noexcept {
+void unmap_blocks(const Released& blocks) noexcept {
   for (const auto& [p, size] : blocks) {
     ASAN_UNPOISON_MEMORY_REGION(p, size);
     unmap_block(p, size);
@@ -126,8 +125,7 @@ struct Cache {
   // Under the lock: takes blocks freed longest ago out of the cache until
   // `bytes` are taken or at most `keep` bytes remain; the caller unmaps them
   // outside the lock.
-  void take_oldest(std::size_t bytes, std::size_t keep,
-                   std::vector<std::pair<void*, std::size_t>>& out) {
+  void take_oldest(std::size_t bytes, std::size_t keep, Released& out) {
     std::size_t taken = 0;
     while (taken < bytes && stats.cached_bytes > keep) {
       auto oldest = free.begin();
@@ -159,7 +157,7 @@ void* host_allocate(std::size_t nbytes, std::size_t* capacity) {
   const std::size_t bytes = class_bytes(nbytes);
   *capacity = bytes;
   Cache& c = cache();
-  std::vector<std::pair<void*, std::size_t>> released;
+  Released released;
   {
     const std::lock_guard<std::mutex> hold(c.lock);
     const auto it = c.free.find(bytes);
@@ -173,7 +171,7 @@ void* host_allocate(std::size_t nbytes, std::size_t* capacity) {
       return p;
     }
     ++c.stats.misses;
-    c.take_oldest(bytes, kKeepOnMiss, released);
+    c.take_oldest(bytes, kHostCacheKeepOnMiss, released);
   }
   unmap_blocks(released);
   return map_block(bytes);
@@ -210,7 +208,7 @@ HostCacheStats host_cache_stats() {
 
 void trim_host_cache(uint64_t keep_bytes) {
   Cache& c = cache();
-  std::vector<std::pair<void*, std::size_t>> released;
+  Released released;
   {
     const std::lock_guard<std::mutex> hold(c.lock);
     c.take_oldest(SIZE_MAX, keep_bytes, released);

@@ -161,10 +161,10 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
   // The run's tensors went back to the host block cache (up to its limit:
   // 450 MB at 1024 ranks); the reference and the check below work in
   // std::vector, so those pages would only sit beside them (a 1024-rank
-  // step peaked at 760 MB with them, 696 MB without). 32 MiB stay: a sweep's
-  // next small world reuses them (emptying the cache made a 40-seed sweep
-  // of 16 ranks 1.3x slower, in page faults).
-  trim_host_cache(uint64_t{32} << 20);
+  // step peaked at 760 MB with them). What a miss would keep stays: a
+  // sweep's next small world reuses it (emptying the cache made a 40-seed
+  // sweep of 16 ranks 1.3x slower, in page faults).
+  trim_host_cache(kHostCacheKeepOnMiss);
 
   const int cp = cfg.decoder.cp, tp = cfg.decoder.tp, cptp = cp * tp;
   for (int r = 0; r < ranks; ++r) {
