@@ -20,19 +20,6 @@
 namespace diffcomm {
 
 // ---------------------------------------------------------------- dtype
-std::size_t element_size(DType dtype) {
-  switch (dtype) {
-    case DType::Float32: return 4;
-    case DType::Float64: return 8;
-    case DType::BFloat16: return 2;
-    case DType::Float16: return 2;
-    case DType::Int32: return 4;
-    case DType::Int64: return 8;
-    case DType::UInt8: return 1;
-  }
-  return 0;
-}
-
 std::string dtype_name(DType dtype) {
   switch (dtype) {
     case DType::Float32: return "float32";

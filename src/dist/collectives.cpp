@@ -166,15 +166,18 @@ class Checker {
   void same_shape(const Tensor& t, const Shape& expected, Item role) {
     if (t.shape() != expected) same_shape(t, expected, role.str());
   }
-  void has_rows(const Tensor& t, const std::string& role) {
-    if (t.dim() == 0) fail(role + " is 0-d; this op moves rows (dim 0), give it at least one dim");
+  // Roles are string_views: a literal passes without a std::string built
+  // per call; a message is formatted only when a check fails.
+  void has_rows(const Tensor& t, std::string_view role) {
+    if (t.dim() == 0)
+      fail(fmt::format("{} is 0-d; this op moves rows (dim 0), give it at least one dim", role));
   }
-  void same_shape(const Tensor& t, const Shape& expected, const std::string& role) {
+  void same_shape(const Tensor& t, const Shape& expected, std::string_view role) {
     if (t.shape() != expected)
       fail(fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()),
                        shape_str(expected)));
   }
-  void list_size(const std::vector<Tensor>& ts, std::size_t expected, const std::string& role) {
+  void list_size(const std::vector<Tensor>& ts, std::size_t expected, std::string_view role) {
     if (ts.size() != expected)
       fail(fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(),
                        expected));
@@ -189,7 +192,7 @@ class Checker {
   // `row_bytes` bytes) a size a buffer can have: checked without overflow,
   // before any sum is taken or anything is allocated for them. A uniform
   // list (even splits) is checked in O(1).
-  void splits(const SplitList& s, const std::string& role, uint64_t row_bytes) {
+  void splits(const SplitList& s, std::string_view role, uint64_t row_bytes) {
     if (static_cast<int>(s.size()) != size())
       fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
     const uint64_t per_row = std::max<uint64_t>(row_bytes, 1);
@@ -256,9 +259,12 @@ class Checker {
     call_.reduce_op = op;
   }
   static Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
-  void same_trailing(const Tensor& t, const Tensor& ref, const std::string& role,
-                     const std::string& ref_role) {
-    if (trailing(t) != trailing(ref))
+  // Compared in place, the Shapes built only for a message. Both tensors
+  // have a dim 0 (every caller runs has_rows on both first).
+  void same_trailing(const Tensor& t, const Tensor& ref, std::string_view role,
+                     std::string_view ref_role) {
+    const Shape &a = t.shape(), &b = ref.shape();
+    if (!std::equal(a.begin() + 1, a.end(), b.begin() + 1, b.end()))
       fail(fmt::format("{} has row shape {} but {} has row shape {}", role, shape_str(trailing(t)),
                        ref_role, shape_str(trailing(ref))));
   }

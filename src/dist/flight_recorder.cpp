@@ -68,12 +68,20 @@ double FlightRecorder::now_s() const {
 
 void FlightRecorder::note_group(std::string_view name, int group_rank,
                                 const std::function<std::vector<int>()>& members) {
-  if (!detailed_ || groups_.find(name) != groups_.end()) return;
+  if (!detailed_ || group_named(name) != nullptr) return;
   RecordedGroup g;
   g.name = std::string(name);
   g.members = members();
   g.group_rank = group_rank;
-  groups_.emplace(g.name, std::move(g));
+  last_group_ = &groups_.emplace(g.name, std::move(g)).first->second;
+}
+
+RecordedGroup* FlightRecorder::group_named(std::string_view name) {
+  if (last_group_ != nullptr && last_group_->name == name) return last_group_;
+  auto it = groups_.find(name);
+  if (it == groups_.end()) return nullptr;
+  last_group_ = &it->second;  // map nodes stay put, and groups_ never erases
+  return last_group_;
 }
 
 std::size_t FlightRecorder::begin(const Call& call) {
@@ -107,10 +115,9 @@ std::size_t FlightRecorder::begin(const Call& call) {
     r.members = call.members;
     r.members_are_ranks = call.members_are_ranks;
     r.backward_of = call.backward_of;
-    auto it = groups_.find(call.group);
-    if (it != groups_.end()) {
+    if (RecordedGroup* g = group_named(call.group)) {
       const bool p2p = call.op == OpType::Send || call.op == OpType::Recv;
-      (p2p ? it->second.p2p_calls : it->second.calls) = call.seq + 1;
+      (p2p ? g->p2p_calls : g->calls) = call.seq + 1;
     }
   }
   return slot;

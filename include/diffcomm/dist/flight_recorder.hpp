@@ -160,6 +160,9 @@ class FlightRecorder {
  private:
   friend struct detail::SchedulerAccess;
   double now_s() const;
+  // The recorded group named `name`, or null; remembers the last one found,
+  // so a rank calling on one group looks it up once, not twice per call.
+  RecordedGroup* group_named(std::string_view name);
   std::vector<FlightRecord> ring_;
   uint64_t next_id_ = 1;
   Clock clock_ = nullptr;  // null: steady_clock since origin_
@@ -169,7 +172,8 @@ class FlightRecorder {
   std::string dump_dir_;
   int global_rank_ = -1;
   int world_size_ = 0;
-  std::map<std::string, RecordedGroup, std::less<>> groups_;
+  std::map<std::string, RecordedGroup, std::less<>> groups_;  // never erased
+  RecordedGroup* last_group_ = nullptr;                       // of group_named
 };
 
 }  // namespace diffcomm::dist

@@ -35,6 +35,7 @@ using dist::OpType;
 using dist::ReduceOp;
 
 using detail::Block;
+using detail::Blocks;
 using detail::bytes;
 using detail::check_plain;
 using detail::each_byte_chunk;
@@ -208,7 +209,7 @@ class MpiBackend final : public dist::Backend {
     const auto blocks = dist::BlockLayout::of(c.output_splits, in.row_numel());
     const int64_t es = static_cast<int64_t>(element_size(c.dtype));
     const auto me = static_cast<std::size_t>(rank_);
-    std::vector<Block> sends, recvs;
+    Blocks sends, recvs;
     peers_.each_peer([&](int to, int from) {
       const auto f = static_cast<std::size_t>(from);
       sends.push_back({to, static_cast<const char*>(in.data_ptr()), in.numel() * es});
@@ -233,7 +234,7 @@ class MpiBackend final : public dist::Backend {
       wait(c, reqs);
     } else {
       const int64_t nb = static_cast<int64_t>(in.nbytes());
-      std::vector<Block> sends, recvs;
+      Blocks sends, recvs;
       if (me) {
         for (int p = 0; p < size_; ++p)
           if (p == rank_)
@@ -272,7 +273,7 @@ class MpiBackend final : public dist::Backend {
       return;
     }
     const int64_t nb = static_cast<int64_t>(out.nbytes());
-    std::vector<Block> sends, recvs;
+    Blocks sends, recvs;
     if (me) {
       for (int p = 0; p < size_; ++p)
         if (p == rank_)
@@ -307,7 +308,7 @@ class MpiBackend final : public dist::Backend {
   }
 
   void all_to_all(Call& c) override {
-    std::vector<Block> sends, recvs;
+    Blocks sends, recvs;
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
       if (p == rank_) continue;
@@ -329,7 +330,7 @@ class MpiBackend final : public dist::Backend {
     const int64_t row_bytes = in.row_numel() * static_cast<int64_t>(element_size(c.dtype));
     const auto send = dist::BlockLayout::of(c.input_splits, row_bytes);
     const auto recv = dist::BlockLayout::of(c.output_splits, row_bytes);
-    std::vector<Block> sends, recvs;
+    Blocks sends, recvs;
     for (int p = 0; p < size_; ++p) {
       const auto pi = static_cast<std::size_t>(p);
       if (p == rank_) continue;

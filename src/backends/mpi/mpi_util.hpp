@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -53,9 +54,11 @@ void each_byte_chunk(int64_t nbytes, F&& f) {
   each_chunk(nbytes, f);
 }
 
-// The requests of one issued call.
+// The requests of one issued call, inline up to 16 (an exchange in a group
+// of up to 9 members: a send and a receive per peer), so the common call
+// allocates nothing on the heap.
 struct Requests {
-  std::vector<MPI_Request> reqs;
+  boost::container::small_vector<MPI_Request, 16> reqs;
   MPI_Request* add() {
     reqs.push_back(MPI_REQUEST_NULL);
     return &reqs.back();

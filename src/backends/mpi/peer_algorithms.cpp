@@ -18,7 +18,7 @@ constexpr int kTag = 0x5d1c;  // tag of diffcomm's own messages (on the backend'
 // (bench/RESULTS.md, "MPI at raw speed").
 void Peers::gather_fixed(const dist::Call& c, const Tensor& in, const Tensor& out) const {
   const int64_t nb = static_cast<int64_t>(in.nbytes());
-  std::vector<Block> sends, recvs;
+  Blocks sends, recvs;
   each_peer([&](int to, int from) {
     sends.push_back({to, static_cast<const char*>(in.data_ptr()), nb});
     recvs.push_back({from, bytes(out) + from * nb, nb});
@@ -69,8 +69,7 @@ void Peers::ring_all_reduce(const dist::Call& c, const Tensor& t) const {
   }
 }
 
-Requests Peers::post(const dist::Call& c, const std::vector<Block>& sends,
-                     const std::vector<Block>& recvs) const {
+Requests Peers::post(const dist::Call& c, const Blocks& sends, const Blocks& recvs) const {
   Requests reqs;
   for (const Block& b : recvs)
     each_byte_chunk(b.nbytes, [&](int64_t off, int count) {

@@ -7,6 +7,7 @@
 // non-blocking collectives (bench/RESULTS.md, "MPI at raw speed").
 #include <mpi.h>
 
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
 #include <vector>
 
@@ -21,6 +22,9 @@ struct Block {
   const char* data;
   int64_t nbytes;
 };
+// The messages of one exchange, inline up to 8 (no heap allocation per call
+// for groups of up to 9 members).
+using Blocks = boost::container::small_vector<Block, 8>;
 
 // The per-peer algorithms of one group: its rank and size, on `comm` (the
 // backend's duplicate of the group's communicator, which no user message can
@@ -42,13 +46,12 @@ class Peers {
   // completed within the deadline. `while_in_flight` runs between posting
   // and waiting: the caller's own-block copy, which then overlaps the
   // transfers (as Open MPI's blocking calls do).
-  void exchange(const dist::Call& c, const std::vector<Block>& sends,
-                const std::vector<Block>& recvs) const {
+  void exchange(const dist::Call& c, const Blocks& sends, const Blocks& recvs) const {
     exchange(c, sends, recvs, [] {});
   }
   template <class F>
-  void exchange(const dist::Call& c, const std::vector<Block>& sends,
-                const std::vector<Block>& recvs, F&& while_in_flight) const {
+  void exchange(const dist::Call& c, const Blocks& sends, const Blocks& recvs,
+                F&& while_in_flight) const {
     Requests reqs = post(c, sends, recvs);
     while_in_flight();
     complete(c, reqs);
@@ -62,8 +65,7 @@ class Peers {
   void ring_all_reduce(const dist::Call& c, const Tensor& t) const;
 
  private:
-  Requests post(const dist::Call& c, const std::vector<Block>& sends,
-                const std::vector<Block>& recvs) const;
+  Requests post(const dist::Call& c, const Blocks& sends, const Blocks& recvs) const;
   void complete(const dist::Call& c, Requests& reqs) const;
 
   MPI_Comm comm_ = MPI_COMM_NULL;
