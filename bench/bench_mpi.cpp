@@ -186,7 +186,8 @@ void run(benchmark::State& state, Op op) {
 }
 
 void Sizes(benchmark::internal::Benchmark* b) {
-  for (int64_t s : {int64_t{1} << 10, int64_t{64} << 10, int64_t{1} << 20, int64_t{16} << 20})
+  for (int64_t s : {int64_t{1} << 10, int64_t{64} << 10, int64_t{256} << 10, int64_t{1} << 20,
+                    int64_t{4} << 20, int64_t{16} << 20})
     b->Arg(s);
   b->UseManualTime()->Iterations(31);
 }

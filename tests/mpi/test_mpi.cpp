@@ -305,8 +305,9 @@ TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
 // Isend/Irecv, MPI_Reduce_local per block): closed forms on sizes that split
 // unevenly, chunked at max_count 3, and one answer on every rank where the
 // order of a float sum matters.
-// The ring runs on two members at every size and on more from 8 MiB, so
-// the small cases run on the pair {0, 1} and one 8 MiB call on the world.
+// The ring runs on two members at every size and on more from 256 KiB, so
+// the small cases run on the pair {0, 1} and one call above 256 KiB on the
+// world.
 static void ring_cases(const dist::ProcessGroup& world);
 
 TEST(MpiNative, RingAllReduceMatchesClosedFormsOnEveryRank) {
@@ -314,9 +315,9 @@ TEST(MpiNative, RingAllReduceMatchesClosedFormsOnEveryRank) {
   opts.native_reduction = true;
   const auto world = mpi::world(opts);
   if (auto pair = world.new_group({0, 1})) ring_cases(*pair);
-  ring_cases(world);  // below 8 MiB: MPI_Iallreduce when more than two
+  ring_cases(world);  // below 256 KiB: MPI_Iallreduce when more than two
   const int n = world.size(), r = world.rank();
-  const int64_t big = (int64_t{8} << 20) / 4 + 5;  // float32 elements
+  const int64_t big = (int64_t{256} << 10) / 4 + 5;  // float32 elements
   Tensor t = full({big}, r + 1.0, DType::Float32);
   dist::all_reduce(world, t, dist::ReduceOp::Sum);
   const auto got = t.to_vector();

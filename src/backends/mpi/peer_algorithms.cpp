@@ -29,12 +29,13 @@ void Peers::gather_fixed(const dist::Call& c, const Tensor& in, const Tensor& ou
 }
 
 // Where the ring beat MPI_Iallreduce (bench/RESULTS.md, "MPI at raw
-// speed"): on two members at every size (64 KiB: 1.03x raw MPI_Allreduce
-// against 1.7-2.0x), on more only for large tensors (np 4: 16 MiB 1.00x
-// against 1.17x, but 64 KiB 1.3-1.4x against 0.8-0.9x: its 2(N-1)
+// speed" and "the ring from 256 KiB"): on two members at every size (64 KiB:
+// 1.03x raw MPI_Allreduce against 1.7-2.0x); on more from 256 KiB (np 4:
+// 256 KiB 0.88-1.07x against 1.00-1.24x, 1 MiB 0.79-1.01x against
+// 1.22-1.42x), not below (64 KiB 1.02-1.34x against 0.81-0.93x: its 2(N-1)
 // dependent steps cost more than libnbc's schedule there).
 bool Peers::use_ring(const Tensor& t) const {
-  constexpr std::size_t kRingFrom = std::size_t{8} << 20;  // bytes, more than two members
+  constexpr std::size_t kRingFrom = std::size_t{256} << 10;  // bytes, more than two members
   if (size_ < 2 || t.numel() < size_) return false;
   return size_ == 2 || t.nbytes() >= kRingFrom;
 }
