@@ -10,14 +10,15 @@
 // freed on one thread (torch dropping a tensor) is reused on another, and
 // these blocks are large, so the lock is a small share of the call.
 //
-// A miss means the sizes in use changed: while more than kHostCacheKeepOnMiss bytes
-// are cached, a miss first releases the blocks freed longest ago, as many
-// bytes as it asks for, so a program whose sizes keep changing (a simulated
-// world's thousands of ranks, each with its own shard sizes) does not hold
-// the limit's worth of pages it never reuses. Blocks are mapped with mmap,
-// not taken from malloc, so a released block's pages go back to the kernel
-// at once; through glibc they stayed in its heap (a 1024-rank step peaked at
-// 921 MB with the cache off, against a 570 MB live set).
+// A miss means the sizes in use changed: while more than
+// kHostCacheKeepOnMiss bytes are cached, a miss first releases the blocks
+// freed longest ago, as many bytes as it asks for, so a program whose sizes
+// keep changing (a simulated world's thousands of ranks, each with its own
+// shard sizes) does not hold the limit's worth of pages it never reuses.
+// Blocks are mapped with mmap, not taken from malloc, so a released block's
+// pages go back to the kernel at once; through glibc they stayed in its heap
+// (a 1024-rank step peaked at 921 MB with the cache off, against a 570 MB
+// live set).
 //
 // Under AddressSanitizer blocks come from aligned_alloc (its red zones catch
 // an overflow past a storage), and a cached block is poisoned, so a use

@@ -231,6 +231,9 @@ inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 48;
 uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what);
 
 // ---- the host block cache ----
+/// Bytes the host block cache may hold before a miss releases anything.
+inline constexpr uint64_t kHostCacheKeepOnMiss = uint64_t{32} << 20;  // 32 MiB
+
 /// CPU storages above 64 KiB come from a process-wide cache: a freed block
 /// keeps its pages and is reused by the next request of its size class
 /// (four classes per power of two), as torch's CUDA caching allocator does,
@@ -238,13 +241,11 @@ uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what
 /// first-touch page faults every call. At most DIFFCOMM_HOST_CACHE_MB MiB
 /// (read at the first large allocation; default 1024, 0: no cache; another
 /// value throws InvalidArgument) are held; beyond that, blocks go back to
-/// the kernel. While more than kHostCacheKeepOnMiss are cached, a miss (a size no cached
-/// block has) first releases the blocks freed longest ago, at least as many
-/// bytes as it asks for: when the sizes in use change, the cache does not
-/// keep pages nobody asks for (what glibc's heap and a plain free list do).
-/// Smaller storages use a per-thread cache inside the tensor.
-/// Bytes the cache keeps before a miss releases anything (32 MiB).
-inline constexpr uint64_t kHostCacheKeepOnMiss = uint64_t{32} << 20;
+/// the kernel. While more than kHostCacheKeepOnMiss bytes are cached, a miss
+/// (a size no cached block has) first releases the blocks freed longest ago,
+/// at least as many bytes as it asks for: when the sizes in use change, the
+/// cache does not keep pages nobody asks for (what glibc's heap and a plain
+/// free list do). Smaller storages use a per-thread cache inside the tensor.
 struct HostCacheStats {
   uint64_t cached_bytes = 0;  ///< held for reuse now
   uint64_t hits = 0;          ///< requests served from the cache

@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <boost/container/small_vector.hpp>
+#include <cstddef>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "diffcomm/dist/backend.hpp"
 #include "diffcomm/error.hpp"
@@ -54,11 +54,13 @@ void each_byte_chunk(int64_t nbytes, F&& f) {
   each_chunk(nbytes, f);
 }
 
-// The requests of one issued call, inline up to 16 (an exchange in a group
-// of up to 9 members: a send and a receive per peer), so the common call
-// allocates nothing on the heap.
+// Peers whose messages an exchange keeps inline (groups of up to 9
+// members), so the common call allocates nothing on the heap for them.
+inline constexpr std::size_t kInlinePeers = 8;
+
+// The requests of one issued call: a send and a receive per peer inline.
 struct Requests {
-  boost::container::small_vector<MPI_Request, 16> reqs;
+  boost::container::small_vector<MPI_Request, 2 * kInlinePeers> reqs;
   MPI_Request* add() {
     reqs.push_back(MPI_REQUEST_NULL);
     return &reqs.back();

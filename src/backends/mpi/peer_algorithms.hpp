@@ -9,7 +9,6 @@
 
 #include <boost/container/small_vector.hpp>
 #include <cstdint>
-#include <vector>
 
 #include "diffcomm/dist/backend.hpp"
 #include "mpi_util.hpp"
@@ -22,9 +21,8 @@ struct Block {
   const char* data;
   int64_t nbytes;
 };
-// The messages of one exchange, inline up to 8 (no heap allocation per call
-// for groups of up to 9 members).
-using Blocks = boost::container::small_vector<Block, 8>;
+// The messages of one exchange, one per peer (inline up to kInlinePeers).
+using Blocks = boost::container::small_vector<Block, kInlinePeers>;
 
 // The per-peer algorithms of one group: its rank and size, on `comm` (the
 // backend's duplicate of the group's communicator, which no user message can
