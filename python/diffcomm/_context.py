@@ -6,7 +6,15 @@ process. The thread's group wins.
 """
 import threading
 
-_local = threading.local()
+
+class _ThreadGroup(threading.local):
+    # A class default, so a thread that never set one reads None without the
+    # AttributeError that getattr(local, name, None) raises and catches
+    # (0.2-0.3 us on every group=None call of an MPI or torchrun process).
+    group = None
+
+
+_local = _ThreadGroup()
 _process_group = None
 
 
@@ -20,7 +28,7 @@ def set_process_group(group):
 
 
 def default_group():
-    group = getattr(_local, "group", None)
+    group = _local.group
     if group is not None:
         return group
     if _process_group is not None:

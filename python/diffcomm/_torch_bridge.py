@@ -7,12 +7,21 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils.dlpack import from_dlpack as _from_dlpack
+from torch.utils.dlpack import from_dlpack as _public_from_dlpack
 from torch.utils.dlpack import to_dlpack as _to_dlpack
+
+# For a capsule, torch.utils.dlpack.from_dlpack (1.13 and 2.x) calls this very
+# function after a hasattr(capsule, "__dlpack__") that fails: 0.1-0.2 us per
+# call saved. The public one where a torch lacks it.
+_from_dlpack = getattr(torch._C, "_from_dlpack", _public_from_dlpack)
 
 from . import _core, _participation
 from ._core import InvalidArgument
 from ._torch_args import _where
+
+
+_NEGATED_VIEW = ("diffcomm.torch: the tensor is a lazily negated view (is_neg()); call "
+                 ".resolve_neg() first")
 
 
 def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
@@ -23,8 +32,7 @@ def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
         raise TypeError(f"diffcomm.torch: expected a torch.Tensor, got {type(t).__name__}")
     # (A conjugated view is complex, which diffcomm refuses by dtype.)
     if t.is_neg():  # DLPack would export the memory without the sign
-        raise InvalidArgument("diffcomm.torch: the tensor is a lazily negated view (is_neg()); "
-                              "call .resolve_neg() first")
+        raise InvalidArgument(_NEGATED_VIEW)
     # A capsule from torch.utils.dlpack, not the __dlpack__ protocol: 0.3-1 us
     # instead of 2-3 us per tensor (bench/RESULTS.md, the bridge's pieces).
     return _core.from_dlpack(_to_dlpack(t.detach() if t.requires_grad else t), requires_grad)
@@ -134,17 +142,45 @@ def _apply(run: Callable[[List[_core.Tensor]], List[_core.Tensor]], *xs: torch.T
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"diffcomm.torch.{op}: expected torch.Tensor inputs, got "
                             f"{type(x).__name__}")
-        grad = grad or x.requires_grad
+        if x.requires_grad:
+            grad = True
     if grad and torch.is_grad_enabled():
         return _Bridge.apply(run, group._cohort_id if group is not None else None, (op, group),
                              *xs)
     # Nothing to differentiate: diffcomm records no node for inputs that do
     # not require grad, and the bridge would only add torch's
     # autograd.Function machinery to the call (outputs are non-differentiable
-    # either way).
-    try:  # _borrow written out: this is every no-grad call's path (0.2 us less)
-        ins = [to_diffcomm(x) for x in xs]
+    # either way). This is every no-grad call's path, so to_diffcomm and
+    # from_diffcomm are written out, without generator expressions, and one
+    # output (most ops) skips the loop: about 1 us less per call than the
+    # plain form (bench/RESULTS.md, the bridge's pieces).
+    try:
+        ins = []
+        for x in xs:
+            if x.is_neg():
+                raise InvalidArgument(_NEGATED_VIEW)
+            ins.append(_core.from_dlpack(_to_dlpack(x.detach() if x.requires_grad else x)))
     except (InvalidArgument, RuntimeError) as e:
         raise _refused(e, op, group) from None
-    return tuple(from_diffcomm(o) for o in run(ins))
+    outs = run(ins)
+    if len(outs) == 1:
+        return (_from_dlpack(_core.to_dlpack(outs[0])),)
+    return tuple([_from_dlpack(_core.to_dlpack(o)) for o in outs])
 
+
+
+def _apply_one(run: Callable[[_core.Tensor], _core.Tensor], x: torch.Tensor, *, op: str,
+               group: _core.ProcessGroup) -> torch.Tensor:
+    """_apply for an op of one tensor in and one out (most collectives):
+    ``run`` maps a diffcomm tensor to one. The no-grad path is written out
+    without _apply's lists (0.4-0.7 us less per call, bench/RESULTS.md); every
+    other case (an input requiring grad, a refused input) goes through _apply,
+    with its errors."""
+    if isinstance(x, torch.Tensor) and not (x.requires_grad and torch.is_grad_enabled()) \
+            and not x.is_neg():
+        try:
+            t = _core.from_dlpack(_to_dlpack(x.detach() if x.requires_grad else x))
+        except (InvalidArgument, RuntimeError) as e:
+            raise _refused(e, op, group) from None
+        return _from_dlpack(_core.to_dlpack(run(t)))
+    return _apply(lambda i: [run(i[0])], x, op=op, group=group)[0]

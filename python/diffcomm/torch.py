@@ -65,7 +65,7 @@ from . import _context, _core, _exit_dump, _mpi_job, _participation
 from ._core import InvalidArgument
 from ._core import nn as _nn
 from ._torch_args import _group, _op, _root, premul_sum
-from ._torch_bridge import _apply, from_diffcomm, to_diffcomm
+from ._torch_bridge import _apply, _apply_one, from_diffcomm, to_diffcomm
 from ._torch_exchange import Record, merge_into_decoder, route_features, unpack_records
 from ._torch_in_place import all_reduce_, broadcast_
 
@@ -336,7 +336,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = "sum",
     Max/Min: gradient to the extremum holders, split among ties.
     Product: dx_r = G * prod_{s != r} x_s."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.all_reduce(i[0], g, o)], tensor, op="all_reduce", group=g)[0]
+    return _apply_one(lambda t: _nn.all_reduce(t, g, o), tensor, op="all_reduce", group=g)
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
@@ -345,7 +345,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
     """y = tensor of src on every rank; dx = sum of the gradients on src, zeros elsewhere."""
     g = _group(group)
     s = _root(g, src, group_src, "src", "broadcast")
-    return _apply(lambda i: [_nn.broadcast(i[0], s, g)], tensor, op="broadcast", group=g)[0]
+    return _apply_one(lambda t: _nn.broadcast(t, s, g), tensor, op="broadcast", group=g)
 
 
 def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
@@ -354,7 +354,7 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
     """y = reduce of tensor on dst; zeros on other ranks. dx: dst's gradient on every rank."""
     g, o = _group(group), _op(op)
     d = _root(g, dst, group_dst, "dst", "reduce")
-    return _apply(lambda i: [_nn.reduce(i[0], d, g, o)], tensor, op="reduce", group=g)[0]
+    return _apply_one(lambda t: _nn.reduce(t, d, g, o), tensor, op="reduce", group=g)
 
 
 def all_gather(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
@@ -368,8 +368,8 @@ def all_gather_single(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] 
                       grad: str = "partial") -> torch.Tensor:
     """Rows of every member concatenated along dim 0 (torch's all_gather_into_tensor)."""
     g = _group(group)
-    return _apply(lambda i: [_nn.all_gather_single(i[0], g, grad)], tensor,
-                  op="all_gather_single", group=g)[0]
+    return _apply_one(lambda t: _nn.all_gather_single(t, g, grad), tensor,
+                  op="all_gather_single", group=g)
 
 
 def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
@@ -377,8 +377,8 @@ def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
                  grad: str = "partial") -> torch.Tensor:
     """Concatenation of the members' tensors, member s having output_split_sizes[s] rows."""
     g, splits = _group(group), list(output_split_sizes)
-    return _apply(lambda i: [_nn.all_gather_v(i[0], splits, g, grad)], tensor,
-                  op="all_gather_v", group=g)[0]
+    return _apply_one(lambda t: _nn.all_gather_v(t, splits, g, grad), tensor,
+                  op="all_gather_v", group=g)
 
 
 def gather(tensor: torch.Tensor, dst: Optional[int] = None,
@@ -414,16 +414,16 @@ def reduce_scatter_single(tensor: torch.Tensor, op: Any = "sum",
                           group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[size*R, ...] -> [R, ...] (torch's reduce_scatter_tensor)."""
     g, o = _group(group), _op(op)
-    return _apply(lambda i: [_nn.reduce_scatter_single(i[0], g, o)], tensor,
-                  op="reduce_scatter_single", group=g)[0]
+    return _apply_one(lambda t: _nn.reduce_scatter_single(t, g, o), tensor,
+                  op="reduce_scatter_single", group=g)
 
 
 def reduce_scatter_v(tensor: torch.Tensor, input_split_sizes: Sequence[int], op: Any = "sum",
                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[sum(input_split_sizes), ...] -> [input_split_sizes[rank], ...]."""
     g, o, splits = _group(group), _op(op), list(input_split_sizes)
-    return _apply(lambda i: [_nn.reduce_scatter_v(i[0], splits, g, o)], tensor,
-                  op="reduce_scatter_v", group=g)[0]
+    return _apply_one(lambda t: _nn.reduce_scatter_v(t, splits, g, o), tensor,
+                  op="reduce_scatter_v", group=g)
 
 
 def all_to_all(input_tensor_list: Sequence[torch.Tensor],
@@ -444,13 +444,13 @@ def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence
     g = _group(group)
     out = list(output_split_sizes) if output_split_sizes is not None else []
     inp = list(input_split_sizes) if input_split_sizes is not None else []
-    return _apply(lambda i: [_nn.all_to_all_single(i[0], out, inp, g)], input,
-                  op="all_to_all_single", group=g)[0]
+    return _apply_one(lambda t: _nn.all_to_all_single(t, out, inp, g), input,
+                  op="all_to_all_single", group=g)
 
 
 def copy_to_tp_region(tensor: torch.Tensor,
                       group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """Megatron's copy to the TP region: identity forward, all_reduce of the gradient."""
     g = _group(group)
-    return _apply(lambda i: [_nn.copy_to_tp_region(i[0], g)], tensor,
-                  op="copy_to_tp_region", group=g)[0]
+    return _apply_one(lambda t: _nn.copy_to_tp_region(t, g), tensor,
+                  op="copy_to_tp_region", group=g)

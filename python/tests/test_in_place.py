@@ -201,6 +201,11 @@ def test_every_op_names_itself_when_it_refuses_an_input():
                 with pytest.raises(diffcomm.InvalidArgument,
                                    match=re.escape(f"diffcomm.torch.{name} {where}: ")):
                     call()
+        for name, call in (("all_reduce", lambda: dt.all_reduce([1.0, 2.0])),
+                           ("reduce_scatter_single", lambda: dt.reduce_scatter_single(None))):
+            with pytest.raises(TypeError, match=re.escape(
+                    f"diffcomm.torch.{name}: expected torch.Tensor inputs, got ")):
+                call()
         return True
 
     assert sim.run(2, fn).results == [True, True]
