@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "diffcomm/dist/backend/checked_backend.hpp"
@@ -165,10 +166,28 @@ TEST(StackLayers, CheckedOutsideComposedOutsideTheTransport) {
   EXPECT_THROW(stack_layers(nullptr, native_unchecked, control, Device::cpu()), InvalidArgument);
 }
 
+// A transport that copies every own block (as NCCL's and torch's): the
+// simulated backend with skips_own_block() false, so ComposedReductions
+// takes its copying path over it.
+class CopiesOwnBlock final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  bool skips_own_block() const override { return false; }
+  int placed_steps = 0;  // steps that asked to skip the own block anyway
+
+ protected:
+  void forward(Call& c) override {
+    if (c.own_block_placed) ++placed_steps;
+    inner().run(c);
+  }
+};
+
 // ComposedReductions over the simulated world's backend reduces every
-// element in group-rank order, as the simulated world does: the same bits.
+// element in group-rank order, as the simulated world does: the same bits,
+// whether the transport skips the own block's copies (the simulated one,
+// as MPI) or copies it (as NCCL and torch), in place and out of place.
 TEST(ComposedReductions, OverTheSimulatedWorldGivesItsBitsExactly) {
-  for (int n : {2, 3, 5}) {
+  for (int n : {1, 2, 3, 5}) {
     sim::WorldOptions o;
     o.ranks = n;
     o.seed = 11;
@@ -177,19 +196,36 @@ TEST(ComposedReductions, OverTheSimulatedWorldGivesItsBitsExactly) {
       const ProcessGroup& native = rank.world();
       // Non-owning: the world's group keeps its backend alive.
       std::shared_ptr<Backend> sim_backend(std::shared_ptr<Backend>{}, &native.backend());
-      ProcessGroup composed(std::make_shared<ComposedReductions>(sim_backend), "composed", nullptr);
-      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Product}) {
-        const Tensor x = rand_normal({13}, rank.generator());
-        Tensor a = x.copy_data(), b = x.copy_data();
-        all_reduce(native, a, op);
-        all_reduce(composed, b, op);
-        EXPECT_EQ(a.to_vector(), b.to_vector()) << "all_reduce, world " << n;
-        Tensor ra = zeros({3}), rb = zeros({3});
-        const Tensor y = rand_normal({3 * static_cast<int64_t>(n)}, rank.generator());
-        reduce_scatter_single(native, ra, y, op);
-        reduce_scatter_single(composed, rb, y, op);
-        EXPECT_EQ(ra.to_vector(), rb.to_vector()) << "reduce_scatter_single, world " << n;
+      auto copying = std::make_shared<CopiesOwnBlock>(sim_backend);
+      ASSERT_TRUE(sim_backend->skips_own_block());
+      const ProcessGroup skipping_g(std::make_shared<ComposedReductions>(sim_backend), "composed",
+                                    nullptr);
+      const ProcessGroup copying_g(std::make_shared<ComposedReductions>(copying), "copying",
+                                   nullptr);
+      for (const ProcessGroup* composed : {&skipping_g, &copying_g}) {
+        for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Product}) {
+          const std::string where = composed->name() + ", world " + std::to_string(n);
+          const Tensor x = rand_normal({13}, rank.generator());
+          Tensor a = x.copy_data(), b = x.copy_data(), into = full({13}, -1.0);
+          all_reduce(native, a, op);
+          all_reduce(*composed, b, op);
+          EXPECT_EQ(a.to_vector(), b.to_vector()) << "all_reduce, " << where;
+          all_reduce_into(*composed, into, x, op);
+          EXPECT_EQ(a.to_vector(), into.to_vector()) << "all_reduce_into, " << where;
+          Tensor ra = zeros({3}), rb = zeros({3});
+          const Tensor y = rand_normal({3 * static_cast<int64_t>(n)}, rank.generator());
+          reduce_scatter_single(native, ra, y, op);
+          reduce_scatter_single(*composed, rb, y, op);
+          EXPECT_EQ(ra.to_vector(), rb.to_vector()) << "reduce_scatter_single, " << where;
+          Tensor da = x.copy_data(), db = x.copy_data();
+          reduce(native, da, n - 1, op);
+          reduce(*composed, db, n - 1, op);
+          if (rank.rank() == n - 1) {
+            EXPECT_EQ(da.to_vector(), db.to_vector()) << "reduce, " << where;
+          }
+        }
       }
+      EXPECT_EQ(copying->placed_steps, 0);
     });
   }
 }

@@ -86,7 +86,8 @@ void move_all_gather_v(const Calls& c) {
   for (std::size_t i = 0; i < n; ++i) {
     const auto rows = dist::BlockLayout::of(c[i]->output_splits, 1);
     for (std::size_t s = 0; s < n; ++s)
-      c[i]->outputs[0].row_view(rows.offset(s), rows.length(s)).copy_(c[s]->inputs[0]);
+      if (s != i || !c[i]->own_block_placed)
+        c[i]->outputs[0].row_view(rows.offset(s), rows.length(s)).copy_(c[s]->inputs[0]);
   }
 }
 
@@ -161,7 +162,8 @@ void move_all_to_all_single(const Calls& c) {
       if (bytes == 0) continue;
       // Receiver j's output_splits[s] equals in_splits[j] (compared
       // before any data moves), so the sender's split advances both.
-      std::memcpy(dst[j] + cursor[j], src + in_at, static_cast<std::size_t>(bytes));
+      if (j != s || !c[s]->own_block_placed)
+        std::memcpy(dst[j] + cursor[j], src + in_at, static_cast<std::size_t>(bytes));
       in_at += bytes;
       cursor[j] += bytes;
     }

@@ -27,6 +27,9 @@ class SimBackend final : public dist::Backend {
   bool supports(const Device& d) const override { return d.is_cpu(); }
   /// move_all_reduce reads every member's inputs[0] and writes its outputs[0].
   bool all_reduce_out_of_place() const override { return true; }
+  /// move_all_to_all_single and move_all_gather_v skip a member's own block
+  /// on its Call::own_block_placed.
+  bool skips_own_block() const override { return true; }
 
   // O(1): the run flag, and the rank of the running fiber (its properties)
   // against this handle's owner. Touches nothing of the World unless its run

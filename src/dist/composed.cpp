@@ -20,8 +20,19 @@ Splits even_blocks(int64_t numel, int n) {
   return s;
 }
 
+// Offset of member j's block in a flat buffer of `counts` blocks.
+int64_t block_offset(const Splits& counts, int j) {
+  int64_t at = 0;
+  for (int k = 0; k < j; ++k) at += counts[static_cast<std::size_t>(k)];
+  return at;
+}
+
 // Sends block j of `in` (counts[j] elements) to member j, then reduces the N
-// blocks received, in group-rank order, into `out` (counts[rank] elements).
+// blocks received, in group-rank order, into `out` (counts[rank] elements;
+// it may be the own block of `in` itself). Over a transport that
+// skips_own_block(), the own block is read where it is in `in` instead of
+// being copied into `received` first: one memcpy of 1/N of the data less,
+// the same operands in the same order (the same bits).
 void reduce_scatter_blocks(Backend& b, const Call& parent, const Tensor& in, const Splits& counts,
                            const Tensor& out) {
   const int n = parent.group_size;
@@ -32,10 +43,14 @@ void reduce_scatter_blocks(Backend& b, const Call& parent, const Tensor& in, con
   a2a.outputs = {received};
   a2a.input_splits = counts;
   a2a.output_splits = Splits(static_cast<std::size_t>(n), mine);
+  a2a.own_block_placed = b.skips_own_block();
   b.all_to_all_single(a2a);
   std::vector<Tensor> blocks;
   blocks.reserve(static_cast<std::size_t>(n));
-  for (int s = 0; s < n; ++s) blocks.push_back(received.row_view(s * mine, mine));
+  for (int s = 0; s < n; ++s)
+    blocks.push_back(s == parent.rank && a2a.own_block_placed
+                         ? in.row_view(block_offset(counts, s), mine)
+                         : received.row_view(s * mine, mine));
   reduce_into(out, blocks, parent.reduce_op);
 }
 
@@ -44,14 +59,22 @@ void reduce_scatter_blocks(Backend& b, const Call& parent, const Tensor& in, con
 void composed_all_reduce(Backend& b, Call& c) {
   // In place (inputs[0] is outputs[0]) or out of place (all_reduce_into):
   // the blocks are sent before anything is written into the output.
+  // Over a transport that skips_own_block(), this member's reduced block is
+  // written straight into its place in the output (the all-to-all has
+  // finished reading the input by then) and gathered from there: no
+  // separate block, no copy of it into the output.
   const Tensor t = flat(c.outputs[0]);
   const Splits counts = even_blocks(t.numel(), c.group_size);
-  Tensor mine = empty({counts[static_cast<std::size_t>(c.rank)]}, c.dtype, t.device());
+  const int64_t own = counts[static_cast<std::size_t>(c.rank)];
+  const bool placed = b.skips_own_block();
+  Tensor mine =
+      placed ? t.row_view(block_offset(counts, c.rank), own) : empty({own}, c.dtype, t.device());
   reduce_scatter_blocks(b, c, flat(c.inputs[0]), counts, mine);
   Call gather = c.step(OpType::AllGatherV);
   gather.inputs = {mine};
   gather.outputs = {t};
   gather.output_splits = counts;
+  gather.own_block_placed = placed;
   b.all_gather_v(gather);
 }
 

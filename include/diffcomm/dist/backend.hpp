@@ -44,6 +44,11 @@ class Backend {
   /// in-place call.
   virtual bool all_reduce_out_of_place() const { return false; }
 
+  /// Whether all_to_all_single() and all_gather_v() honour
+  /// Call::own_block_placed (skip the own block's copy). Default false: a
+  /// composed reduction then copies as with any transport.
+  virtual bool skips_own_block() const { return false; }
+
   /// Runs `call` on the primitive call.op names (the one dispatch; a
   /// decorator forwards a call with it). Throws InvalidArgument for
   /// OpType::NewGroup, which returns a backend: use split().

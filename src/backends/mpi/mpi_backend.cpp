@@ -125,6 +125,9 @@ class MpiBackend final : public dist::Backend {
   int size() const override { return size_; }
   int global_rank(int r) const override { return members_[static_cast<std::size_t>(r)]; }
   bool supports(const Device& d) const override { return d.is_cpu(); }
+  // all_to_all_single and all_gather_v below skip their own-block memcpy on
+  // Call::own_block_placed (the deterministic reductions' steps).
+  bool skips_own_block() const override { return true; }
 
   std::shared_ptr<dist::Backend> split(Call& c, int color, int key) override {
     // MPI_Comm_split blocks: meet in a non-blocking barrier with the deadline
@@ -216,8 +219,9 @@ class MpiBackend final : public dist::Backend {
       recvs.push_back({from, bytes(out) + blocks.offset(f) * es, blocks.length(f) * es});
     });
     peers_.exchange(c, sends, recvs, [&] {
-      std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
-                  static_cast<std::size_t>(blocks.length(me) * es));
+      if (!c.own_block_placed)
+        std::memcpy(bytes(out) + blocks.offset(me) * es, in.data_ptr(),
+                    static_cast<std::size_t>(blocks.length(me) * es));
     });
   }
 
@@ -339,8 +343,9 @@ class MpiBackend final : public dist::Backend {
     }
     const auto me = static_cast<std::size_t>(rank_);
     peers_.exchange(c, sends, recvs, [&] {
-      std::memcpy(bytes(out) + recv.offset(me), bytes(in) + send.offset(me),
-                  static_cast<std::size_t>(send.length(me)));
+      if (!c.own_block_placed)
+        std::memcpy(bytes(out) + recv.offset(me), bytes(in) + send.offset(me),
+                    static_cast<std::size_t>(send.length(me)));
     });
   }
 

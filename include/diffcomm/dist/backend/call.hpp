@@ -290,6 +290,14 @@ struct Call {
   /// Set on the transport steps of a composed call (dist/backend/composed.hpp): the
   /// user's op this step belongs to, for messages. Null otherwise.
   const char* part_of = nullptr;
+  /// Set by a composed reduction on its steps, only over a transport whose
+  /// skips_own_block() is true: this member's own block is already where
+  /// the caller reads it, so the step moves only the other members' blocks.
+  /// all_to_all_single: the own input block is not copied into the output
+  /// (that output block is left as it was; the caller reads the input's).
+  /// all_gather_v: the input is the output's own block (a view of it), not
+  /// copied onto itself.
+  bool own_block_placed = false;
   /// Set on the calls a differentiable collective's backward makes: its
   /// forward call on the same group (ProcessGroup::BackwardOf). Members must
   /// agree on it like on the op, so ranks running the backward of different

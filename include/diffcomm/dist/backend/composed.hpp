@@ -19,6 +19,13 @@
 // (steps carry Call::part_of for messages). ComposedReductions is the
 // decorator that routes a transport's five reductions here, so a transport
 // implements its native reductions only.
+//
+// Over a transport whose skips_own_block() is true (MPI, the simulated
+// world), the steps carry Call::own_block_placed: a member's own block is
+// reduced from where it lies in the input (one memcpy of 1/N of the input
+// less), and all_reduce writes its reduced block straight into its place in
+// the output and gathers from there (one more memcpy and the 1/N scratch
+// block less). Same operands, same order: the same bits either way.
 #include "diffcomm/dist/backend/forwarding.hpp"
 
 namespace diffcomm::dist {

@@ -24,6 +24,7 @@ class ForwardingBackend : public Backend {
   bool supports(const Device& device) const override { return inner_->supports(device); }
   void check_caller(const Call& call) const override { inner_->check_caller(call); }
   bool all_reduce_out_of_place() const override { return inner_->all_reduce_out_of_place(); }
+  bool skips_own_block() const override { return inner_->skips_own_block(); }
   void run_composed(Call& call, const std::function<void()>& steps) override {
     inner_->run_composed(call, steps);
   }
