@@ -32,7 +32,8 @@ class BatonBackend final : public dist::ForwardingBackend {
         name_(real->backend_name()),
         rank_(real->rank()),
         cpu_(real->supports(Device::cpu())),
-        out_of_place_(real->all_reduce_out_of_place()) {
+        out_of_place_(real->all_reduce_out_of_place()),
+        skips_own_block_(real->skips_own_block()) {
     for (int r = 0; r < real->size(); ++r) global_.push_back(real->global_rank(r));
   }
 
@@ -44,6 +45,7 @@ class BatonBackend final : public dist::ForwardingBackend {
   }
   bool supports(const Device& d) const override { return d.is_cpu() && cpu_; }
   bool all_reduce_out_of_place() const override { return out_of_place_; }
+  bool skips_own_block() const override { return skips_own_block_; }
 
   // The rank thread is not a fiber of the world: the simulated handle's
   // caller check (which fiber runs) applies on the world's thread, where
@@ -67,7 +69,7 @@ class BatonBackend final : public dist::ForwardingBackend {
   std::shared_ptr<detail::RankChannel> channel_;
   std::string name_;
   int rank_;
-  bool cpu_, out_of_place_;
+  bool cpu_, out_of_place_, skips_own_block_;
   std::vector<int> global_;
 };
 
