@@ -99,6 +99,18 @@ TEST(FlightRecorder, SimulatedWorldRecordersAreSmallAndKeepNoShapes) {
   record(fr, "world", OpType::AllReduce, 0);
   EXPECT_TRUE(fr.records()[0].input_shapes.empty());
   EXPECT_TRUE(fr.groups().empty());
+  // Its dump could not be replayed (no shapes, groups or global rank):
+  // dump(dir) refuses instead of writing rank--1.json for every rank.
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fr-sim-" + std::to_string(::getpid()))).string();
+  try {
+    (void)fr.dump(dir);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("simulated world's recorder"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir));
+  EXPECT_THAT(fr.dump(), HasSubstr("all_reduce #0 on 'world'"));
 }
 
 FlightDump one_of_each() {
@@ -313,6 +325,39 @@ TEST(FlightDump, NonIntegerNumbersAreRefusedNamingTheField) {
   std::string negative = text;
   negative.replace(negative.find("\"capacity\":2000"), 15, "\"capacity\":-1");
   EXPECT_THROW((void)parse_flight_dump(negative, "c.json"), InvalidArgument);
+}
+
+// nlohmann's copies recurse: a deeply nested value where a call's field
+// belongs crashed the reader (stack overflow, found by a hostile-input
+// run); any nesting deeper than a dump's own is refused while parsing, in
+// both the written (rows scanned) and the tree form.
+TEST(FlightDump, DeepNestingIsRefusedNamingTheFile) {
+  const std::string written = flight_dump_json(one_of_each());
+  const std::string pretty = nlohmann::json::parse(written).dump(2);  // read as a tree
+  // `text` with the value of its first "tag" field replaced by `value`.
+  auto with_tag = [](std::string text, const std::string& value) {
+    std::size_t at = text.find("\"tag\":");
+    at = text.find_first_not_of(' ', at + 6);
+    text.replace(at, text.find_first_of(",}\n", at) - at, value);
+    return text;
+  };
+  for (const std::string* base : {&written, &pretty}) {
+    for (const std::size_t depth : {std::size_t{200000}, std::size_t{70}}) {
+      const std::string deep = with_tag(*base, std::string(depth, '[') + std::string(depth, ']'));
+      try {
+        (void)parse_flight_dump(deep, "deep.json");
+        FAIL() << "no error at depth " << depth;
+      } catch (const InvalidArgument& e) {
+        EXPECT_THAT(e.what(), HasSubstr("deep.json: arrays and objects nest deeper than 64"));
+      }
+    }
+    try {  // a wrong type, not too deep: named as before
+      (void)parse_flight_dump(with_tag(*base, "[[1]]"), "s.json");
+      FAIL() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("field 'tag' has the wrong type"));
+    }
+  }
 }
 
 TEST(FlightDump, DumpWritesRankFileIntoTheDirectory) {

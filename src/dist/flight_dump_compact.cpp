@@ -32,9 +32,27 @@ int64_t to_ns(double s) { return std::llround(s * 1e9); }
   throw InvalidArgument(fmt::format("{}: byte offset {}: not valid JSON", file, offset));
 }
 
+// Arrays and objects nested deeper than this are refused while parsing (a
+// dump nests four deep). nlohmann's copy constructor recurses: a call
+// description holding a 200000-deep array overflowed the stack when it was
+// read, instead of being refused as the wrong type.
+constexpr int kMaxNesting = 64;
+
+json parse_nested_at_most(std::string_view text, const std::string& file, bool allow_exceptions) {
+  const json::parser_callback_t limit = [&](int depth, json::parse_event_t event, json&) {
+    const bool opens =
+        event == json::parse_event_t::object_start || event == json::parse_event_t::array_start;
+    if (opens && depth >= kMaxNesting)
+      throw InvalidArgument(
+          fmt::format("{}: arrays and objects nest deeper than {}", file, kMaxNesting));
+    return true;
+  };
+  return json::parse(text.begin(), text.end(), limit, allow_exceptions);
+}
+
 json parse_json(std::string_view text, const std::string& file) {
   try {
-    return json::parse(text.begin(), text.end());
+    return parse_nested_at_most(text, file, /*allow_exceptions=*/true);
   } catch (const json::parse_error& e) {
     // e.byte counts the characters read (1-based); the offset is 0-based.
     syntax_error(file, e.byte > 0 ? e.byte - 1 : 0, text.size());
@@ -202,7 +220,7 @@ std::optional<CompactFlightDump> parse_as_written(std::string_view text, const s
   head += '}';
   json doc;
   try {
-    doc = json::parse(head, nullptr, /*allow_exceptions=*/false);
+    doc = parse_nested_at_most(head, file, /*allow_exceptions=*/false);
   } catch (const json::exception&) {  // a number too large: the tree reports it
     return std::nullopt;
   }

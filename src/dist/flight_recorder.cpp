@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "diffcomm/dist/flight_dump.hpp"
+#include "diffcomm/error.hpp"
 #include "flight_recorder_exit.hpp"
 
 namespace diffcomm::dist {
@@ -168,6 +169,13 @@ std::string FlightRecorder::dump() const {
 }
 
 std::string FlightRecorder::dump(const std::string& dir) const {
+  if (!detailed_)
+    throw InvalidArgument(fmt::format(
+        "FlightRecorder::dump('{}'): this is a simulated world's recorder, which keeps no shapes, "
+        "splits, groups or global rank, so its dump could not be replayed; dump() without a "
+        "directory gives its last {} calls as text (production recorders: MPI, NCCL, the torch "
+        "transport, write dumps)",
+        dir, kTextEntries));
   return write_flight_dump(snapshot_flight_dump(*this), dir);
 }
 

@@ -143,7 +143,10 @@ class FlightRecorder {
   std::string dump() const;
   /// Writes this rank's dump as `dir`/rank-<global rank>.json (the schema of
   /// flight_dump.hpp), creating `dir`; returns the file's path. Never
-  /// communicates. Throws InvalidArgument when the file cannot be written.
+  /// communicates. Throws InvalidArgument when the file cannot be written,
+  /// and for a simulated world's recorder (not detailed: without shapes,
+  /// groups or its global rank, its dump could not be replayed; dump()
+  /// gives its text, and the world reports failures itself).
   std::string dump(const std::string& dir) const;
   /// dump(dump_dir()) when a dump directory is set; never throws (a failure
   /// to write is one line on stderr). The funnel calls it after a call
