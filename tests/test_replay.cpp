@@ -195,6 +195,35 @@ TEST(ReadDumps, MissingRankFileIsOneLineNamingIt) {
   std::filesystem::remove_all(dir);
 }
 
+// A rank's numbers on a group that go back or repeat are a corrupt dump
+// (found by a hostile-input run: it replayed as a deadlock rank 1 never had).
+TEST(ReadDumps, CallNumbersOutOfOrderAreRefusedNamingTheEntry) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("replay-order-" + std::to_string(::getpid())))
+          .string();
+  for (const std::vector<uint64_t>& order :
+       {std::vector<uint64_t>{2, 1, 0}, std::vector<uint64_t>{0, 0, 2}}) {
+    auto d = world_of(2);
+    for (uint64_t s = 0; s < 3; ++s) add(d, 1, OpType::AllReduce, s);
+    for (uint64_t s : order) add(d, 0, OpType::AllReduce, s);
+    d[0].groups[0].group.calls = 3;
+    add(d, 0, OpType::Send, 0);  // send/recv are numbered apart
+    d[0].entries.back().root = 1;
+    for (const auto& f : d) (void)dist::write_flight_dump(f, dir);
+    expect_refused(dir, order[0] == 2 ? "rank-0.json: entry 1: all_reduce #1 on group 'world' "
+                                        "comes after #2 there"
+                                      : "rank-0.json: entry 1: all_reduce #0 on group 'world' "
+                                        "comes after #0 there");
+  }
+  auto d = world_of(2);  // gaps are not refused: a replay resumes at the recorded number
+  for (int r = 0; r < 2; ++r)
+    for (uint64_t s : {0, 2}) add(d, r, OpType::AllReduce, s);
+  for (const auto& f : d) (void)dist::write_flight_dump(f, dir);
+  EXPECT_NO_THROW((void)read_dumps(dir));
+  EXPECT_NO_THROW((void)Recording::read(dir));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ReplayEdit, InsertingTheMissingBarrierEndsTheDeadlock) {
   auto d = world_of(3);
   for (int r = 0; r < 3; ++r) add(d, r, OpType::AllReduce, 0);

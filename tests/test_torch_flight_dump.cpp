@@ -242,5 +242,25 @@ TEST(TorchFlightDump, TruncatedFileNamesTheFileAndOffset) {
   fs::remove_all(jdir);
 }
 
+// A .pkl that is not a pickle was reported as a JSON syntax error.
+TEST(TorchFlightDump, APklThatIsNoPickleSaysSo) {
+  const std::string dir = copy_of("ok-pkl");
+  const fs::path f = fs::path(dir) / "rank_1.pkl";
+  for (const auto& [bytes, line] : std::vector<std::pair<std::string, std::string>>{
+           {"{\"entries\": []}",
+            "rank_1.pkl: not a pickle of protocol 2 or later (its first "
+            "byte is 0x7b, not 0x80)"},
+           {"", "rank_1.pkl: empty"}}) {
+    std::ofstream(f, std::ios::binary | std::ios::trunc) << bytes;
+    try {
+      read_dumps(dir);
+      FAIL() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(line));
+    }
+  }
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace diffcomm::sim

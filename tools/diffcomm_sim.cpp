@@ -423,9 +423,12 @@ int run_main(int argc, char** argv) {
       "replay production flight recorder dumps (DIR/rank-<r>.json) in the simulated world");
   replay_cmd->add_option("dir", replay_args.dir, "directory of the dumps (DIFFCOMM_FR_DUMP_DIR)")
       ->required();
-  replay_cmd->add_option("--seed", replay_args.seed, "seed of the simulated world")->check(kSeed);
+  auto* replay_seed =
+      replay_cmd->add_option("--seed", replay_args.seed, "seed of the simulated world")
+          ->check(kSeed);
   replay_cmd->add_option("--seeds", replay_args.seeds, "A..B: replay under each seed")
-      ->check(kSeedRange);
+      ->check(kSeedRange)
+      ->excludes(replay_seed);  // one of them would be ignored
   replay_cmd->add_option("--drop", replay_args.drops,
                          "RANK:GROUP:CALL: what if that rank had not made that call");
   replay_cmd->add_option("--insert-barrier", replay_args.barriers,

@@ -83,7 +83,14 @@ Json load(const std::string& path, int rank) {
   ss << in.rdbuf();
   const std::string bytes = ss.str();
   Json j;
-  if (!bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80) {
+  const bool pickled = !bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80;
+  if (!pickled && path.size() > 4 && path.compare(path.size() - 4, 4, ".pkl") == 0)
+    throw InvalidArgument(
+        bytes.empty() ? fmt::format("{}: empty (a torch dump .pkl is a pickle)", path)
+                      : fmt::format("{}: not a pickle of protocol 2 or later (its first byte is "
+                                    "0x{:02x}, not 0x80)",
+                                    path, static_cast<uint8_t>(bytes[0])));
+  if (pickled) {
     j = detail::unpickle(bytes, path);
   } else {
     try {

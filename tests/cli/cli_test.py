@@ -357,6 +357,12 @@ def step_bad_images(cli):
 
 
 @scenario
+def replay_seed_and_seeds_exclude_each_other(cli):
+    # Both given, one was silently ignored (found by a hostile-input run).
+    expect_bad(cli, ["replay", cli.workdir, "--seeds", "1..2", "--seed", 3], "--seed")
+
+
+@scenario
 def bad_subcommand(cli):
     for args in [[], ["frobnicate"], ["step", "extra_positional"]]:
         r = cli.run(*args, rc=BAD_ARGS)
