@@ -114,7 +114,9 @@ void bind_dist(nb::module_& m) {
            nb::overload_cast<const std::string&>(&dc::dist::FlightRecorder::dump, nb::const_),
            "dir"_a,
            "Writes this rank's dump as dir/rank-<global rank>.json (flight_dump.hpp's schema); "
-           "returns its path. Never communicates. Raises InvalidArgument when it cannot write.")
+           "returns its path. Never communicates. Raises InvalidArgument when it cannot write, "
+           "and for a simulated world's recorder (its dump could not be replayed: str() gives its "
+           "text).")
       .def("__str__", nb::overload_cast<>(&dc::dist::FlightRecorder::dump, nb::const_),
            "The newest 64 records, one line each.");
   m.def("dump_flight_recorders_on_error", &dc::dist::FlightRecorder::dump_all_on_error,

@@ -173,8 +173,8 @@ std::string FlightRecorder::dump(const std::string& dir) const {
     throw InvalidArgument(fmt::format(
         "FlightRecorder::dump('{}'): this is a simulated world's recorder, which keeps no shapes, "
         "splits, groups or global rank, so its dump could not be replayed; dump() without a "
-        "directory gives its last {} calls as text (production recorders: MPI, NCCL, the torch "
-        "transport, write dumps)",
+        "directory (str() in Python) gives its last {} calls as text (production recorders: MPI, "
+        "NCCL, the torch transport, write dumps)",
         dir, kTextEntries));
   return write_flight_dump(snapshot_flight_dump(*this), dir);
 }

@@ -146,7 +146,7 @@ class FlightRecorder {
   /// communicates. Throws InvalidArgument when the file cannot be written,
   /// and for a simulated world's recorder (not detailed: without shapes,
   /// groups or its global rank, its dump could not be replayed; dump()
-  /// gives its text, and the world reports failures itself).
+  /// gives its text, str() in Python, and the world reports failures itself).
   std::string dump(const std::string& dir) const;
   /// dump(dump_dir()) when a dump directory is set; never throws (a failure
   /// to write is one line on stderr). The funnel calls it after a call
