@@ -10,7 +10,6 @@
 #include <atomic>
 #include <exception>
 #include <filesystem>
-#include <map>
 #include <mutex>
 #include <thread>
 
@@ -144,31 +143,6 @@ std::vector<uint32_t> Table::intern(const dist::CompactFlightDump& d,
   return global;
 }
 
-// The (group, p2p) sequence of each description is found once; each row
-// then costs two loads.
-void check_numbering(const dist::CompactFlightDump& d, const std::string& file) {
-  std::map<std::pair<std::string_view, bool>, uint32_t> sequence_of;
-  std::vector<uint32_t> sequence(d.calls.size());
-  for (std::size_t i = 0; i < d.calls.size(); ++i)
-    sequence[i] = sequence_of
-                      .try_emplace({d.calls[i].group, is_p2p(d.calls[i].op)},
-                                   static_cast<uint32_t>(sequence_of.size()))
-                      .first->second;
-  std::vector<uint64_t> least(sequence_of.size(), 0);  // what the next number may be, at least
-  for (std::size_t i = 0; i < d.rows.size(); ++i) {
-    const dist::CompactFlightDump::Row& w = d.rows[i];
-    uint64_t& next = least[sequence[w.call_index]];
-    if (w.seq < next) {
-      const FlightRecord& c = d.calls[w.call_index];
-      throw InvalidArgument(fmt::format(
-          "{}: entry {}: {} #{} on group '{}' comes after #{} there (a rank numbers its calls on "
-          "a group in the order it makes them: the dump is corrupt)",
-          file, i, dist::op_name(c.op), w.seq, c.group, next - 1));
-    }
-    next = w.seq == UINT64_MAX ? w.seq : w.seq + 1;
-  }
-}
-
 void Table::fill(const dist::CompactFlightDump& d, const std::vector<uint32_t>& global,
                  const std::string& file) {
   std::vector<Step>& out = steps[static_cast<std::size_t>(d.rank)];
@@ -243,7 +217,6 @@ void read_rest(const std::string& dir, Table& table, int world0,
           global = table.intern(d, {}, file);
         }
         for (const auto& [g, seen] : compare) check_same_members(*g, *seen, file);
-        check_numbering(d, file);
         table.fill(d, global, file);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
@@ -275,7 +248,6 @@ Recording Recording::read(const std::string& dir) {
   for (const dist::DumpedGroup& g : d0.groups)
     if (const detail::SeenGroup* seen = detail::see_group(first_seen, g, 0, first))
       detail::check_same_members(g, *seen, first);
-  detail::check_numbering(d0, first);
   table->add(d0, {}, first);
   detail::read_rest(dir, *table, n, first_seen);
   table->finish();

@@ -98,11 +98,6 @@ const SeenGroup* see_group(std::map<std::string, SeenGroup>& first_seen, const d
                            int r, const std::string& file);
 /// `g`'s members must be `seen`'s (InvalidArgument naming both files).
 void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen, const std::string& file);
-/// A diffcomm dump's calls on each group (send/recv apart) have increasing
-/// numbers, in entry order: InvalidArgument naming the file, the entry, the
-/// call and the number before it otherwise (a corrupt dump; replayed, it
-/// read as a deadlock). Both readers check it; torch's dumps are not checked.
-void check_numbering(const dist::CompactFlightDump& d, const std::string& file);
 
 /// "DIR/rank-R.json".
 std::string rank_file(const std::string& dir, int rank);

@@ -84,7 +84,7 @@ Json load(const std::string& path, int rank) {
   const std::string bytes = ss.str();
   Json j;
   const bool pickled = !bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80;
-  if (!pickled && path.size() > 4 && path.compare(path.size() - 4, 4, ".pkl") == 0)
+  if (!pickled && path.ends_with(".pkl"))
     throw InvalidArgument(
         bytes.empty() ? fmt::format("{}: empty (a torch dump .pkl is a pickle)", path)
                       : fmt::format("{}: not a pickle of protocol 2 or later (its first byte is "

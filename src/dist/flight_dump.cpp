@@ -172,11 +172,8 @@ FlightDump parse_v1(const json& doc, Reader& rd) {
   }
   return d;
 }
-}  // namespace dump_fields
-
-namespace {
 bool is_p2p(OpType op) { return op == OpType::Send || op == OpType::Recv; }
-}  // namespace
+}  // namespace dump_fields
 
 FlightDump snapshot_flight_dump(const FlightRecorder& recorder) {
   FlightDump d;
@@ -190,7 +187,7 @@ FlightDump snapshot_flight_dump(const FlightRecorder& recorder) {
     dg.p2p_watermark = g.p2p_calls;
     for (const FlightRecord& r : d.entries) {
       if (r.group != g.name) continue;
-      uint64_t& w = is_p2p(r.op) ? dg.p2p_watermark : dg.watermark;
+      uint64_t& w = dump_fields::is_p2p(r.op) ? dg.p2p_watermark : dg.watermark;
       w = std::min(w, r.seq);
     }
     dg.group = std::move(g);

@@ -235,10 +235,34 @@ std::optional<CompactFlightDump> parse_as_written(std::string_view text, const s
   scan_rows(s, c, rd);
   return c;
 }
-}  // namespace
+// A rank numbers its calls on a group 0, 1, 2, ... in the order it makes
+// them (send/recv apart): numbers that go back or repeat mean a corrupt
+// dump, which replayed as a deadlock that never happened. Each description's
+// (group, p2p) sequence is found once; each row then costs two loads.
+void check_numbering(const CompactFlightDump& d, const std::string& file) {
+  std::map<std::pair<std::string_view, bool>, uint32_t> sequence_of;
+  std::vector<uint32_t> sequence(d.calls.size());
+  for (std::size_t i = 0; i < d.calls.size(); ++i)
+    sequence[i] = sequence_of
+                      .try_emplace({d.calls[i].group, dump_fields::is_p2p(d.calls[i].op)},
+                                   static_cast<uint32_t>(sequence_of.size()))
+                      .first->second;
+  std::vector<uint64_t> least(sequence_of.size(), 0);  // what the next number may be, at least
+  for (std::size_t i = 0; i < d.rows.size(); ++i) {
+    const CompactFlightDump::Row& w = d.rows[i];
+    uint64_t& next = least[sequence[w.call_index]];
+    if (w.seq < next) {
+      const FlightRecord& c = d.calls[w.call_index];
+      throw InvalidArgument(fmt::format(
+          "{}: entry {}: {} #{} on group '{}' comes after #{} there (a rank numbers its calls on "
+          "a group in the order it makes them: the dump is corrupt)",
+          file, i, op_name(c.op), w.seq, c.group, next - 1));
+    }
+    next = w.seq == UINT64_MAX ? w.seq : w.seq + 1;
+  }
+}
 
-CompactFlightDump parse_compact_flight_dump(std::string_view text, const std::string& file) {
-  if (auto c = parse_as_written(text, file)) return std::move(*c);
+CompactFlightDump parse_tree(std::string_view text, const std::string& file) {
   Reader rd{file, ""};
   const json doc = parse_json(text, file);
   check_format(doc, rd);
@@ -247,6 +271,14 @@ CompactFlightDump parse_compact_flight_dump(std::string_view text, const std::st
   read_header(doc, c, rd);
   rows_from_tree(doc, c, rd);
   return c;
+}
+}  // namespace
+
+CompactFlightDump parse_compact_flight_dump(std::string_view text, const std::string& file) {
+  std::optional<CompactFlightDump> c = parse_as_written(text, file);
+  if (!c) c = parse_tree(text, file);
+  check_numbering(*c, file);
+  return std::move(*c);
 }
 
 CompactFlightDump compact(const FlightDump& d) {

@@ -108,5 +108,7 @@ FlightRecord parse_desc(const nlohmann::json& e, const Reader& rd);
 
 /// Version 1's whole dump, from its parsed document.
 FlightDump parse_v1(const nlohmann::json& doc, Reader& rd);
+/// send/recv: numbered apart from the group's collectives.
+bool is_p2p(OpType op);
 
 }  // namespace diffcomm::dist::dump_fields

@@ -99,7 +99,9 @@ std::string flight_dump_json(const FlightDump& dump);
 /// Parses JSON text of the schema above (version 1 or 2). `file` names the
 /// source in errors. Throws InvalidArgument with one line naming `file` and
 /// the byte offset of a syntax error or truncation, or the entry and field
-/// that is missing or of the wrong type, or an unsupported version.
+/// that is missing or of the wrong type, or an unsupported version, or
+/// arrays and objects nested deeper than 64, or an entry whose call number
+/// on its group (send/recv apart) is not above the one before it there.
 FlightDump parse_flight_dump(std::string_view text, const std::string& file);
 /// The same, without expanding the entries (errors as parse_flight_dump).
 /// Version 2's rows are scanned directly, not through a JSON tree.
