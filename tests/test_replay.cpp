@@ -224,6 +224,17 @@ TEST(ReadDumps, CallNumbersOutOfOrderAreRefusedNamingTheEntry) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Replay, ACallThatCannotBeReplayedIsNamedByRankAndCall) {
+  auto d = world_of(2);
+  for (int r = 0; r < 2; ++r) add(d, r, OpType::AllReduce, 0);
+  add(d, 0, OpType::AllReduce, 1);
+  add(d, 1, OpType::AllReduce, 1, Shape{-3});  // a corrupt (negative) recorded shape
+  EXPECT_THAT([&] { (void)replay(d); },
+              ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr(
+                  "the recorded calls cannot be replayed: rank 1's all_reduce #1 on group "
+                  "'world': empty: negative dim in shape [-3]")));
+}
+
 TEST(ReplayEdit, InsertingTheMissingBarrierEndsTheDeadlock) {
   auto d = world_of(3);
   for (int r = 0; r < 3; ++r) add(d, r, OpType::AllReduce, 0);
@@ -246,6 +257,51 @@ TEST(ReplayEdit, DroppingAnExtraCallRenumbersTheRest) {
   EXPECT_EQ(replay(d).verdict, Verdict::Ok);
   EXPECT_THROW(apply_edit(d, parse_replay_edit(ReplayEdit::Kind::Drop, "1:world:9")),
                InvalidArgument);
+}
+
+// Rank 1 made two calls rank 0 did not (broadcasts #1 and #2) before the
+// barrier they share.
+std::vector<FlightDump> two_extra_calls() {
+  auto d = world_of(2);
+  for (int r = 0; r < 2; ++r) add(d, r, OpType::AllReduce, 0);
+  for (uint64_t s : {1, 2}) {
+    add(d, 1, OpType::Broadcast, s);
+    d[1].entries.back().root = 0;
+  }
+  add(d, 0, OpType::Barrier, 1);
+  add(d, 1, OpType::Barrier, 3);
+  return d;
+}
+
+TEST(ReplayEdit, EditsNameTheRecordedCallsInAnyOrder) {
+  for (const std::vector<std::string>& drops :
+       {std::vector<std::string>{"1:world:1", "1:world:2"},
+        std::vector<std::string>{"1:world:2", "1:world:1"}}) {
+    auto d = two_extra_calls();
+    apply_edits(d, drops, {});
+    ASSERT_EQ(d[1].entries.size(), 2u);  // one after the other, the barrier went instead
+    EXPECT_EQ(d[1].entries.back().op, OpType::Barrier);
+    EXPECT_EQ(d[1].entries.back().seq, 1u);
+    EXPECT_EQ(replay(d).verdict, Verdict::Ok);
+  }
+  // A drop and a barrier at one call: that call becomes the barrier.
+  auto e = two_extra_calls();
+  apply_edits(e, {"1:world:1", "1:world:2", "1:world:3"}, {"1:world:3"});
+  ASSERT_EQ(e[1].entries.size(), 2u);
+  EXPECT_EQ(e[1].entries.back().op, OpType::Barrier);
+  EXPECT_EQ(e[1].entries.back().seq, 1u);
+  EXPECT_EQ(replay(e).verdict, Verdict::Ok);
+}
+
+TEST(ReplayEdit, ADropGivenTwiceIsRefused) {
+  auto d = two_extra_calls();
+  EXPECT_THAT(
+      [&] {
+        apply_edits(d, {"1:world:1", "1:world:1"}, {});
+      },
+      ::testing::ThrowsMessage<InvalidArgument>(
+          ::testing::HasSubstr("--drop 1:world:1 given twice")));
+  EXPECT_EQ(d[1].entries.size(), 4u);  // nothing applied
 }
 
 TEST(ReplayEdit, SpecIsRankGroupCall) {

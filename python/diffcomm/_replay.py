@@ -70,8 +70,9 @@ def replay(path: "str | os.PathLike[str]", *, seed: int = 0, drop: Sequence[str]
     ``DIFFCOMM_FR_DUMP_DIR``) or PyTorch Flight Recorder dumps
     (``<prefix><rank>``, pickle or JSON). ``seed`` picks the simulated
     world's interleaving. ``drop`` and ``insert_barrier`` are what-if edits,
-    ``"RANK:GROUP:CALL"`` each, applied drops first, as the command line's
-    ``--drop`` / ``--insert-barrier``.
+    ``"RANK:GROUP:CALL"`` each, as the command line's ``--drop`` /
+    ``--insert-barrier``: every CALL in the recorded numbering, whatever
+    the order given (a drop given twice is refused).
 
     Raises ``diffcomm.InvalidArgument`` (one line naming the file) for a
     missing rank file, a corrupt or truncated file (with its byte offset),

@@ -13,7 +13,8 @@ namespace diffcomm_python {
 namespace {
 
 // Reads `dir` (diffcomm's or torch's dumps), applies the edits as the CLI
-// does (drops, then barriers), replays under `seed`: (json, text, exit code).
+// does (apply_edits: each CALL in the recorded numbering), replays under
+// `seed`: (json, text, exit code).
 std::tuple<std::string, std::string, int> replay_dir(const std::string& dir, uint64_t seed,
                                                      const std::vector<std::string>& drops,
                                                      const std::vector<std::string>& barriers) {

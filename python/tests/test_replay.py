@@ -52,6 +52,8 @@ def test_edits_and_seeds_as_on_the_command_line():
         assert dsim.replay(skip, seed=seed).verdict == "deadlock"
     with pytest.raises(diffcomm.InvalidArgument, match="recorded no call #99"):
         dsim.replay(skip, drop=["0:world:99"])
+    with pytest.raises(diffcomm.InvalidArgument, match="--drop 0:world:10 given twice"):
+        dsim.replay(skip, drop=["0:world:10", "0:world:10"])
 
 
 def test_bad_input_names_the_file(tmp_path):

@@ -76,13 +76,39 @@ void apply_edit(std::vector<dist::FlightDump>& dumps, const ReplayEdit& e) {
   d.entries.insert(at, b);  // `at` stays valid: renumbering moves no entry
 }
 
+void apply_edits(std::vector<dist::FlightDump>& dumps, const std::vector<std::string>& drops,
+                 const std::vector<std::string>& barriers) {
+  std::vector<ReplayEdit> edits;
+  for (const auto& d : drops) edits.push_back(parse_replay_edit(ReplayEdit::Kind::Drop, d));
+  for (const auto& b : barriers)
+    edits.push_back(parse_replay_edit(ReplayEdit::Kind::InsertBarrier, b));
+  auto same_drop = [](const ReplayEdit& a, const ReplayEdit& b) {
+    return a.kind == ReplayEdit::Kind::Drop && b.kind == ReplayEdit::Kind::Drop &&
+           a.rank == b.rank && a.group == b.group && a.call == b.call;
+  };
+  for (std::size_t i = 0; i < edits.size(); ++i)
+    for (std::size_t k = i + 1; k < edits.size(); ++k)
+      if (same_drop(edits[i], edits[k]))
+        throw InvalidArgument(
+            fmt::format("--drop {}:{}:{} given twice (a recorded call is "
+                        "dropped once)",
+                        edits[i].rank, edits[i].group, edits[i].call));
+  // Every edit names the recorded numbering. An edit only renumbers the
+  // calls at and after its own, so applying the highest call first leaves
+  // the numbers the others name untouched; at one call the drop goes first,
+  // so a drop and a barrier there replace the recorded call by the barrier.
+  std::stable_sort(edits.begin(), edits.end(), [](const ReplayEdit& a, const ReplayEdit& b) {
+    if (a.call != b.call) return a.call > b.call;
+    return a.kind == ReplayEdit::Kind::Drop && b.kind != ReplayEdit::Kind::Drop;
+  });
+  for (const ReplayEdit& e : edits) apply_edit(dumps, e);
+}
+
 Recording read_edited(const std::string& dir, const std::vector<std::string>& drops,
                       const std::vector<std::string>& barriers) {
   if (drops.empty() && barriers.empty()) return Recording::read(dir);
   std::vector<dist::FlightDump> dumps = read_dumps(dir);
-  for (const auto& d : drops) apply_edit(dumps, parse_replay_edit(ReplayEdit::Kind::Drop, d));
-  for (const auto& b : barriers)
-    apply_edit(dumps, parse_replay_edit(ReplayEdit::Kind::InsertBarrier, b));
+  apply_edits(dumps, drops, barriers);
   return Recording::of(dumps);
 }
 

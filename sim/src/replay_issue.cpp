@@ -67,6 +67,19 @@ std::vector<Tensor> zeros_of(const std::vector<Shape>& shapes, DType dtype) {
   return ts;
 }
 
+// "rank R's all_reduce #S on group 'G'": the first rank that recorded
+// table.calls[call] (calls are shared between ranks), for an error message.
+std::string recorded_by(const Table& table, std::size_t call) {
+  const FlightRecord& r = table.calls[call].proto;
+  const std::string& group = table.groups[table.calls[call].group].name;
+  for (std::size_t rank = 0; rank < table.steps.size(); ++rank)
+    for (const Step& step : table.steps[rank])
+      if (step.call == call)
+        return fmt::format("rank {}'s {} #{} on group '{}'", rank, dist::op_name(r.op), step.seq,
+                           group);
+  return fmt::format("a {} on group '{}'", dist::op_name(r.op), group);
+}
+
 }  // namespace
 
 void issue(const dist::ProcessGroup& g, const FlightRecord& r) {
@@ -136,7 +149,8 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
       descs.back() = it->second.backend->last;
     } catch (const InvalidArgument& e) {
       const std::string what = e.what();
-      throw InvalidArgument(fmt::format("replay: the recorded calls cannot be replayed: {}",
+      throw InvalidArgument(fmt::format("replay: the recorded calls cannot be replayed: {}: {}",
+                                        recorded_by(table, descs.size() - 1),
                                         what.substr(0, what.find('\n'))));
     }
   }

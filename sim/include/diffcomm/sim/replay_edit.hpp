@@ -32,10 +32,20 @@ ReplayEdit parse_replay_edit(ReplayEdit::Kind kind, const std::string& spec);
 /// collective CALL on GROUP, or (insert) no group GROUP is in its dump.
 void apply_edit(std::vector<dist::FlightDump>& dumps, const ReplayEdit& edit);
 
-/// DIR's dumps with `drops` then `barriers` ("RANK:GROUP:CALL" each)
+/// Applies every edit of `drops` and `barriers` ("RANK:GROUP:CALL" each),
+/// each CALL in the *recorded* numbering: `--drop 3:world:12 --drop
+/// 3:world:13` drops the two recorded calls, whatever order they are given
+/// in (edits apply from the highest call down; at one call the drop first,
+/// so a drop and a barrier there replace that call by a barrier). Throws
+/// InvalidArgument as parse_replay_edit and apply_edit do, and for a drop
+/// given twice.
+void apply_edits(std::vector<dist::FlightDump>& dumps, const std::vector<std::string>& drops,
+                 const std::vector<std::string>& barriers);
+
+/// DIR's dumps with `drops` and `barriers` (apply_edits) ("RANK:GROUP:CALL" each)
 /// applied, as `diffcomm-sim replay` and diffcomm.sim.replay read them:
-/// Recording::read(dir) when there are no edits, else read_dumps, the edits,
-/// Recording::of. Errors as those.
+/// Recording::read(dir) when there are no edits, else read_dumps,
+/// apply_edits, Recording::of. Errors as those.
 Recording read_edited(const std::string& dir, const std::vector<std::string>& drops,
                       const std::vector<std::string>& barriers);
 
