@@ -20,6 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ElementsAre;
 using testing::HasSubstr;
+using testing::Not;
 
 std::string from_hex(const std::string& hex) {
   std::string out;
@@ -217,6 +218,32 @@ TEST(TorchFlightDump, NonIntegerNumbersAreBadInput) {
     }
     fs::remove_all(dir);
   }
+}
+
+// A field of the wrong type names the file and the entry, in words (not
+// nlohmann's "[json.exception.type_error.302]" tag).
+TEST(TorchFlightDump, AFieldOfTheWrongTypeNamesTheFileAndEntry) {
+  const std::string dir = copy_of("ok-json");
+  const fs::path f = fs::path(dir) / "rank_0.json";
+  std::string text;
+  {
+    std::ifstream in(f);
+    std::stringstream all;
+    all << in.rdbuf();
+    text = all.str();
+  }
+  const std::string name = "\"profiling_name\":\"gloo:broadcast\"";  // entry 1
+  text.replace(text.find(name), name.size(), "\"profiling_name\":5");
+  std::ofstream(f, std::ios::trunc) << text;
+  try {
+    read_dumps(dir);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank_0.json: entry 1: a field is missing or of the wrong "
+                                    "type: type must be string, but is number"));
+    EXPECT_THAT(e.what(), Not(HasSubstr("json.exception")));
+  }
+  fs::remove_all(dir);
 }
 
 TEST(TorchFlightDump, TruncatedFileNamesTheFileAndOffset) {

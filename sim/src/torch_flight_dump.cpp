@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "diffcomm/error.hpp"
+#include "diffcomm/sim/world.hpp"
 #include "unpickle.hpp"
 
 namespace diffcomm::sim {
@@ -371,6 +372,16 @@ void add_status_only_groups(const TorchFile& f, const Groups& groups,
   for (auto& [name, g] : dumped) g.watermark = std::min(g.watermark, g.group.calls);
 }
 
+// nlohmann's message without its "[json.exception.type_error.302] " tag:
+// the reader names the file (and entry) instead.
+std::string reason_of(const Json::exception& e) {
+  const std::string what = e.what();
+  const auto tag_end = what.rfind("] ", what.find(' '));
+  return what.rfind("[json.exception.", 0) == 0 && tag_end != std::string::npos
+             ? what.substr(tag_end + 2)
+             : what;
+}
+
 dist::FlightDump dump_of(const TorchFile& f, int world, const Groups& groups) {
   dist::FlightDump d;
   d.rank = f.rank;
@@ -382,7 +393,13 @@ dist::FlightDump dump_of(const TorchFile& f, int world, const Groups& groups) {
   std::map<std::string, dist::DumpedGroup> dumped;
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const Json& e = entries[i];
-    FlightRecord r = record_of(f, e, groups, completed, i);
+    FlightRecord r;
+    try {
+      r = record_of(f, e, groups, completed, i);
+    } catch (const Json::exception& x) {
+      throw InvalidArgument(fmt::format("{}: entry {}: a field is missing or of the wrong type: {}",
+                                        f.path, i, reason_of(x)));
+    }
     if (const char* u = unknown_of(r.op)) note(d, u);
     if (groups.inferred.count(r.group) != 0)
       note(d, fmt::format("members of group '{}' (no pg_config entry: taken as the ranks whose "
@@ -404,9 +421,9 @@ namespace {
 std::vector<dist::FlightDump> dumps_of(const std::vector<TorchFile>& files,
                                        const std::string& dir) {
   const int world = world_size_of(files);
-  if (world > 16384)
+  if (world > kMaxRanks)
     throw InvalidArgument(
-        fmt::format("{}: a pg_config names rank {} (at most 16384 ranks)", dir, world - 1));
+        fmt::format("{}: a pg_config names rank {} (at most {} ranks)", dir, world - 1, kMaxRanks));
   check_no_gap(files, world, dir);
   const Groups groups = groups_of(files, world);
   std::vector<dist::FlightDump> dumps;
@@ -415,7 +432,7 @@ std::vector<dist::FlightDump> dumps_of(const std::vector<TorchFile>& files,
       dumps.push_back(dump_of(f, world, groups));
     } catch (const Json::exception& e) {
       throw InvalidArgument(
-          fmt::format("{}: a field is missing or of the wrong type: {}", f.path, e.what()));
+          fmt::format("{}: a field is missing or of the wrong type: {}", f.path, reason_of(e)));
     }
   }
   return dumps;
@@ -437,7 +454,7 @@ std::vector<dist::FlightDump> read_torch_dumps(const std::string& dir) {
     return dumps_of(files, dir);
   } catch (const Json::exception& e) {  // in pg_config, pg_status or process_group
     throw InvalidArgument(fmt::format(
-        "{}: a torch dump has a field missing or of the wrong type: {}", dir, e.what()));
+        "{}: a torch dump has a field missing or of the wrong type: {}", dir, reason_of(e)));
   } catch (const std::logic_error& e) {  // std::stoll of a number out of range
     throw InvalidArgument(
         fmt::format("{}: a torch dump has a malformed number: {}", dir, e.what()));

@@ -47,8 +47,9 @@ void Rank::advance_us(double us) {
 
 // ---------------------------------------------------------------- World
 World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
-  if (options.ranks < 1 || options.ranks > 16384)
-    throw InvalidArgument(fmt::format("sim::World: ranks = {}, expected 1..16384", options.ranks));
+  if (options.ranks < 1 || options.ranks > kMaxRanks)
+    throw InvalidArgument(
+        fmt::format("sim::World: ranks = {}, expected 1..{}", options.ranks, kMaxRanks));
   if (options.stack_size < 16 * 1024)
     throw InvalidArgument(
         fmt::format("sim::World: stack_size = {} bytes, expected >= 16384", options.stack_size));

@@ -61,8 +61,11 @@ struct Fault {
   int at_call = 1;
 };
 
+/// The most ranks a simulated world runs (WorldOptions::ranks).
+inline constexpr int kMaxRanks = 16384;
+
 struct WorldOptions {
-  int ranks = 1;  ///< 1..16384
+  int ranks = 1;  ///< 1..kMaxRanks
   uint64_t seed = 0;
   Schedule schedule = Schedule::Random;
   std::size_t stack_size = 256 * 1024;  ///< bytes per fiber stack (guard page added)
