@@ -4,7 +4,7 @@ as names or torch.distributed.ReduceOp, and the ``where`` of error messages."""
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from . import _context, _core
 from ._core import InvalidArgument
@@ -60,6 +60,29 @@ def _op(op: Any) -> _core.ReduceOp:
         raise InvalidArgument(f"diffcomm.torch: unknown reduce op {op!r} (sum, avg, product, "
                               "min, max, diffcomm.ReduceOp or torch.distributed.ReduceOp)")
     return _core.ReduceOp(_OPS[key])
+
+
+def _splits(value: Any, name: str, op: str) -> List[int]:
+    """A list of row counts from a sequence of ints (None: [], the even split). A tensor is
+    refused by name: it is what torch's output-first ``all_to_all_single(output, input)``
+    passes here, and ``list(tensor)`` would hand the binding 0-d tensors."""
+    if value is None:
+        return []
+    if hasattr(value, "dim") and hasattr(value, "dtype"):  # a tensor, without importing torch
+        raise TypeError(f"diffcomm.torch.{op}: {name} must be a sequence of ints, got a tensor "
+                        f"(diffcomm.torch.{op}(input, output_split_sizes, input_split_sizes, "
+                        "group) returns its output; torch.distributed's form takes (output, "
+                        "input, ...) first)")
+    try:
+        splits = list(value)
+    except TypeError:
+        raise TypeError(f"diffcomm.torch.{op}: {name} must be a sequence of ints, got "
+                        f"{type(value).__name__}") from None
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"diffcomm.torch.{op}: {name} must be a sequence of ints, got "
+                            f"an element {s!r} ({type(s).__name__})")
+    return splits
 
 
 def _where(op: str, g: _core.ProcessGroup) -> str:

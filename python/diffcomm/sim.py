@@ -60,7 +60,8 @@ image_patches = _ep.image_patches
 required_seq_multiple = _ep.required_seq_multiple
 
 __all__ = [
-    "run", "RunResult", "step", "check", "sweep", "StepReport", "default_images_path",
+    "run", "RunResult", "MAX_RANKS", "step", "check", "sweep", "StepReport",
+    "default_images_path",
     "batch_from_image_sizes", "Batch", "Sample", "ImageSpan", "DecoderMesh", "EncoderLayout",
     "CpLayout", "MeshContext", "FeatureExchangeMode", "ReceiverGrad", "ExchangePlan",
     "plan_exchange", "select_feature_exchange", "receiver_grad_for", "owned_ranges", "mode_name",
@@ -180,6 +181,30 @@ def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
 INTERRUPT_GRACE_S = 5.0
 
 
+#: The most ranks a simulated world runs (C++ ``sim::kMaxRanks``).
+MAX_RANKS: int = _core.sim.MAX_RANKS
+
+
+def _whole(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"sim.run: {name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise _core.InvalidArgument(f"sim.run: {name} = {value}, expected {low}..{high}")
+
+
+def _check_run_arguments(world_size: Any, seed: Any, fault: Any) -> None:
+    """Checks what the binding would refuse with nanobind's TypeError listing its signature
+    (2**40 ranks, a negative seed, a fault that is no pair), naming the argument instead."""
+    _whole("world_size", world_size, 1, MAX_RANKS)
+    _whole("seed", seed, 0, 2**64 - 1)
+    if fault is None:
+        return
+    if not isinstance(fault, (tuple, list)) or len(fault) != 2:
+        raise TypeError(f"sim.run: fault must be a pair (rank, k), got {fault!r}")
+    _whole("fault rank", fault[0], 0, world_size - 1)
+    _whole("fault call k", fault[1], 1, 2**31 - 1)
+
+
 def run(
     world_size: int,
     fn: Callable[[int, "_core.ProcessGroup"], Any],
@@ -219,11 +244,16 @@ def run(
     docs/python.md). Threads that torch or OpenMP first start inside ``fn``
     inherit the pinning. ``one_cpu=False`` leaves placement to the OS.
 
+    Before any rank runs: TypeError for a world_size, seed or fault that is
+    not an int (fault: a pair of ints), InvalidArgument for world_size outside
+    1..MAX_RANKS, a seed outside 0..2**64-1, or a fault outside the world.
+
     Returns a RunResult. If any rank raised, re-raises the first failure in
     the world's (deterministic) order, with ``.rank`` (the rank that raised
     it) and ``.rank_errors`` (every rank's exception or None) attached;
     diffcomm errors keep their class (CollectiveMismatch, Deadlock, ...).
     """
+    _check_run_arguments(world_size, seed, fault)
     if torch_distributed:  # the c10d backend: diffcomm/_c10d_sim.py
         from . import _c10d_sim  # noqa: PLC0415 (torch >= 2 only: imported on request)
 

@@ -64,7 +64,7 @@ import torch
 from . import _context, _core, _exit_dump, _mpi_job, _participation
 from ._core import InvalidArgument
 from ._core import nn as _nn
-from ._torch_args import _group, _op, _root, premul_sum
+from ._torch_args import _group, _op, _root, _splits, premul_sum
 from ._torch_bridge import _apply, _apply_one, from_diffcomm, to_diffcomm
 from ._torch_exchange import Record, merge_into_decoder, route_features, unpack_records
 from ._torch_in_place import all_reduce_, broadcast_
@@ -376,7 +376,7 @@ def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
                  group: Optional[_core.ProcessGroup] = None, *,
                  grad: str = "partial") -> torch.Tensor:
     """Concatenation of the members' tensors, member s having output_split_sizes[s] rows."""
-    g, splits = _group(group), list(output_split_sizes)
+    g, splits = _group(group), _splits(output_split_sizes, "output_split_sizes", "all_gather_v")
     return _apply_one(lambda t: _nn.all_gather_v(t, splits, g, grad), tensor,
                   op="all_gather_v", group=g)
 
@@ -421,7 +421,8 @@ def reduce_scatter_single(tensor: torch.Tensor, op: Any = "sum",
 def reduce_scatter_v(tensor: torch.Tensor, input_split_sizes: Sequence[int], op: Any = "sum",
                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """[sum(input_split_sizes), ...] -> [input_split_sizes[rank], ...]."""
-    g, o, splits = _group(group), _op(op), list(input_split_sizes)
+    g, o = _group(group), _op(op)
+    splits = _splits(input_split_sizes, "input_split_sizes", "reduce_scatter_v")
     return _apply_one(lambda t: _nn.reduce_scatter_v(t, splits, g, o), tensor,
                   op="reduce_scatter_v", group=g)
 
@@ -442,8 +443,8 @@ def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence
                       group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
     """Rows routed by splits (None: even). Backward: splits swapped; dx has input's shape."""
     g = _group(group)
-    out = list(output_split_sizes) if output_split_sizes is not None else []
-    inp = list(input_split_sizes) if input_split_sizes is not None else []
+    out = _splits(output_split_sizes, "output_split_sizes", "all_to_all_single")
+    inp = _splits(input_split_sizes, "input_split_sizes", "all_to_all_single")
     return _apply_one(lambda t: _nn.all_to_all_single(t, out, inp, g), input,
                   op="all_to_all_single", group=g)
 

@@ -80,6 +80,7 @@ void bind_sim(nb::module_& m) {
       },
       "options"_a, "first"_a, "last"_a, release(), "The JSON of `diffcomm-sim sweep`.");
 
+  s.attr("MAX_RANKS") = dc::sim::kMaxRanks;
   nb::class_<dc::sim::ThreadedWorld>(
       s, "ThreadedWorld",
       "A sim::World whose ranks are OS threads handing a baton (see diffcomm.sim.run).")

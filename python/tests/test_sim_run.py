@@ -375,3 +375,50 @@ def test_flight_recorder_dump_to_a_directory_is_refused_in_the_simulated_world(t
     texts = list(sim.run(3, fn))
     assert len(texts) == 3 and all("all_reduce #0 on 'world'" in t for t in texts)
     assert not (tmp_path / "fr").exists()
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(world_size=2**40), diffcomm.InvalidArgument,
+     r"world_size = 1099511627776, expected 1\.\.16384"),
+    (dict(world_size=0), diffcomm.InvalidArgument, r"world_size = 0, expected 1\.\.16384"),
+    (dict(world_size=2.0), TypeError, "world_size must be an int, got float"),
+    (dict(world_size=True), TypeError, "world_size must be an int, got bool"),
+    (dict(world_size=2, seed=-1), diffcomm.InvalidArgument, r"seed = -1, expected 0\.\."),
+    (dict(world_size=2, seed=2**64), diffcomm.InvalidArgument, "seed = 18446744073709551616"),
+    (dict(world_size=2, fault=3), TypeError, r"fault must be a pair \(rank, k\), got 3"),
+    (dict(world_size=2, fault=(2, 1)), diffcomm.InvalidArgument,
+     r"fault rank = 2, expected 0\.\.1"),
+    (dict(world_size=2, fault=(0, 0)), diffcomm.InvalidArgument, "fault call k = 0, expected 1"),
+    (dict(world_size=2, fault=(0, 2**40)), diffcomm.InvalidArgument,
+     "fault call k = 1099511627776"),
+])
+def test_run_arguments_the_binding_cannot_take_get_diffcomm_errors(kwargs, error, message):
+    """Values nanobind cannot convert (2**40 ranks, a negative seed) are named, not answered with
+    the binding's list of signatures; no rank runs."""
+    ran = []
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(error, match=message) as info:
+        sim.run(world_size, lambda rank, world: ran.append(rank), **kwargs)
+    assert "incompatible function arguments" not in str(info.value)
+    assert ran == []
+
+
+def test_torch_style_output_first_all_to_all_single_is_named():
+    """torch's all_to_all_single(output, input) puts the input where diffcomm's splits go:
+    a TypeError says so (it used to be the binding's signature list); bad splits are named."""
+
+    def fn(rank, world):
+        x = torch.arange(4.0)
+        with pytest.raises(TypeError, match=r"all_to_all_single: output_split_sizes must be a "
+                                            r"sequence of ints, got a tensor .*takes \(output, "):
+            dt.all_to_all_single(torch.empty(4), x)
+        with pytest.raises(TypeError, match=r"input_split_sizes must be a sequence of ints, "
+                                            r"got an element 1\.5 \(float\)"):
+            dt.all_to_all_single(x, [2, 2], [1.5, 2.5])
+        with pytest.raises(TypeError, match="all_gather_v: output_split_sizes must be a "
+                                            "sequence of ints, got int"):
+            dt.all_gather_v(x, 4)
+        return dt.all_to_all_single(x, (2, 2), [2, 2]).tolist()  # tuples still work
+
+    res = sim.run(2, fn).results
+    assert res == [[0.0, 1.0, 0.0, 1.0], [2.0, 3.0, 2.0, 3.0]]
