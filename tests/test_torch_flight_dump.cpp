@@ -195,19 +195,20 @@ TEST(TorchFlightDump, MissingRankFileIsBadInputNamingIt) {
   fs::remove_all(dir);
 }
 
+std::string text_of(const fs::path& f) {
+  std::ifstream in(f);
+  std::stringstream all;
+  all << in.rdbuf();
+  return all.str();
+}
+
 // A size or a call number that is not an integer (1e300: nlohmann's own
 // conversion would cast it, undefined behaviour) is one line of bad input.
 TEST(TorchFlightDump, NonIntegerNumbersAreBadInput) {
   for (const char* bad : {"\"input_sizes\":[[1e300]]", "\"input_sizes\":[[2.5]]"}) {
     const std::string dir = copy_of("ok-json");
     const fs::path f = fs::path(dir) / "rank_0.json";
-    std::string text;
-    {
-      std::ifstream in(f);
-      std::stringstream all;
-      all << in.rdbuf();
-      text = all.str();
-    }
+    std::string text = text_of(f);
     text.replace(text.find("\"input_sizes\":[[3]]"), 19, bad);
     std::ofstream(f, std::ios::trunc) << text;
     try {
@@ -225,13 +226,7 @@ TEST(TorchFlightDump, NonIntegerNumbersAreBadInput) {
 TEST(TorchFlightDump, AFieldOfTheWrongTypeNamesTheFileAndEntry) {
   const std::string dir = copy_of("ok-json");
   const fs::path f = fs::path(dir) / "rank_0.json";
-  std::string text;
-  {
-    std::ifstream in(f);
-    std::stringstream all;
-    all << in.rdbuf();
-    text = all.str();
-  }
+  std::string text = text_of(f);
   const std::string name = "\"profiling_name\":\"gloo:broadcast\"";  // entry 1
   text.replace(text.find(name), name.size(), "\"profiling_name\":5");
   std::ofstream(f, std::ios::trunc) << text;
