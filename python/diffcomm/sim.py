@@ -123,23 +123,24 @@ def _start_rank_threads(world: "_core.sim.ThreadedWorld", threads: List[threadin
 
 
 def _interrupt(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
-               in_fn: List[bool], done: threading.Event) -> None:
+               in_fn: List[bool], finished: List[bool]) -> None:
     """After Ctrl-C: raises KeyboardInterrupt in the rank thread that runs its
     own code (only one runs at a time: the baton holder), once per rank, until
     the world ends. A rank waiting in diffcomm is never interrupted: the world
     releases it (RankFailure naming the interrupted rank), so diffcomm's
     bookkeeping is never cut in half. Gives up after INTERRUPT_GRACE_S, for a
     rank blocked outside diffcomm (time.sleep, input()) that no exception
-    reaches; rank threads are daemons."""
+    reaches; rank threads are daemons. Polls with time.sleep, taking no lock
+    another thread takes (see _drive)."""
     interrupted = set()
     deadline = time.monotonic() + INTERRUPT_GRACE_S
-    while not done.is_set() and time.monotonic() < deadline:
+    while not finished and time.monotonic() < deadline:
         r = world.running_rank()
         if r >= 0 and in_fn[r] and r not in interrupted and threads[r].ident is not None:
             interrupted.add(r)
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threads[r].ident),
                                                        ctypes.py_object(KeyboardInterrupt))
-        done.wait(0.01)
+        time.sleep(0.01)
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
 
@@ -150,10 +151,18 @@ def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
     main) thread waits in short slices, so that Ctrl-C reaches Python: the
     signal handler runs only between bytecodes, never while a thread sits in
     world.run() in C++. On KeyboardInterrupt, see _interrupt; then re-raises
-    it here. (The wait is an Event, not Thread.join: a join that
-    KeyboardInterrupt cuts short can leave the thread marked as ended.)"""
+    it here.
+
+    The wait is one acquire of a lock the driver releases when the world ends:
+    a C call that KeyboardInterrupt either cuts short (the lock not taken) or
+    follows. Not Event.wait: its `with` on the condition's lock has a window
+    where KeyboardInterrupt leaves that lock held, and the next wait and the
+    driver's set() then block forever (a CI run hung so). Not Thread.join: one
+    that KeyboardInterrupt cuts short can leave the thread marked as ended."""
     failure: List[BaseException] = []
-    done = threading.Event()
+    finished: List[bool] = []  # appended to (atomic) by the driver as the world ends
+    done = threading.Lock()
+    done.acquire()
 
     def drive() -> None:
         try:
@@ -161,14 +170,15 @@ def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
         except BaseException as e:  # re-raised on the calling thread
             failure.append(e)
         finally:
-            done.set()
+            finished.append(True)
+            done.release()
 
     threading.Thread(target=drive, name="diffcomm-sim-world", daemon=True).start()
     try:
-        while not done.wait(0.05):
+        while not done.acquire(timeout=0.05):
             pass
     except KeyboardInterrupt:
-        _interrupt(world, threads, in_fn, done)
+        _interrupt(world, threads, in_fn, finished)
         raise
     for t in threads:
         t.join()

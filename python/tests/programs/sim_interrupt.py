@@ -7,6 +7,7 @@ KeyboardInterrupt.
   collective  every rank all-reduces in an endless loop
   sleeping    rank 0 sleeps (outside diffcomm: only the grace period ends it)
 """
+import faulthandler
 import os
 import sys
 import threading
@@ -19,6 +20,8 @@ import diffcomm.torch as dt
 
 scenario = sys.argv[1]
 sim.INTERRUPT_GRACE_S = 2.0
+# A hang (CI saw one, sleeping scenario) prints every thread's stack and exits.
+faulthandler.dump_traceback_later(20, exit=True)
 
 
 def fn(rank, group):
