@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -235,11 +236,12 @@ TEST(FlightDump, Version2KeepsEachDescriptionOnceAndARowPerEntry) {
     r.op = i == 2 ? OpType::Barrier : OpType::AllReduce;
     r.seq = i;
     r.input_shapes = r.output_shapes = {{8}};
+    r.numel = 8;
     r.state = FlightRecord::State::Completed;
     r.start_s = 0.25 * static_cast<double>(i);
     d.entries.push_back(r);
   }
-  d.groups[0].group = {"world", {0, 1, 2, 3}, 3, 4, 0};
+  d.groups[0] = {{"world", {0, 1, 2, 3}, 3, 4, 0}, 0, 0};
   const std::string text = flight_dump_json(d);
   const CompactFlightDump c = parse_compact_flight_dump(text, "r.json");
   EXPECT_EQ(c.calls.size(), 2u);
@@ -358,6 +360,63 @@ TEST(FlightDump, DeepNestingIsRefusedNamingTheFile) {
       EXPECT_THAT(e.what(), HasSubstr("field 'tag' has the wrong type"));
     }
   }
+}
+
+// A dump that disagrees with itself (edited or corrupted: well formed, but
+// not what a recorder writes) is refused naming the file and the field, as
+// written and read as a tree; replayed, it could give a verdict about calls
+// that never happened (found by a hostile-input run).
+TEST(FlightDump, InconsistentFieldsAreRefusedNamingTheFileAndField) {
+  struct Case {
+    std::function<void(FlightDump&)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](FlightDump& d) { d.entries[0].numel = 13; },
+       "calls[0]: all_to_all_single on group 'tp{2,3}' records numel 13, but its first input "
+       "shape [4,3] holds 12"},
+      {[](FlightDump& d) { d.entries[0].input_shapes.clear(); },  // then the output's: 15
+       "records numel 12, but its first output shape [5,3] holds 15"},
+      {[](FlightDump& d) { d.entries[0].group_size = 3; },
+       "calls[0]: all_to_all_single on group 'tp{2,3}' records group_rank 1 of 3, but the group "
+       "is rank 1 of 2 members"},
+      {[](FlightDump& d) { d.entries[0].group_rank = 0; }, "records group_rank 0 of 2"},
+      {[](FlightDump& d) { d.groups[0].group.group_rank = 2; },
+       "groups[0]: group_rank 2 of group 'tp{2,3}' outside its 2 members"},
+      {[](FlightDump& d) { d.groups[0].watermark = 8; },
+       "groups[0]: group 'tp{2,3}' has watermark 8 / p2p_watermark 1 above its calls 7 / "
+       "p2p_calls 2"},
+      {[](FlightDump& d) { d.groups[0].p2p_watermark = 3; }, "p2p_watermark 3 above"},
+      {[](FlightDump& d) { d.entries[0].seq = 7; },
+       "entry 0: all_to_all_single #7 on group 'tp{2,3}' lies outside its group's recorded call "
+       "numbers [5, 7)"},
+      {[](FlightDump& d) { d.entries[0].seq = 4; }, "#4 on group 'tp{2,3}' lies outside"},
+  };
+  for (const Case& c : cases) {
+    FlightDump d = one_of_each();
+    c.edit(d);
+    const std::string written = flight_dump_json(d);
+    for (const std::string& text : {written, nlohmann::json::parse(written).dump(2)}) {
+      try {
+        (void)parse_flight_dump(text, "bad.json");
+        ADD_FAILURE() << "no error, expected " << c.message;
+      } catch (const InvalidArgument& e) {
+        EXPECT_THAT(e.what(), HasSubstr("bad.json: "));
+        EXPECT_THAT(e.what(), HasSubstr(c.message));
+      }
+    }
+  }
+  // What the recorder writes passes: a barrier records no shapes, numel 0.
+  FlightDump d = one_of_each();
+  FlightRecord b = d.entries[0];
+  b.op = OpType::Barrier;
+  b.input_shapes.clear();
+  b.output_shapes.clear();
+  b.numel = 0;
+  b.seq = 7;
+  d.groups[0].group.calls = 8;
+  d.entries.push_back(b);
+  EXPECT_EQ(parse_flight_dump(flight_dump_json(d), "ok.json").entries.size(), 2u);
 }
 
 TEST(FlightDump, DumpWritesRankFileIntoTheDirectory) {

@@ -51,7 +51,11 @@ void add(std::vector<FlightDump>& d, int r, OpType op, uint64_t seq, Shape shape
   c.op = op;
   c.seq = seq;
   c.dtype = dtype;
-  if (op != OpType::Barrier) c.input_shapes = c.output_shapes = {shape};
+  if (op != OpType::Barrier) {
+    c.input_shapes = c.output_shapes = {shape};
+    c.numel = 1;
+    for (const int64_t n : shape) c.numel *= n;
+  }
   c.state = issued ? FlightRecord::State::Issued : FlightRecord::State::Completed;
   f.entries.push_back(c);
   f.groups[0].group.calls = seq + 1;

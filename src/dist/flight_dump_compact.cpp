@@ -262,6 +262,75 @@ void check_numbering(const CompactFlightDump& d, const std::string& file) {
   }
 }
 
+// Elements of `shape`, or -1 when a dimension is negative or the product
+// overflows (the replay names negative shapes itself).
+int64_t elements(const Shape& shape) {
+  int64_t n = 1;
+  for (const int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return -1;
+  return n;
+}
+
+// What the recorder writes agrees with itself (FlightRecorder::begin,
+// snapshot_flight_dump): a call's group_size and group_rank are its group's,
+// numel is the first input's (else output's) elements, and each entry's
+// number on its group lies in [watermark, calls). A dump that breaks one was
+// edited or corrupted, and replayed it could give a verdict about calls that
+// never happened (found by a hostile-input run), so it is refused here.
+void check_consistency(const CompactFlightDump& d, const std::string& file) {
+  std::map<std::string_view, const DumpedGroup*> group_of;
+  for (std::size_t k = 0; k < d.groups.size(); ++k) {
+    const DumpedGroup& g = d.groups[k];
+    group_of.emplace(g.group.name, &g);
+    const auto members = static_cast<int64_t>(g.group.members.size());
+    if (g.group.group_rank < 0 || g.group.group_rank >= members)
+      throw InvalidArgument(
+          fmt::format("{}: groups[{}]: group_rank {} of group '{}' outside its {} "
+                      "members",
+                      file, k, g.group.group_rank, g.group.name, members));
+    if (g.watermark > g.group.calls || g.p2p_watermark > g.group.p2p_calls)
+      throw InvalidArgument(fmt::format(
+          "{}: groups[{}]: group '{}' has watermark {} / p2p_watermark {} above its calls {} / "
+          "p2p_calls {} (a watermark is an earliest recorded call number)",
+          file, k, g.group.name, g.watermark, g.p2p_watermark, g.group.calls, g.group.p2p_calls));
+  }
+  std::vector<const DumpedGroup*> call_group(d.calls.size(), nullptr);
+  for (std::size_t i = 0; i < d.calls.size(); ++i) {
+    const FlightRecord& c = d.calls[i];
+    const auto it = group_of.find(c.group);
+    if (it != group_of.end()) {
+      const RecordedGroup& g = it->second->group;
+      if (c.group_size != static_cast<int>(g.members.size()) || c.group_rank != g.group_rank)
+        throw InvalidArgument(fmt::format(
+            "{}: calls[{}]: {} on group '{}' records group_rank {} of {}, but the group is rank "
+            "{} of {} members",
+            file, i, op_name(c.op), c.group, c.group_rank, c.group_size, g.group_rank,
+            g.members.size()));
+      call_group[i] = it->second;
+    }
+    const std::vector<Shape>& shapes = c.input_shapes.empty() ? c.output_shapes : c.input_shapes;
+    const int64_t n = shapes.empty() ? c.numel : elements(shapes[0]);
+    if (n >= 0 && n != c.numel)
+      throw InvalidArgument(fmt::format(
+          "{}: calls[{}]: {} on group '{}' records numel {}, but its first {} shape [{}] holds {}",
+          file, i, op_name(c.op), c.group, c.numel, c.input_shapes.empty() ? "output" : "input",
+          fmt::join(shapes[0], ","), n));
+  }
+  for (std::size_t i = 0; i < d.rows.size(); ++i) {
+    const CompactFlightDump::Row& w = d.rows[i];
+    const DumpedGroup* g = call_group[w.call_index];
+    if (g == nullptr) continue;
+    const FlightRecord& c = d.calls[w.call_index];
+    const bool p2p = dump_fields::is_p2p(c.op);
+    const uint64_t lo = p2p ? g->p2p_watermark : g->watermark;
+    const uint64_t hi = p2p ? g->group.p2p_calls : g->group.calls;
+    if (w.seq < lo || w.seq >= hi)
+      throw InvalidArgument(fmt::format(
+          "{}: entry {}: {} #{} on group '{}' lies outside its group's recorded {} [{}, {})", file,
+          i, op_name(c.op), w.seq, c.group, p2p ? "send/recv numbers" : "call numbers", lo, hi));
+  }
+}
+
 CompactFlightDump parse_tree(std::string_view text, const std::string& file) {
   Reader rd{file, ""};
   const json doc = parse_json(text, file);
@@ -278,6 +347,7 @@ CompactFlightDump parse_compact_flight_dump(std::string_view text, const std::st
   std::optional<CompactFlightDump> c = parse_as_written(text, file);
   if (!c) c = parse_tree(text, file);
   check_numbering(*c, file);
+  check_consistency(*c, file);
   return std::move(*c);
 }
 

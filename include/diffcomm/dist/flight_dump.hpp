@@ -101,7 +101,12 @@ std::string flight_dump_json(const FlightDump& dump);
 /// the byte offset of a syntax error or truncation, or the entry and field
 /// that is missing or of the wrong type, or an unsupported version, or
 /// arrays and objects nested deeper than 64, or an entry whose call number
-/// on its group (send/recv apart) is not above the one before it there.
+/// on its group (send/recv apart) is not above the one before it there, or
+/// fields that disagree with each other as a recorder never writes them: a
+/// call's numel against its first input (else output) shape, its group_size
+/// or group_rank against its group's members, a group_rank outside its
+/// group, a watermark above its group's calls, an entry's call number
+/// outside [watermark, calls) of its group.
 FlightDump parse_flight_dump(std::string_view text, const std::string& file);
 /// The same, without expanding the entries (errors as parse_flight_dump).
 /// Version 2's rows are scanned directly, not through a JSON tree.
