@@ -18,16 +18,16 @@ int diffcomm_sim_main(int argc, char** argv);
 
 namespace {
 
-const std::vector<std::string> kWords = {"step",         "check",         "sweep",
-                                         "tokens",       "foo",           "--ranks",
-                                         "--dp",         "--cp",          "--tp",
-                                         "--sp",         "--cp-layout",   "--encoder-buckets",
-                                         "--encoder-cp", "--batch",       "--images-per-sample",
-                                         "--hidden",     "--ffn",         "--dtype",
-                                         "--seed",       "--images",      "--json",
-                                         "--fault",      "--trace",       "--receiver-grad",
-                                         "--model",      "--op",          "--seeds",
-                                         "--help",       "--no-such-flag"};
+const std::vector<std::string> kWords = {"step",         "check",       "sweep",
+                                         "tokens",       "foo",         "--ranks",
+                                         "--dp",         "--cp",        "--tp",
+                                         "--sp",         "--cp-layout", "--encoder-buckets",
+                                         "--encoder-cp", "--batch",     "--images-per-sample",
+                                         "--hidden",     "--ffn",       "--dtype",
+                                         "--seed",       "--images",    "--json",
+                                         "--fault",      "--trace",     "--receiver-grad",
+                                         "--model",      "--op",        "--seeds",
+                                         "--sp-chunks",  "--help",      "--no-such-flag"};
 const std::vector<std::string> kValues = {"0",
                                           "1",
                                           "2",

@@ -107,10 +107,11 @@ std::string describe_batch(const ep::Batch& b) {
 std::string describe(const StepCase& c) {
   const auto& m = c.cfg.decoder;
   std::string s = fmt::format(
-      "world_seed={} step_seed={} dp={} cp={} tp={} sp={} layout={} buckets={} encoder_cp={} "
-      "token_divisor={}",
-      c.world_seed, c.cfg.seed, c.cfg.dp, m.cp, m.tp, m.sp, ep::cp_layout_name(m.layout),
-      c.cfg.encoder.buckets, c.cfg.encoder.encoder_cp, c.token_divisor);
+      "world_seed={} step_seed={} dp={} cp={} tp={} sp={} sp_chunks={} layout={} buckets={} "
+      "encoder_cp={} token_divisor={}",
+      c.world_seed, c.cfg.seed, c.cfg.dp, m.cp, m.tp, m.sp, c.cfg.sp_chunks,
+      ep::cp_layout_name(m.layout), c.cfg.encoder.buckets, c.cfg.encoder.encoder_cp,
+      c.token_divisor);
   for (std::size_t d = 0; d < c.per_dp.size(); ++d)
     s += fmt::format(" | dp{}:{}", d, describe_batch(c.per_dp[d]));
   return s;
@@ -126,6 +127,7 @@ ep::StepConfig gen_config(int max_dp, int max_cp, int max_tp) {
   cfg.decoder.cp = uniform(1, max_cp);
   cfg.decoder.tp = uniform(1, max_tp);
   cfg.decoder.sp = coin();
+  cfg.sp_chunks = uniform(1, 6);  // more pieces than a shard's rows included
   cfg.decoder.layout = coin() ? ep::CpLayout::Zigzag : ep::CpLayout::Contiguous;
   const int n = exchange_size(cfg.decoder);
   std::vector<int> divisors;

@@ -149,6 +149,10 @@ void add_step_options(CLI::App& app, StepArgs& a) {
   app.add_option("--cp", a.cp, "context-parallel size")->check(CLI::Range(1, 1024));
   app.add_option("--tp", a.tp, "tensor-parallel size")->check(CLI::Range(1, 1024));
   app.add_flag("--sp", a.sp, "sequence parallel (TP ranks own distinct token shards)");
+  app.add_option("--sp-chunks", a.sp_chunks,
+                 "with --sp: all-gathers of each shard's rows per step (default 4; more: less "
+                 "memory at the SP collectives, more calls, the same gradients)")
+      ->check(CLI::Range(1, ep::kMaxSpChunks));
   app.add_option("--cp-layout", a.cp_layout, "contiguous or zigzag")
       ->check(CLI::IsMember({"contiguous", "zigzag"}));
   app.add_option("--encoder-buckets", a.encoder_buckets,
@@ -314,6 +318,8 @@ void keep_freed_memory_between_seeds() {
 std::string step_command_line(const StepArgs& a, uint64_t seed) {
   std::string s = fmt::format("diffcomm-sim step --ranks {} --cp {} --tp {}", a.ranks, a.cp, a.tp);
   if (a.sp) s += " --sp";
+  if (a.sp && a.sp_chunks != diffcomm::sim::StepOptions{}.sp_chunks)
+    s += fmt::format(" --sp-chunks {}", a.sp_chunks);
   s += fmt::format(
       " --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
       "--hidden {} --ffn {} --dtype {} --seed {}",

@@ -345,12 +345,13 @@ def _step_options(ranks: Optional[int] = None, dp: Optional[int] = None, cp: int
                   encoder_buckets: Optional[int] = None, encoder_cp: int = 1, batch: int = 4,
                   images_per_sample: int = 2, hidden: int = 32, ffn: int = 32,
                   dtype: str = "float64", seed: int = 0, images: Optional[str] = None,
-                  receiver_grad: str = "auto", model: str = "qwen2vl") -> "_core.sim.StepOptions":
+                  receiver_grad: str = "auto", model: str = "qwen2vl",
+                  sp_chunks: int = 4) -> "_core.sim.StepOptions":
     """The C++ StepOptions (sim/step_options.hpp) from keywords; its
     resolved() fills the defaults and checks the options, as the CLI does."""
     o = _core.sim.StepOptions()
     o.ranks, o.dp = ranks or 0, dp or 0
-    o.cp, o.tp, o.sp, o.cp_layout = cp, tp, sp, cp_layout
+    o.cp, o.tp, o.sp, o.sp_chunks, o.cp_layout = cp, tp, sp, sp_chunks, cp_layout
     o.encoder_buckets, o.encoder_cp = encoder_buckets or 0, encoder_cp
     o.batch, o.images_per_sample, o.hidden, o.ffn = batch, images_per_sample, hidden, ffn
     o.dtype, o.seed, o.receiver_grad, o.model = dtype, seed, receiver_grad, model
@@ -365,6 +366,7 @@ def step(
     cp: int = 1,
     tp: int = 1,
     sp: bool = False,
+    sp_chunks: int = 4,
     cp_layout: str = "contiguous",
     encoder_buckets: Optional[int] = None,
     encoder_cp: int = 1,
@@ -387,7 +389,7 @@ def step(
     in docs/cli.md)."""
     options = _step_options(ranks, dp, cp, tp, sp, cp_layout, encoder_buckets, encoder_cp, batch,
                             images_per_sample, hidden, ffn, dtype, seed, images, receiver_grad,
-                            model)
+                            model, sp_chunks)
     js, text, code = _core.sim.step(options, fault, trace or "")
     rep = StepReport(json.loads(js))
     rep.text = text

@@ -151,10 +151,21 @@ STEP_KEYS = {"mode", "mesh", "encoder", "seed", "dtype", "hidden", "images", "to
 def test_step_report_fields_and_pass():
     rep = sim.step(ranks=8, cp=2, tp=2, sp=True, batch=2, seed=3)
     assert STEP_KEYS <= set(rep) and rep.exit_code == 0 and rep.passed
-    assert rep["mesh"] == {"ranks": 8, "dp": 2, "cp": 2, "tp": 2, "sp": True,
+    assert rep["mesh"] == {"ranks": 8, "dp": 2, "cp": 2, "tp": 2, "sp": True, "sp_chunks": 4,
                            "cp_layout": "contiguous"}
     assert rep["check"]["passed"] and rep["check"]["grad_max_rel_diff"] <= 1e-12
     assert len(rep["per_rank"]) == 8 and "check vs single-rank reference" in rep.text
+
+
+def test_step_sp_chunks_add_one_all_gather_and_reduce_scatter_per_piece():
+    one = sim.step(ranks=8, cp=2, tp=2, sp=True, batch=2, seed=3, sp_chunks=1)
+    four = sim.step(ranks=8, cp=2, tp=2, sp=True, batch=2, seed=3)
+    assert one.passed and four.passed and one["mesh"]["sp_chunks"] == 1
+    assert one["bytes"] == four["bytes"]  # the exchange is the same
+    for a, b in zip(one["per_rank"], four["per_rank"]):
+        # shards of hundreds of rows: 3 more all-gathers and 3 more reduce-scatters
+        assert b["calls"] - a["calls"] == 6, (a, b)
+        assert b["bytes_sent"] == a["bytes_sent"] and b["bytes_received"] == a["bytes_received"]
 
 
 def test_step_wrong_convention_and_fault():
@@ -210,5 +221,7 @@ def test_bad_options_raise_invalid_argument():
         sim.step(ranks=6, cp=4)
     with pytest.raises(diffcomm.InvalidArgument):
         sim.step(tp=2, ffn=3)
+    with pytest.raises(diffcomm.InvalidArgument, match="--sp-chunks"):
+        sim.step(tp=2, sp=True, sp_chunks=0)
     with pytest.raises(diffcomm.InvalidArgument):
         sim.run(0, lambda r, g: None)

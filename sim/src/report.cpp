@@ -203,9 +203,13 @@ std::string to_json(const StepReport& r) {
   const auto& c = r.config;
   json j;
   j["mode"] = r.mode;
-  j["mesh"] = {{"ranks", c.world_size()}, {"dp", c.dp},
-               {"cp", c.decoder.cp},      {"tp", c.decoder.tp},
-               {"sp", c.decoder.sp},      {"cp_layout", ep::cp_layout_name(c.decoder.layout)}};
+  j["mesh"] = {{"ranks", c.world_size()},
+               {"dp", c.dp},
+               {"cp", c.decoder.cp},
+               {"tp", c.decoder.tp},
+               {"sp", c.decoder.sp},
+               {"sp_chunks", c.sp_chunks},
+               {"cp_layout", ep::cp_layout_name(c.decoder.layout)}};
   j["encoder"] = {{"buckets", c.encoder.buckets}, {"encoder_cp", c.encoder.encoder_cp}};
   j["seed"] = c.seed;
   j["dtype"] = dtype_name(c.dtype);

@@ -30,6 +30,7 @@ void check_each(const StepOptions& o) {
   range("images-per-sample", o.images_per_sample, 0, 1 << 16);
   range("hidden", o.hidden, 1, int64_t{1} << 20);
   range("ffn", o.ffn, 1, int64_t{1} << 20);
+  range("sp-chunks", o.sp_chunks, 1, ep::kMaxSpChunks);
   auto one_of = [](const char* flag, const std::string& v, std::initializer_list<const char*> ok) {
     if (std::none_of(ok.begin(), ok.end(), [&](const char* k) { return v == k; }))
       throw InvalidArgument(
@@ -103,6 +104,7 @@ ep::StepConfig StepOptions::config() const {
   cfg.hidden = hidden;
   cfg.in_features = 16;
   cfg.ffn = ffn;
+  cfg.sp_chunks = sp_chunks;
   cfg.dtype = parse_dtype(dtype);
   cfg.seed = seed;
   if (receiver_grad == "partial") cfg.receiver_grad = ep::ReceiverGrad::Partial;

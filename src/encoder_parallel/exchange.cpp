@@ -112,11 +112,22 @@ Tensor pack_pieces(const std::vector<EncoderFeature>& records, const std::vector
   return std::move(gather).apply(inputs)[0];
 }
 
+// The send buffer holds a copy of every row that leaves: the records and
+// the prototype are not read again, and a caller that moved them in frees
+// them here, before the collective parks this rank (in a simulated world of
+// N ranks, a parked rank's buffers count N times).
+void drop_records(std::vector<EncoderFeature>& records, Tensor& prototype,
+                  std::vector<Tensor>& views) {
+  std::vector<EncoderFeature>().swap(records);
+  std::vector<Tensor>().swap(views);
+  prototype = Tensor{};
+}
+
 }  // namespace
 
 RoutedFeatures route_features(FeatureExchangeMode mode,
-                              const std::vector<EncoderFeature>& producer_records,
-                              const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
+                              std::vector<EncoderFeature> producer_records, Tensor prototype,
+                              int exchange_rank, const ExchangePlan& plan,
                               const dist::ProcessGroup& group, ReceiverGrad grad) {
   try {
     plan.validate();
@@ -170,6 +181,7 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
     std::vector<Tensor> pieces;
     for (const auto& f : producer_records) pieces.push_back(f.rows);
     Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
+    drop_records(producer_records, prototype, pieces);
     const Transfer in = plan.receives(exchange_rank);
     for (int64_t id : in.items) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
     out.rows = nn::all_gather_v(local, in.splits, group,
@@ -182,6 +194,8 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   // plan's send order (the records are the bucket, in order: validated above).
   const Transfer sent = plan.sends(exchange_rank), in = plan.receives(exchange_rank);
   Tensor local = pack_pieces(producer_records, mine, sent, prototype, hidden);
+  std::vector<Tensor> none_left;
+  drop_records(producer_records, prototype, none_left);
   for (std::size_t k = 0; k < in.items.size(); ++k)
     out.items.push_back(piece_of(plan.items[static_cast<std::size_t>(in.items[k])], in.ranges[k]));
   out.rows = nn::all_to_all_single(local, in.splits, sent.splits, group);

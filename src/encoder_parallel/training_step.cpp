@@ -107,10 +107,25 @@ struct Synthetic {
         mix(mix(cfg.seed, 4), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
         static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
   }
-  Drawn u(int d, int64_t b, int64_t seq_len) const {
-    return draw(
-        mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
-        static_cast<std::size_t>(seq_len * cfg.hidden), 1.0, cfg.dtype);
+  // Row t of sample b's positional table U, [hidden] values. Each row is
+  // its own stream: a rank draws only its shard's rows, and draws them again
+  // in the backward (PositionalTermFn), where a whole sample's table, evicted
+  // from the memo by then, cost the 1024-rank step 15 % of its time.
+  std::vector<double> u_row(int d, int64_t b, int64_t t) const {
+    return draw_fresh(
+        mix(mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
+            static_cast<uint64_t>(t)),
+        static_cast<std::size_t>(cfg.hidden), 1.0, cfg.dtype);
+  }
+  // Sample b's whole table [seq_len, hidden], row by row (the reference).
+  std::vector<double> u(int d, int64_t b, int64_t seq_len) const {
+    std::vector<double> table;
+    table.reserve(static_cast<std::size_t>(seq_len * cfg.hidden));
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const std::vector<double> row = u_row(d, b, t);
+      table.insert(table.end(), row.begin(), row.end());
+    }
+    return table;
   }
 };
 
@@ -137,6 +152,21 @@ Tensor gather_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
   return out;
 }
 
+// Rows (sample, token) drawn one at a time, [tokens, hidden], converted as
+// gather_rows converts.
+Tensor draw_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
+                 const std::function<std::vector<double>(int64_t, int64_t)>& row, int64_t hidden,
+                 DType dtype) {
+  Tensor out = empty({static_cast<int64_t>(tokens.size()), hidden}, dtype);
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(out.data_ptr());
+    for (const auto& [b, t] : tokens)
+      for (const double v : row(b, t)) *p++ = static_cast<T>(static_cast<compute_t<T>>(v));
+  });
+  return out;
+}
+
 // Y = L R where only one operand requires grad (the other is data or a
 // frozen weight): the backward computes that operand's gradient alone, with
 // the same products as matmul's backward (dL = dY R^T, dR = L^T dY), so the
@@ -154,6 +184,23 @@ struct LinearFn : Function<LinearFn> {
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
     if (grad == kLeft) return {matmul(g[0], transpose(saved)), Tensor{}};
     return {Tensor{}, matmul(transpose(saved), g[0])};
+  }
+};
+
+// <E, U> for the drawn positional rows U of this shard (data: no gradient).
+// U is as large as the shard and is drawn again in the backward instead of
+// being saved: in a simulated world every rank holds what it saves from
+// forward to backward at once (issue 27: 85 MB of a 1024-rank step's peak).
+// The draws are deterministic and the products are dot's (value <E, U>,
+// gradient g U), so the bits are those of dot(E, U).
+struct PositionalTermFn : Function<PositionalTermFn> {
+  static constexpr const char* kName = "PositionalTermBackward";
+  std::function<Tensor()> draw_u;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    return {dot(in[0], draw_u())};  // detached inputs: records nothing
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    return {scale(draw_u(), g[0].item())};
   }
 };
 
@@ -191,6 +238,16 @@ void accumulate_rows(const double* a, int64_t lda, int64_t k, const double* b, i
   }
 }
 
+// Rows of a shard of `rows` in `chunks` pieces as equal as they come (the
+// first rows % chunks one longer), never an empty piece: fewer pieces when
+// the shard has fewer rows, one (empty) piece for an empty shard.
+std::vector<int64_t> sp_chunk_rows(int64_t rows, int chunks) {
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(chunks, rows));
+  std::vector<int64_t> pieces(static_cast<std::size_t>(n), rows / n);
+  for (int64_t i = 0; i < rows % n; ++i) ++pieces[static_cast<std::size_t>(i)];
+  return pieces;
+}
+
 void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
   if (cfg.dp < 1 || cfg.decoder.cp < 1 || cfg.decoder.tp < 1)
     throw InvalidArgument(fmt::format("training step: dp {}, cp {}, tp {} must be >= 1", cfg.dp,
@@ -203,6 +260,9 @@ void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
   if (!is_floating(cfg.dtype))
     throw InvalidArgument(
         fmt::format("training step: dtype {} is not floating point", dtype_name(cfg.dtype)));
+  if (cfg.sp_chunks < 1 || cfg.sp_chunks > kMaxSpChunks)
+    throw InvalidArgument(
+        fmt::format("training step: sp_chunks {} is outside [1, {}]", cfg.sp_chunks, kMaxSpChunks));
   if (static_cast<int>(per_dp.size()) != cfg.dp)
     throw InvalidArgument(
         fmt::format("training step: {} micro-batches for dp {}", per_dp.size(), cfg.dp));
@@ -295,31 +355,25 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
     // ---- exchange, unpack, merge
     // `features` is the prototype: on a rank that produces nothing it is the
     // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
-    // send on it keeps that collective's backward reachable here too.
-    RoutedFeatures routed = route_features(plan.mode, records, features, e, plan, exchange,
-                                           cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
-    // The records are views of features; backward needs neither (the encoder
-    // node keeps P, the split keeps row counts).
-    std::vector<EncoderFeature>().swap(records);
-    features = Tensor{};
+    // send on it keeps that collective's backward reachable here too. Both
+    // are moved in: the records are views of features, backward needs
+    // neither (the encoder node keeps P, the split keeps row counts), and
+    // route_features frees them once packed, before its collective parks
+    // this rank.
+    RoutedFeatures routed =
+        route_features(plan.mode, std::move(records), std::move(features), e, plan, exchange,
+                       cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
     if (keep_routed_rows) res.routed_rows = routed.rows.detach();
     res.received_items = routed.items;
     std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
     const ShardLayout layout(plan, e);
     res.shard_tokens = layout.tokens();
-    std::map<int64_t, Drawn> text_cache, u_cache;
+    std::map<int64_t, Drawn> text_cache;
     auto text_of = [&](int64_t b) -> const std::vector<double>& {
       auto it = text_cache.find(b);
       if (it == text_cache.end())
         it = text_cache
                  .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
-                 .first;
-      return *it->second;
-    };
-    auto u_of = [&](int64_t b) -> const std::vector<double>& {
-      auto it = u_cache.find(b);
-      if (it == u_cache.end())
-        it = u_cache.emplace(b, syn.u(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
                  .first;
       return *it->second;
     };
@@ -354,29 +408,53 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
         a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
     const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
     const dist::ProcessGroup& tp_group = mesh.group("tp");
-    Tensor X, pos_lhs;  // the positional term is <pos_lhs, U> where defined
+    // The decoder's inputs, one per SP chunk (one without SP).
+    std::vector<Tensor> X;
+    Tensor pos_lhs;  // the positional term is <pos_lhs, U> where defined
     if (tp == 1) {
-      X = E;
+      X = {E};
       pos_lhs = E;
     } else if (cfg.decoder.sp) {
       pos_lhs = E;
-      X = nn::all_gather_single(E, tp_group);
+      // The shard's rows in sp_chunks pieces, one all-gather each: a rank
+      // holds one piece's gathered rows (and, backward, one piece's input
+      // gradient at its reduce-scatter) instead of the whole [tp x shard].
+      // Every TP rank holds the same shard rows, so the pieces agree.
+      const std::vector<int64_t> pieces = sp_chunk_rows(E.size(0), cfg.sp_chunks);
+      if (pieces.size() == 1)
+        X = {E};
+      else
+        X = split_rows(E, pieces);
     } else {
-      X = nn::copy_to_tp_region(E, tp_group);
-      if (res.tp_rank == 0) pos_lhs = X;
+      X = {nn::copy_to_tp_region(E, tp_group)};
+      if (res.tp_rank == 0) pos_lhs = X[0];
     }
-    Tensor Y = LinearFn{{}, LinearFn::kLeft, {}}.apply({X, A_t})[0];
-    X = Tensor{};  // the linear's backward needs A_t only
-    // U is drawn after the all-gather, so no collective sees it.
-    Tensor U;
-    if (pos_lhs.defined()) U = gather_rows(layout.tokens(), u_of, cfg.hidden, cfg.dtype);
-    u_cache.clear();  // as text_cache above
-    const Tensor yy = dot(Y, Y);
-    Tensor loss = scale(yy, 0.5), eu;
-    if (pos_lhs.defined()) {
-      eu = dot(pos_lhs, U);
-      loss = add(loss, eu);
+    // The positional term <pos_lhs, U>. U's rows are drawn without a
+    // collective and dropped at once (PositionalTermFn draws them again in
+    // the backward). Recorded before the decoder's linear, its backward runs
+    // after the SP reduce-scatters, so no rank holds its shard-sized gradient
+    // across them.
+    auto draw_u = [&] {
+      return draw_rows(
+          layout.tokens(), [&](int64_t b, int64_t t) { return syn.u_row(res.dp_rank, b, t); },
+          cfg.hidden, cfg.dtype);
+    };
+    Tensor eu;
+    if (pos_lhs.defined()) eu = PositionalTermFn{{}, draw_u}.apply({pos_lhs})[0];
+    // Each piece's gathered rows are freed before the next all-gather: the
+    // linear's backward needs A_t only. The loss sums the pieces' |Y|^2.
+    std::vector<Tensor> Y;
+    Tensor yy;
+    for (Tensor& piece : X) {
+      if (tp > 1 && cfg.decoder.sp) piece = nn::all_gather_single(piece, tp_group);
+      Y.push_back(LinearFn{{}, LinearFn::kLeft, {}}.apply({piece, A_t})[0]);
+      piece = Tensor{};
+      const Tensor yy_piece = dot(Y.back(), Y.back());
+      yy = yy.defined() ? add(yy, yy_piece) : yy_piece;
     }
+    X.clear();
+    Tensor loss = scale(yy, 0.5);
+    if (eu.defined()) loss = add(loss, eu);
     // The reported loss is accumulated in float64 from this rank's tensors: in
     // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
     // while its gradient (Y, U) does not depend on that value.
@@ -394,11 +472,15 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
       });
       return acc;
     };
-    if (cfg.dtype == DType::Float64)  // the graph's dots are these very sums
+    if (cfg.dtype == DType::Float64) {  // the graph's dots are these very sums
       res.loss = 0.5 * yy.item() + (eu.defined() ? eu.item() : 0.0);
-    else
-      res.loss = 0.5 * dot64(Y, Y) + (pos_lhs.defined() ? dot64(pos_lhs, U) : 0.0);
-    Y = U = pos_lhs = E = Tensor{};  // the dot nodes keep them until their backward
+    } else {
+      double yy64 = 0;
+      for (const Tensor& y : Y) yy64 += dot64(y, y);
+      res.loss = 0.5 * yy64 + (pos_lhs.defined() ? dot64(pos_lhs, draw_u()) : 0.0);
+    }
+    Y.clear();  // the dot nodes keep them until their backward
+    pos_lhs = E = Tensor{};
     // dW alone, without accumulating a .grad() into every leaf (the text
     // embeddings' gradient would be one more shard-sized buffer held to the
     // end); same engine, same order, same collectives as backward().
@@ -443,8 +525,8 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
     for (std::size_t b = 0; b < batch.samples.size(); ++b) {
       const Sample& s = batch.samples[b];
       std::vector<double> E = *syn.text(d, static_cast<int64_t>(b), s.seq_len);
-      const Drawn U_drawn = syn.u(d, static_cast<int64_t>(b), s.seq_len);
-      const double* const U = U_drawn->data();
+      const std::vector<double> U_table = syn.u(d, static_cast<int64_t>(b), s.seq_len);
+      const double* const U = U_table.data();
       struct Img {
         int64_t start, tokens;
         Drawn P;

@@ -122,7 +122,7 @@ def is_num(v):
 
 # ---------------------------------------------------------------- step checks
 def validate_step_json(j, ranks, cp, tp, sp, layout="contiguous", dtype="float64", dp=None,
-                       batch=None, images_per_sample=None):
+                       batch=None, images_per_sample=None, sp_chunks=4):
     """Every documented field, its type, and values a correct run must have."""
     ctx = json.dumps(j)[:2000]
     for key in ["mode", "mesh", "images", "tokens", "bytes", "encoder_imbalance", "sim_time_us",
@@ -130,10 +130,12 @@ def validate_step_json(j, ranks, cp, tp, sp, layout="contiguous", dtype="float64
         expect(key in j, f"missing field '{key}' in {ctx}")
     dp = dp if dp is not None else ranks // (cp * tp)
     mesh = j["mesh"]
-    for key in ["ranks", "dp", "cp", "tp", "sp", "cp_layout"]:
+    for key in ["ranks", "dp", "cp", "tp", "sp", "sp_chunks", "cp_layout"]:
         expect(key in mesh, f"missing field 'mesh.{key}' in {ctx}")
-    expect(mesh == {"ranks": ranks, "dp": dp, "cp": cp, "tp": tp, "sp": sp, "cp_layout": layout},
-           f"mesh {mesh} does not match ranks={ranks} dp={dp} cp={cp} tp={tp} sp={sp} {layout}")
+    expect(mesh == {"ranks": ranks, "dp": dp, "cp": cp, "tp": tp, "sp": sp, "sp_chunks": sp_chunks,
+                    "cp_layout": layout},
+           f"mesh {mesh} does not match ranks={ranks} dp={dp} cp={cp} tp={tp} sp={sp} "
+           f"sp_chunks={sp_chunks} {layout}")
     expect(j["mode"] == expected_mode(cp, tp, sp),
            f"mode {j['mode']!r}, expected {expected_mode(cp, tp, sp)!r}")
 
@@ -212,7 +214,7 @@ def help_output(cli):
     for sub in ["step", "check", "sweep", "tokens"]:
         expect(re.search(rf"^\s+{sub}\b", r.out, re.M), f"--help does not list '{sub}'\n{r.describe()}")
     r = cli.run("step", "--help", rc=PASSED)
-    for opt in ["--ranks", "--dp", "--cp", "--tp", "--sp", "--cp-layout", "--encoder-buckets",
+    for opt in ["--ranks", "--dp", "--cp", "--tp", "--sp", "--sp-chunks", "--cp-layout", "--encoder-buckets",
                 "--encoder-cp", "--batch", "--images-per-sample", "--hidden", "--dtype", "--seed",
                 "--images", "--json", "--fault", "--trace"]:
         expect(re.search(rf"{re.escape(opt)}\b", r.out), f"step --help does not document {opt}")
@@ -272,6 +274,23 @@ def step_16_ranks_zigzag(cli):
 
 
 @scenario
+def step_sp_chunks(cli):
+    # --sp-chunks K: K all-gathers and K reduce-scatters of each SP shard per
+    # step (shards of hundreds of rows here), the same bytes, the same check.
+    one = step_case(cli, 16, cp=2, tp=4, sp=True, sp_chunks=1, extra=["--sp-chunks", 1])
+    three = step_case(cli, 16, cp=2, tp=4, sp=True, sp_chunks=3, extra=["--sp-chunks", 3])
+    expect(one["bytes"] == three["bytes"], f"{one['bytes']} vs {three['bytes']}")
+    for a, b in zip(one["per_rank"], three["per_rank"]):
+        expect(b["calls"] - a["calls"] == 4 and b["bytes_sent"] == a["bytes_sent"],
+               f"sp_chunks 1 vs 3: {a} vs {b}")
+    # A failing sweep's reproduce line carries a K other than the default.
+    r = cli.run("sweep", "--seeds", "0..0", "--ranks", 4, "--cp", 2, "--tp", 2, "--sp",
+                "--sp-chunks", 2, "--receiver-grad", "replicated-over-tp", rc=FAILED)
+    repro = re.findall(r"^  reproduce: (diffcomm-sim step .*)$", r.out, re.M)
+    expect(len(repro) == 1 and "--sp-chunks 2" in repro[0], r.describe())
+
+
+@scenario
 def step_json_fields(cli):
     j = step_case(cli, 8, cp=2, tp=2, sp=True, dp=2, batch=3, images_per_sample=2,
                   extra=["--dp", 2, "--batch", 3, "--images-per-sample", 2, "--hidden", 16,
@@ -323,6 +342,8 @@ BAD_STEP_ARGS = [
     (["--ranks", 0], "--ranks"),
     (["--tp", 0], "--tp"),
     (["--hidden", 0], "--hidden"),
+    (["--sp-chunks", 0], "--sp-chunks"),
+    (["--sp-chunks", 65537], "--sp-chunks"),
     (["--batch", -1], "--batch"),
     (["--seed", -1], "--seed"),
     (["--seed", "abc"], "--seed"),

@@ -115,6 +115,54 @@ TEST(TrainingStep, DegenerateBatches) {
   }
 }
 
+// SP's all-gather in pieces (StepConfig::sp_chunks): a shard of n rows goes
+// through min(sp_chunks, n) all-gathers, and one reduce-scatter each in the
+// backward, and every rank's encoder gradient and decoder input are bit for
+// bit those of one all-gather (each row's products and each element's
+// reduction order over the TP ranks do not depend on the pieces). The loss
+// is summed per piece: equal up to float64 rounding.
+TEST(TrainingStep, SpChunksSplitTheAllGatherAndKeepTheGradientBits) {
+  const std::vector<ep::Batch> per_dp = {design_example(), five_images()};
+  for (const auto& m : {mesh_of(1, 4, true), mesh_of(2, 2, true, ep::CpLayout::Zigzag)}) {
+    SCOPED_TRACE("cp " + std::to_string(m.cp) + " tp " + std::to_string(m.tp));
+    auto cfg = step_config(2, m, encoder_layout(2, 2));
+    std::vector<ep::StepRankResult> whole;
+    for (const int chunks : {1, 2, 3, 1000}) {
+      SCOPED_TRACE("sp_chunks " + std::to_string(chunks));
+      cfg.sp_chunks = chunks;
+      std::vector<ep::StepRankResult> ranks(static_cast<std::size_t>(cfg.world_size()));
+      sim::WorldOptions o;
+      o.ranks = cfg.world_size();
+      o.seed = 3;
+      sim::World world(o);
+      world.run([&](sim::Rank& rk) {
+        const auto r = static_cast<std::size_t>(rk.rank());
+        ranks[r] = ep::run_step(rk.world(), cfg, per_dp);
+      });
+      for (std::size_t r = 0; r < ranks.size(); ++r) {
+        const int64_t rows = ranks[r].decoder_input.size(0);
+        const auto pieces =
+            static_cast<uint64_t>(std::max<int64_t>(1, std::min<int64_t>(chunks, rows)));
+        EXPECT_EQ(world.stats(static_cast<int>(r)).total("all_gather_single").calls, pieces)
+            << "rank " << r << ", " << rows << " rows";
+        EXPECT_EQ(world.stats(static_cast<int>(r)).total("reduce_scatter_single").calls, pieces)
+            << "rank " << r;
+      }
+      EXPECT_TRUE(ep::check_step(cfg, per_dp, ranks, ep::reference_step(cfg, per_dp)).passed);
+      if (chunks == 1) {
+        whole = ranks;
+        continue;
+      }
+      for (std::size_t r = 0; r < ranks.size(); ++r) {
+        EXPECT_EQ(ranks[r].encoder_grad.to_vector(), whole[r].encoder_grad.to_vector())
+            << "rank " << r;
+        EXPECT_EQ(ranks[r].decoder_input.to_vector(), whole[r].decoder_input.to_vector());
+        EXPECT_NEAR(ranks[r].loss, whole[r].loss, 1e-12 * std::max(1.0, std::abs(whole[r].loss)));
+      }
+    }
+  }
+}
+
 TEST(TrainingStep, CheckStepDetectsAWrongGradientAndForward) {
   // check_step is the oracle of the properties: it must be able to fail.
   const auto cfg = step_config(1, mesh_of(1, 2, false), encoder_layout(2, 1));
@@ -148,6 +196,10 @@ TEST(TrainingStep, InconsistentConfigurationsRejected) {
   EXPECT_THROW(ep::reference_step(cfg, per_dp), InvalidArgument);
   cfg.ffn = 8;
   EXPECT_THROW(ep::reference_step(cfg, {}), InvalidArgument);  // 0 micro-batches for dp 1
+  for (const int chunks : {0, -1, ep::kMaxSpChunks + 1}) {
+    cfg.sp_chunks = chunks;
+    EXPECT_THROW(ep::reference_step(cfg, per_dp), InvalidArgument) << chunks;
+  }
 }
 
 // ============================================================ negative control

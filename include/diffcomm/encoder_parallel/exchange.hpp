@@ -41,9 +41,12 @@ struct RoutedFeatures {
 /// (ReplicatedOverTp counts the TP rank 0 copy of each CP owner). Throws InvalidArgument when the
 /// plan is not valid (ExchangePlan::validate, message names the field) or the records disagree with
 /// it (items, order, row counts, width).
+/// The records and the prototype are taken by value: moved in, their rows
+/// are freed once packed into the send buffer, before the collective (the
+/// autograd graph keeps only their shapes).
 RoutedFeatures route_features(FeatureExchangeMode mode,
-                              const std::vector<EncoderFeature>& producer_records,
-                              const Tensor& prototype, int exchange_rank, const ExchangePlan& plan,
+                              std::vector<EncoderFeature> producer_records, Tensor prototype,
+                              int exchange_rank, const ExchangePlan& plan,
                               const dist::ProcessGroup& group, ReceiverGrad grad);
 
 /// Splits transported rows by the plan into records ordered by

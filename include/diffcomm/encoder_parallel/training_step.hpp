@@ -12,7 +12,13 @@
 //  - decoder (Megatron-style): without SP, E enters the TP region by
 //    "copy to TP region" (identity forward, all-reduce of the gradient over
 //    TP); with SP, by an all-gather over TP (reduce-scatter backward); then
-//    a column-parallel linear Y = X @ A[:, cols of this TP rank];
+//    a column-parallel linear Y = X @ A[:, cols of this TP rank]. With SP the
+//    shard's rows go through all-gather and linear in StepConfig::sp_chunks
+//    pieces, one after the other, so a rank holds one piece's gathered rows
+//    (forward) and input gradient (backward) at a time; every row's products
+//    and every element's reduction order are the same for any sp_chunks, so
+//    the gradients are bit for bit those of one all-gather (only the loss's
+//    float64 sum over rows is grouped per piece);
 //  - loss = sum over tokens of <E_row, U(sample, token)> + 0.5 |Y|^2, the
 //    first term counted once per token (on the TP rank 0 replica without SP).
 // Reference: one rank, closed form in float64 with plain loops:
@@ -27,6 +33,9 @@
 
 namespace diffcomm::encoder_parallel {
 
+/// The most pieces StepConfig::sp_chunks may split an SP shard into.
+inline constexpr int kMaxSpChunks = 1 << 16;
+
 struct StepConfig {
   int dp = 1;
   DecoderMesh decoder;
@@ -36,6 +45,10 @@ struct StepConfig {
   int64_t ffn = 8;  ///< columns of A; divisible by tp
   DType dtype = DType::Float64;
   uint64_t seed = 0;
+  /// With SP (tp > 1): all-gathers of the shard's rows per step, in
+  /// [1, kMaxSpChunks] (fewer when the shard has fewer rows). More pieces:
+  /// less memory held at the SP collectives, more calls; same gradients.
+  int sp_chunks = 4;
   /// The exchange's receiver-gradient convention. Unset: receiver_grad_for
   /// the mesh (the correct one). Set, it is forced on every rank — a way to
   /// watch the wrong convention fail the reference check (tp x the gradient).

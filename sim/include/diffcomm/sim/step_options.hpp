@@ -22,6 +22,7 @@ struct StepOptions {
   int cp = 1;
   int tp = 1;
   bool sp = false;
+  int sp_chunks = 4;  ///< SP all-gathers per step (encoder_parallel::StepConfig::sp_chunks)
   std::string cp_layout = "contiguous";  ///< or "zigzag"
   int encoder_buckets = 0;               ///< 0: exchange group size / encoder_cp
   int encoder_cp = 1;
