@@ -110,7 +110,7 @@ struct Synthetic {
   // Row t of sample b's positional table U, [hidden] values. Each row is
   // its own stream: a rank draws only its shard's rows, and draws them again
   // in the backward (PositionalTermFn), where a whole sample's table, evicted
-  // from the memo by then, cost the 1024-rank step 15 % of its time.
+  // from the memo by then, cost the 1024-rank step 17 % of its time.
   std::vector<double> u_row(int d, int64_t b, int64_t t) const {
     return draw_fresh(
         mix(mix(mix(cfg.seed, 5), static_cast<uint64_t>(d) * 1000003ull + static_cast<uint64_t>(b)),
