@@ -53,8 +53,7 @@ void add(std::vector<FlightDump>& d, int r, OpType op, uint64_t seq, Shape shape
   c.dtype = dtype;
   if (op != OpType::Barrier) {
     c.input_shapes = c.output_shapes = {shape};
-    c.numel = 1;
-    for (const int64_t n : shape) c.numel *= n;
+    c.numel = shape_numel(shape);
   }
   c.state = issued ? FlightRecord::State::Issued : FlightRecord::State::Completed;
   f.entries.push_back(c);

@@ -318,8 +318,7 @@ void keep_freed_memory_between_seeds() {
 std::string step_command_line(const StepArgs& a, uint64_t seed) {
   std::string s = fmt::format("diffcomm-sim step --ranks {} --cp {} --tp {}", a.ranks, a.cp, a.tp);
   if (a.sp) s += " --sp";
-  if (a.sp && a.sp_chunks != diffcomm::sim::StepOptions{}.sp_chunks)
-    s += fmt::format(" --sp-chunks {}", a.sp_chunks);
+  if (a.sp && a.sp_chunks != ep::kDefaultSpChunks) s += fmt::format(" --sp-chunks {}", a.sp_chunks);
   s += fmt::format(
       " --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
       "--hidden {} --ffn {} --dtype {} --seed {}",

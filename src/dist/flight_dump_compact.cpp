@@ -263,7 +263,8 @@ void check_numbering(const CompactFlightDump& d, const std::string& file) {
 }
 
 // Elements of `shape`, or -1 when a dimension is negative or the product
-// overflows (the replay names negative shapes itself).
+// overflows (the replay names negative shapes itself). shape_numel would
+// overflow on a hostile dump's shape.
 int64_t elements(const Shape& shape) {
   int64_t n = 1;
   for (const int64_t d : shape)
@@ -309,7 +310,8 @@ void check_consistency(const CompactFlightDump& d, const std::string& file) {
       call_group[i] = it->second;
     }
     const std::vector<Shape>& shapes = c.input_shapes.empty() ? c.output_shapes : c.input_shapes;
-    const int64_t n = shapes.empty() ? c.numel : elements(shapes[0]);
+    if (shapes.empty()) continue;  // no tensor (a barrier): nothing to count
+    const int64_t n = elements(shapes[0]);
     if (n >= 0 && n != c.numel)
       throw InvalidArgument(fmt::format(
           "{}: calls[{}]: {} on group '{}' records numel {}, but its first {} shape [{}] holds {}",

@@ -112,14 +112,20 @@ Tensor pack_pieces(const std::vector<EncoderFeature>& records, const std::vector
   return std::move(gather).apply(inputs)[0];
 }
 
+// The records' rows, in order, as one tensor (a copy; prototype when none).
+Tensor cat_records(const std::vector<EncoderFeature>& records, const Tensor& prototype,
+                   int64_t hidden) {
+  std::vector<Tensor> pieces;
+  for (const auto& f : records) pieces.push_back(f.rows);
+  return nn::cat_or_empty(pieces, prototype, hidden);
+}
+
 // The send buffer holds a copy of every row that leaves: the records and
 // the prototype are not read again, and a caller that moved them in frees
 // them here, before the collective parks this rank (in a simulated world of
 // N ranks, a parked rank's buffers count N times).
-void drop_records(std::vector<EncoderFeature>& records, Tensor& prototype,
-                  std::vector<Tensor>& views) {
+void drop_records(std::vector<EncoderFeature>& records, Tensor& prototype) {
   std::vector<EncoderFeature>().swap(records);
-  std::vector<Tensor>().swap(views);
   prototype = Tensor{};
 }
 
@@ -170,18 +176,14 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   }
   RoutedFeatures out;
   if (mode == FeatureExchangeMode::Local) {
-    std::vector<Tensor> pieces;
-    for (const auto& f : producer_records) pieces.push_back(f.rows);
-    out.rows = nn::cat_or_empty(pieces, prototype, hidden);
+    out.rows = cat_records(producer_records, prototype, hidden);
     for (int64_t id : mine) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
     return out;
   }
 
   if (mode == FeatureExchangeMode::TpVariableAllGather) {
-    std::vector<Tensor> pieces;
-    for (const auto& f : producer_records) pieces.push_back(f.rows);
-    Tensor local = nn::cat_or_empty(pieces, prototype, hidden);
-    drop_records(producer_records, prototype, pieces);
+    Tensor local = cat_records(producer_records, prototype, hidden);
+    drop_records(producer_records, prototype);
     const Transfer in = plan.receives(exchange_rank);
     for (int64_t id : in.items) out.items.push_back(plan.items[static_cast<std::size_t>(id)]);
     out.rows = nn::all_gather_v(local, in.splits, group,
@@ -194,8 +196,7 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   // plan's send order (the records are the bucket, in order: validated above).
   const Transfer sent = plan.sends(exchange_rank), in = plan.receives(exchange_rank);
   Tensor local = pack_pieces(producer_records, mine, sent, prototype, hidden);
-  std::vector<Tensor> none_left;
-  drop_records(producer_records, prototype, none_left);
+  drop_records(producer_records, prototype);
   for (std::size_t k = 0; k < in.items.size(); ++k)
     out.items.push_back(piece_of(plan.items[static_cast<std::size_t>(in.items[k])], in.ranges[k]));
   out.rows = nn::all_to_all_single(local, in.splits, sent.splits, group);

@@ -33,7 +33,9 @@
 
 namespace diffcomm::encoder_parallel {
 
-/// The most pieces StepConfig::sp_chunks may split an SP shard into.
+/// StepConfig::sp_chunks's default, and the most pieces it may split an SP
+/// shard into.
+inline constexpr int kDefaultSpChunks = 4;
 inline constexpr int kMaxSpChunks = 1 << 16;
 
 struct StepConfig {
@@ -48,7 +50,7 @@ struct StepConfig {
   /// With SP (tp > 1): all-gathers of the shard's rows per step, in
   /// [1, kMaxSpChunks] (fewer when the shard has fewer rows). More pieces:
   /// less memory held at the SP collectives, more calls; same gradients.
-  int sp_chunks = 4;
+  int sp_chunks = kDefaultSpChunks;
   /// The exchange's receiver-gradient convention. Unset: receiver_grad_for
   /// the mesh (the correct one). Set, it is forced on every rank — a way to
   /// watch the wrong convention fail the reference check (tp x the gradient).

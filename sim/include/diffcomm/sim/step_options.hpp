@@ -22,9 +22,9 @@ struct StepOptions {
   int cp = 1;
   int tp = 1;
   bool sp = false;
-  int sp_chunks = 4;  ///< SP all-gathers per step (encoder_parallel::StepConfig::sp_chunks)
-  std::string cp_layout = "contiguous";  ///< or "zigzag"
-  int encoder_buckets = 0;               ///< 0: exchange group size / encoder_cp
+  int sp_chunks = encoder_parallel::kDefaultSpChunks;  ///< StepConfig::sp_chunks
+  std::string cp_layout = "contiguous";                ///< or "zigzag"
+  int encoder_buckets = 0;                             ///< 0: exchange group size / encoder_cp
   int encoder_cp = 1;
   int batch = 4;  ///< samples per micro-batch
   int images_per_sample = 2;
