@@ -28,7 +28,7 @@ def groups(transport):
     if transport == "torch":
         import torch.distributed as dist  # noqa: PLC0415
 
-        from diffcomm._torch_transport import TorchOps  # noqa: PLC0415
+        from diffcomm.torch._transport import TorchOps  # noqa: PLC0415
 
         dist.init_process_group("gloo")
         ops = TorchOps()

@@ -18,7 +18,7 @@ import time
 
 import diffcomm.sim as dsim
 from diffcomm import _core
-from diffcomm import _equivalence
+from diffcomm.sim import _equivalence
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                                 "python", "equivalence"))

@@ -9,8 +9,8 @@
 #include <memory>
 #include <string>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/group.hpp"
 
 namespace {
 

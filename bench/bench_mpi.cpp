@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
-#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/nn/functional.hpp"
 
 using namespace diffcomm;

@@ -35,9 +35,9 @@
 #include <vector>
 
 #include "diffcomm/backends/nccl.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace {
 

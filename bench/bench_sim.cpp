@@ -46,12 +46,12 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 using namespace diffcomm;
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import diffcomm.torch as dt
 from diffcomm import _core
-from diffcomm._torch_transport import TorchOps
+from diffcomm.torch._transport import TorchOps
 
 SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
 

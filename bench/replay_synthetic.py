@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Synthetic flight recorder dumps for `diffcomm-sim replay` at scale (issue 22,
-item 6), in dump format 2 (include/diffcomm/dist/flight_dump.hpp).
+item 6), in dump format 2 (include/diffcomm/distributed/flight_dump.hpp).
 
     bench/replay_synthetic.py DIR RANKS ENTRIES [ok|mismatch|deadlock]
     /usr/bin/time -v build/release/tools/diffcomm-sim replay DIR

@@ -6,7 +6,7 @@
 #
 # Checks: (1) the default is the documented list, less the entries nvcc does
 # not know, with PTX only on the newest; (2) the compile command of
-# src/cuda/device_ops.cu generates SASS for every configured architecture and
+# src/tensor/cuda/device_ops.cu generates SASS for every configured architecture and
 # PTX exactly for the entries without "-real". Prints the list either way.
 cmake_minimum_required(VERSION 3.25)
 
@@ -45,13 +45,13 @@ else()
   set(command "")
   foreach(i RANGE ${last_index})
     string(JSON file GET "${json}" ${i} file)
-    if(file MATCHES "src/cuda/device_ops\\.cu$")
+    if(file MATCHES "src/tensor/cuda/device_ops\\.cu$")
       string(JSON command GET "${json}" ${i} command)
       break()
     endif()
   endforeach()
   if(command STREQUAL "")
-    string(APPEND errors "no compile command for src/cuda/device_ops.cu in ${COMPILE_COMMANDS}\n")
+    string(APPEND errors "no compile command for src/tensor/cuda/device_ops.cu in ${COMPILE_COMMANDS}\n")
   else()
     # --generate-code=arch=compute_N,code=[compute_N,sm_N] or code=[sm_N]
     string(REGEX MATCHALL "--generate-code=arch=compute_[0-9]+[a-z]?,code=\\[[^]]*\\]" gens "${command}")

@@ -8,9 +8,9 @@
 #   lib/cmake/diffcomm/                    diffcomm-config.cmake, version file,
 #                                          diffcommTargets*.cmake
 # Consumers:
-#   find_package(diffcomm CONFIG REQUIRED)           # or COMPONENTS sim
-#   target_link_libraries(app PRIVATE diffcomm::core) # diffcomm::sim, ...
-#   (or one layer: diffcomm::tensor, ::autograd, ::dist, ::nn, ::encoder_parallel)
+#   find_package(diffcomm CONFIG REQUIRED)           # or COMPONENTS mpi nccl
+#   target_link_libraries(app PRIVATE diffcomm::core) # diffcomm::sim_world, ...
+#   (or one layer: diffcomm::tensor, ::autograd, ::distributed, ::nn, ::encoder_parallel)
 #
 # The libraries are static by default, so the exported link interface carries
 # their private dependencies ($<LINK_ONLY:fmt::fmt>, ...); the package config
@@ -24,10 +24,10 @@ set(DIFFCOMM_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/diffcomm)
 # ---- headers ---------------------------------------------------------------
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/diffcomm
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-if(EXISTS ${PROJECT_SOURCE_DIR}/sim/include/diffcomm)
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/sim/include/diffcomm
+foreach(_concern world replay checks)
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/sim/${_concern}/include/diffcomm
           DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-endif()
+endforeach()
 install(FILES ${PROJECT_BINARY_DIR}/generated/diffcomm/config.hpp
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/diffcomm)
 
@@ -38,12 +38,13 @@ install(FILES ${PROJECT_BINARY_DIR}/generated/diffcomm/config.hpp
 # program using core + sim needs neither MPI nor NCCL.
 # The core layers (src/CMakeLists.txt) and diffcomm::core, the INTERFACE
 # target linking them all.
-set(_diffcomm_core_layers diffcomm_tensor diffcomm_autograd diffcomm_dist diffcomm_nn
+set(_diffcomm_core_layers diffcomm_tensor diffcomm_autograd diffcomm_distributed diffcomm_nn
                           diffcomm_encoder_parallel diffcomm_core)
 set(_diffcomm_export_targets ${_diffcomm_core_layers})
 set(_diffcomm_set_base ${_diffcomm_core_layers})
 set(_diffcomm_optional_components "")
-foreach(_pair IN ITEMS diffcomm_sim:sim diffcomm_sim_reports:sim_reports diffcomm_mpi:mpi
+foreach(_pair IN ITEMS diffcomm_sim_world:sim_world diffcomm_sim_replay:sim_replay
+                      diffcomm_sim_checks:sim_checks diffcomm_mpi:mpi
                       diffcomm_nccl:nccl)
   string(REPLACE ":" ";" _pair "${_pair}")
   list(GET _pair 0 _target)
@@ -54,7 +55,7 @@ foreach(_pair IN ITEMS diffcomm_sim:sim diffcomm_sim_reports:sim_reports diffcom
       set_target_properties(${_target} PROPERTIES EXPORT_NAME ${_export_name})
     endif()
     list(APPEND _diffcomm_export_targets ${_target})
-    if(_export_name MATCHES "^sim(_reports)?$")
+    if(_export_name MATCHES "^sim_")
       list(APPEND _diffcomm_set_base ${_target})
     else()
       set(_diffcomm_set_${_export_name} ${_target})

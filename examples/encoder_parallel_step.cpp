@@ -20,13 +20,13 @@
 #include <utility>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/mesh.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/mesh.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/merge.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 
 namespace dc = diffcomm;

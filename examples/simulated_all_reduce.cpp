@@ -11,9 +11,9 @@
 #include <cstdio>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 
 namespace dc = diffcomm;

@@ -13,11 +13,11 @@
 #include <cstdio>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
 #include "diffcomm/backends/nccl.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 // The trainer's own error checks (diffcomm checks its calls itself).
 #define TRAINER_CUDA(x)                                                             \

@@ -7,7 +7,7 @@
 
 #include "diffcomm/encoder_parallel/batch.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace ep = diffcomm::encoder_parallel;
 

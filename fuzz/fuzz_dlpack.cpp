@@ -9,8 +9,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "diffcomm/error.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 #include "fuzz_input.hpp"
 
 namespace {

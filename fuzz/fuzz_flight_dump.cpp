@@ -6,8 +6,8 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "diffcomm/dist/flight_dump.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/flight_dump.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   namespace dist = diffcomm::dist;

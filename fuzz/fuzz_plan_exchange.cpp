@@ -10,9 +10,9 @@
 
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 #include "fuzz_input.hpp"
 
 namespace ep = diffcomm::encoder_parallel;

@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "diffcomm/encoder_parallel/tokens.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 #include "fuzz_input.hpp"
 
 namespace ep = diffcomm::encoder_parallel;

@@ -27,13 +27,13 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/dist/group.hpp"
-#include "diffcomm/dist/reduce_op.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/distributed/group.hpp"
+#include "diffcomm/distributed/reduce_op.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::prop {
 

@@ -51,16 +51,16 @@
 #include <tuple>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/encoder_parallel/batch.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
 #include "diffcomm/encoder_parallel/qwen2vl.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm {
 namespace {

@@ -18,7 +18,7 @@
 #include <cstdio>
 
 #include "diffcomm/encoder_parallel/tokens.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace ep = diffcomm::encoder_parallel;
 

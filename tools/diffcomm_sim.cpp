@@ -25,13 +25,13 @@
 #include "diffcomm/encoder_parallel/batch.hpp"
 #include "diffcomm/encoder_parallel/tokens.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/replay.hpp"
 #include "diffcomm/sim/replay_edit.hpp"
 #include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/world.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace ep = diffcomm::encoder_parallel;
 using diffcomm::DType;

@@ -14,11 +14,11 @@
 
 #include <string>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/stats.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/stats.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::encoder_parallel {}
 

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "diffcomm/config.hpp"
-#include "diffcomm/dist/mesh.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/mesh.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 #if DIFFCOMM_HAVE_MPI
 #include <mpi.h>

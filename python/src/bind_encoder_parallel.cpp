@@ -11,7 +11,7 @@
 #include "diffcomm/encoder_parallel/merge.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
 #include "diffcomm/encoder_parallel/qwen2vl.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm_python {
 

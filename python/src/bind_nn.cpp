@@ -2,7 +2,7 @@
 #include <vector>
 
 #include "bind.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm_python {
 

@@ -8,12 +8,12 @@
 
 #include "bind.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/threaded_world.hpp"
 #include "diffcomm/sim/world.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm_python {
 

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "bind.hpp"
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm_python {
 
@@ -214,7 +214,8 @@ void bind_tensor(nb::module_& m) {
         d["limit_bytes"] = s.limit_bytes;
         return d;
       },
-      "The host block cache (diffcomm::HostCacheStats, diffcomm/tensor.hpp): CPU storages above "
+      "The host block cache (diffcomm::HostCacheStats, diffcomm/tensor/tensor.hpp): CPU storages "
+      "above "
       "64 KiB, outputs handed to torch included, are reused after free, up to "
       "DIFFCOMM_HOST_CACHE_MB (default 1024); above 32 MiB cached, a miss releases the blocks "
       "freed longest ago. A dict: cached_bytes, hits, misses, released, limit_bytes.");

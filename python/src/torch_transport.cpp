@@ -2,7 +2,7 @@
 // a torch ProcessGroup (gloo on CPU, torch's NCCL on GPU, any other torch
 // backend). It lives in the binding because that is where C++ can reach
 // torch without linking libtorch: each primitive calls a method of a Python
-// object (diffcomm._torch_transport.TorchOps) with diffcomm tensors, which
+// object (diffcomm.torch._transport.TorchOps) with diffcomm tensors, which
 // lends them to torch through DLPack and issues the torch call with
 // async_op=True. The semantics (validation, checked mode, composed
 // reductions, aliasing, flight recorder) stay in C++ above this backend, put
@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "bind.hpp"
-#include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/backend/layers.hpp"
-#include "diffcomm/dist/flight_recorder.hpp"
+#include "diffcomm/distributed/backend.hpp"
+#include "diffcomm/distributed/backend/layers.hpp"
+#include "diffcomm/distributed/flight_recorder.hpp"
 
 namespace diffcomm_python {
 namespace {
@@ -176,7 +176,7 @@ void bind_torch_transport(nb::module_& m) {
       },
       "ops"_a, "make_control"_a, "name"_a = "torch", "check"_a = nb::none(),
       "native_reduction"_a = false, "timeout_s"_a = nb::none(),
-      "A diffcomm group whose data moves through `ops` (a diffcomm._torch_transport.TorchOps). "
+      "A diffcomm group whose data moves through `ops` (a diffcomm.torch._transport.TorchOps). "
       "make_control() returns the TorchOps of a duplicate torch group for checked mode (called "
       "only when check resolves on). Options as for mpi.world.");
 }

@@ -1,5 +1,5 @@
 """Unmodified torch.distributed code in the simulated world (the c10d backend
-"diffcomm_sim", diffcomm/_c10d_sim.py): every op against closed forms at worlds
+"diffcomm_sim", diffcomm/sim/_c10d_backend.py): every op against closed forms at worlds
 1, 3 and 4, mismatches and deadlocks reported on every rank, seeded trace
 hashes, the functional collectives, and Megatron-style tensor-parallel mappings
 against a single-rank float64 reference."""

@@ -12,8 +12,8 @@
 #include <optional>
 
 #include "diffcomm/config.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::encoder_parallel {
 namespace {

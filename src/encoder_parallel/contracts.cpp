@@ -6,7 +6,7 @@
 
 #include "diffcomm/encoder_parallel/qwen2vl.hpp"
 #include "diffcomm/encoder_parallel/tokens.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::encoder_parallel {
 

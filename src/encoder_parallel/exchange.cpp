@@ -7,10 +7,10 @@
 #include <numeric>
 #include <tuple>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::encoder_parallel {
 namespace {

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::encoder_parallel {
 

@@ -6,7 +6,7 @@
 #include <map>
 #include <numeric>
 
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::encoder_parallel {
 namespace {

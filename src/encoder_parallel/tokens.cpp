@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::encoder_parallel {
 namespace {

@@ -12,13 +12,13 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/mesh.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/mesh.hpp"
 #include "diffcomm/encoder_parallel/merge.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::encoder_parallel {
 namespace {

@@ -8,9 +8,9 @@
 #include <limits>
 #include <numeric>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::nn {
 namespace {

@@ -30,8 +30,8 @@
 #include <utility>
 #include <vector>
 
-#include "diffcomm/dist/group.hpp"
-#include "diffcomm/dtype.hpp"
+#include "diffcomm/distributed/group.hpp"
+#include "diffcomm/tensor/dtype.hpp"
 
 namespace diffcomm::conformance {
 

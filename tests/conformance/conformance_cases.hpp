@@ -1,6 +1,6 @@
 #pragma once
 // The backend conformance cases: one function per primitive collective of
-// include/diffcomm/dist/collectives.hpp, run by every rank of a group with
+// include/diffcomm/distributed/collectives.hpp, run by every rank of a group with
 // one dtype. Backend-agnostic: they use only dist:: and the tensor API, so
 // the sim, mpi and nccl conformance executables run the very same bodies.
 //
@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "backend_fixture.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::conformance {
 

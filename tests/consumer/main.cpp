@@ -2,10 +2,10 @@
 #include <cstdio>
 #include <exception>
 
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/config.hpp"
-#include "diffcomm/ops.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 int main() {
   try {

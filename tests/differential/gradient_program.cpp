@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <numeric>
 
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
 
 namespace diffcomm::differential {
 namespace {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/group.hpp"
 
 namespace diffcomm::differential {
 

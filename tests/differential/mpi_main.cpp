@@ -28,8 +28,8 @@
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/sim/world.hpp"
+#include "diffcomm/tensor/error.hpp"
 #include "gradient_program.hpp"
 #include "program.hpp"
 

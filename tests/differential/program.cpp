@@ -8,9 +8,9 @@
 #include <numeric>
 #include <optional>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::differential {
 namespace {

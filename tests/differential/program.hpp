@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/backend/call.hpp"
-#include "diffcomm/dist/group.hpp"
-#include "diffcomm/dist/reduce_op.hpp"
-#include "diffcomm/dtype.hpp"
+#include "diffcomm/distributed/backend/call.hpp"
+#include "diffcomm/distributed/group.hpp"
+#include "diffcomm/distributed/reduce_op.hpp"
+#include "diffcomm/tensor/dtype.hpp"
 
 namespace diffcomm::differential {
 

@@ -12,12 +12,12 @@
 #include <utility>
 #include <vector>
 
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
 #include "diffcomm/encoder_parallel/qwen2vl.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/ops.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm {
 namespace ep = encoder_parallel;

@@ -14,12 +14,12 @@
 #include <vector>
 
 #include "../exception_testing.hpp"
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/encoder_parallel/contracts.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/merge.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "fixtures.hpp"
 

@@ -14,14 +14,14 @@
 #include <utility>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/encoder_parallel/batch.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/merge.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
 #include "diffcomm/encoder_parallel/qwen2vl.hpp"
 #include "diffcomm/encoder_parallel/tokens.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "fixtures.hpp"
 

@@ -15,14 +15,14 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/autograd.hpp"
-#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
+#include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/encoder_parallel/contracts.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/merge.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "fixtures.hpp"
 

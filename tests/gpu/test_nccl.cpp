@@ -31,12 +31,12 @@
 
 #include "conformance/backend_fixture.hpp"
 #include "conformance/conformance_suite.hpp"
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
 #include "diffcomm/backends/nccl.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/nn/functional.hpp"
 #include "diffcomm/sim/adjoint.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm {
 namespace {

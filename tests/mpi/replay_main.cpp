@@ -32,9 +32,9 @@
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace {
 using namespace diffcomm;

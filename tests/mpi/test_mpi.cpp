@@ -22,15 +22,15 @@
 #include "conformance/backend_fixture.hpp"
 #include "conformance/conformance_suite.hpp"
 #include "conformance/promises_suite.hpp"
-#include "diffcomm/autograd.hpp"
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/backends/mpi.hpp"
-#include "diffcomm/dist/collectives.hpp"
+#include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
-#include "diffcomm/error.hpp"
 #include "diffcomm/nn/functional.hpp"
-#include "diffcomm/ops.hpp"
 #include "diffcomm/sim/adjoint.hpp"
 #include "diffcomm/sim/world.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm {
 namespace {
@@ -237,7 +237,7 @@ TEST(MpiSemantics, AllReduceIntoOnTheComposedAndNativePaths) {
 }
 
 // ---------------------------------------------------------------- defined semantics (issue 13)
-// The values of tests/test_semantics.cpp on a real transport, on the default
+// The values of tests/distributed/test_semantics.cpp on a real transport, on the default
 // (composed) path and on MPI's native reductions.
 TEST(MpiSemantics, NaNIntegerWrapAndPremulSum) {
   const double nan = std::numeric_limits<double>::quiet_NaN();

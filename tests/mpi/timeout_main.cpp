@@ -29,8 +29,8 @@
 #include <thread>
 
 #include "diffcomm/backends/mpi.hpp"
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace {
 

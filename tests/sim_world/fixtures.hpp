@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "../exception_testing.hpp"
-#include "diffcomm/dist/group.hpp"
-#include "diffcomm/dist/reduce_op.hpp"
+#include "diffcomm/distributed/group.hpp"
+#include "diffcomm/distributed/reduce_op.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::sim_testing {
 

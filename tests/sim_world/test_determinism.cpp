@@ -9,13 +9,13 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/flight_recorder.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/flight_recorder.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 #include "fixtures.hpp"
-#include "scheduler.hpp"  // sim/src: the seeded scheduling algorithm
+#include "scheduler.hpp"  // sim/world/src: the seeded scheduling algorithm
 
 namespace diffcomm {
 namespace {

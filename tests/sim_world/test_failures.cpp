@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 #include "fixtures.hpp"
 
 namespace diffcomm {

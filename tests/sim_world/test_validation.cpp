@@ -5,11 +5,11 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/mesh.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/mesh.hpp"
 #include "diffcomm/sim/world.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 #include "fixtures.hpp"
 
 namespace diffcomm {

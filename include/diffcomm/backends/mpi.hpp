@@ -30,8 +30,8 @@
 #include <cstdint>
 #include <string>
 
-#include "diffcomm/dist/backend/options.hpp"
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/backend/options.hpp"
+#include "diffcomm/distributed/group.hpp"
 
 namespace diffcomm::mpi {
 

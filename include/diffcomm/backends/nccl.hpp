@@ -16,7 +16,7 @@
 //    the split, which also checks that every member passed the same
 //    fingerprint (CollectiveMismatch otherwise, on every member).
 //
-// Streams, devices and memory (the general rule: diffcomm/cuda.hpp)
+// Streams, devices and memory (the general rule: diffcomm/tensor/cuda.hpp)
 //  - Every op is enqueued on the group's stream (stream(group); set_stream()
 //    changes it) and returns without waiting for the GPU: no host
 //    synchronization on the hot path. Exceptions, documented per function:
@@ -109,8 +109,8 @@
 #include <vector>
 
 #include "diffcomm/config.hpp"
-#include "diffcomm/dist/backend/options.hpp"
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/backend/options.hpp"
+#include "diffcomm/distributed/group.hpp"
 
 #if DIFFCOMM_HAVE_MPI
 #include <mpi.h>

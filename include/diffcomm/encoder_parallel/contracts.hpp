@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::encoder_parallel {
 

@@ -2,7 +2,7 @@
 // Routing encoder features to their decoder owners, differentiably.
 #include <vector>
 
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/group.hpp"
 #include "diffcomm/encoder_parallel/contracts.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
 

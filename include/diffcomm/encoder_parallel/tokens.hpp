@@ -10,7 +10,7 @@
 // transformers' Qwen3VLVideoProcessor (the clip's pixel bound) and
 // Qwen3VLProcessor.replace_video_token (one timestamped block per temporal
 // group), checked token for token against transformers 5.24.0 by
-// tests/data/qwen3vl_video_layout.json (tools/gen_qwen3vl_layout.py).
+// tests/data/qwen3vl_video_layout.json (tests/data/gen_qwen3vl_layout.py).
 #include <cstdint>
 #include <string>
 #include <string_view>

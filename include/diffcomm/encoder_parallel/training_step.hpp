@@ -27,7 +27,7 @@
 #include <optional>
 #include <vector>
 
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/group.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/planner.hpp"
 

@@ -22,10 +22,10 @@
 // plus whatever the backend raises (see dist/collectives.hpp).
 #include <vector>
 
-#include "diffcomm/dist/collectives.hpp"
-#include "diffcomm/dist/group.hpp"
-#include "diffcomm/dist/reduce_op.hpp"
-#include "diffcomm/tensor.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/distributed/group.hpp"
+#include "diffcomm/distributed/reduce_op.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm::nn {
 

@@ -57,7 +57,7 @@ def checked_world():
 
     if transport() == "mpi":
         return _core.mpi.world(check=True, timeout_s=60)
-    from diffcomm._torch_transport import TorchOps  # noqa: PLC0415
+    from diffcomm.torch._transport import TorchOps  # noqa: PLC0415
 
     ops = TorchOps()
     return _core.torch_transport.group(ops, ops.duplicate, "checked", check=True, timeout_s=60)

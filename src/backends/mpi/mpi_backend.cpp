@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "diffcomm/backends/mpi.hpp"
-#include "diffcomm/dist/backend.hpp"
-#include "diffcomm/dist/backend/block_layout.hpp"
-#include "diffcomm/dist/backend/composed.hpp"
-#include "diffcomm/dist/backend/layers.hpp"
-#include "diffcomm/dist/backend/wait.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/backend.hpp"
+#include "diffcomm/distributed/backend/block_layout.hpp"
+#include "diffcomm/distributed/backend/composed.hpp"
+#include "diffcomm/distributed/backend/layers.hpp"
+#include "diffcomm/distributed/backend/wait.hpp"
+#include "diffcomm/tensor/error.hpp"
 #include "mpi_util.hpp"
 #include "peer_algorithms.hpp"
 #include "timeouts.hpp"

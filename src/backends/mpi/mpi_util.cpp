@@ -4,7 +4,7 @@
 
 #include <climits>
 
-#include "diffcomm/dist/backend/wait.hpp"
+#include "diffcomm/distributed/backend/wait.hpp"
 #include "timeouts.hpp"
 
 namespace diffcomm::mpi::detail {

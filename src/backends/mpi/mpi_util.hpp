@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <string>
 
-#include "diffcomm/dist/backend.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/backend.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::mpi::detail {
 

@@ -10,7 +10,7 @@
 #include <boost/container/small_vector.hpp>
 #include <cstdint>
 
-#include "diffcomm/dist/backend.hpp"
+#include "diffcomm/distributed/backend.hpp"
 #include "mpi_util.hpp"
 
 namespace diffcomm::mpi::detail {

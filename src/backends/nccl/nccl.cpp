@@ -4,10 +4,10 @@
 #include <memory>
 #include <string>
 
-#include "diffcomm/dist/backend/forwarding.hpp"
-#include "diffcomm/dist/backend/layers.hpp"
-#include "diffcomm/dist/flight_recorder.hpp"
-#include "diffcomm/dist/group.hpp"
+#include "diffcomm/distributed/backend/forwarding.hpp"
+#include "diffcomm/distributed/backend/layers.hpp"
+#include "diffcomm/distributed/flight_recorder.hpp"
+#include "diffcomm/distributed/group.hpp"
 #include "nccl_backend.hpp"
 
 namespace diffcomm::nccl {

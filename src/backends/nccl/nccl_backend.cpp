@@ -2,7 +2,7 @@
 // Plain C++: NCCL and the CUDA runtime are C APIs, so this file is compiled
 // by the host compiler; the only kernels it runs are NCCL's (and, for the
 // Avg fallback on NCCL < 2.10, diffcomm's scale). Device memory, the device
-// guard and the current stream are diffcomm's (src/cuda/device_memory.hpp):
+// guard and the current stream are diffcomm's (src/tensor/cuda/device_memory.hpp):
 // while an op runs, the group's stream is the current stream of its device,
 // so scratch buffers are allocated and freed in stream order on it.
 #include "nccl_backend.hpp"
@@ -11,9 +11,9 @@
 #include <numeric>
 #include <utility>
 
-#include "diffcomm/dist/backend/composed.hpp"
-#include "diffcomm/dist/backend/fingerprint.hpp"
-#include "diffcomm/dist/backend/wait.hpp"
+#include "diffcomm/distributed/backend/composed.hpp"
+#include "diffcomm/distributed/backend/fingerprint.hpp"
+#include "diffcomm/distributed/backend/wait.hpp"
 
 namespace diffcomm::nccl::impl {
 

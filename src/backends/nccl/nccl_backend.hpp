@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/cuda.hpp"
-#include "diffcomm/dist/backend.hpp"
+#include "diffcomm/distributed/backend.hpp"
+#include "diffcomm/tensor/cuda.hpp"
 #include "support.hpp"
 
 namespace diffcomm::nccl::impl {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "diffcomm/error.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::nccl {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "diffcomm/dist/backend/block_layout.hpp"
+#include "diffcomm/distributed/backend/block_layout.hpp"
 #include "nccl_backend.hpp"
 
 namespace diffcomm::nccl::impl {

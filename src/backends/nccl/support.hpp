@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "cuda/device_memory.hpp"
 #include "diffcomm/backends/nccl.hpp"
-#include "diffcomm/dist/backend/call.hpp"
-#include "diffcomm/error.hpp"
+#include "diffcomm/distributed/backend/call.hpp"
+#include "diffcomm/tensor/error.hpp"
+#include "tensor/cuda/device_memory.hpp"
 
 // ncclGather / ncclScatter / ncclAlltoAll appeared in NCCL 2.28: use them only
 // when the header we compile against declares them (here) *and* the library

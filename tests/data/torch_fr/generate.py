@@ -1,5 +1,5 @@
 """Writes real PyTorch Flight Recorder dumps of small gloo jobs, the fixtures
-of diffcomm-sim replay's torch reader (tests/test_torch_flight_dump.cpp) and
+of diffcomm-sim replay's torch reader (tests/sim_replay/test_torch_flight_dump.cpp) and
 of python/tests/test_replay_torch.py, which regenerates them with the torch it
 runs under.
 

@@ -1,0 +1,62 @@
+"""How an MPI job of diffcomm.torch ends when one rank cannot go on.
+
+MPI has no way for one process to tell the others it failed: a rank that dies
+with an uncaught exception leaves its peers waiting in their next collective
+until the deadline (600 s by default). torchrun ends the job at once; under
+mpirun, MPI_Abort is the equivalent (Open MPI's mpirun then kills every rank
+and names the one that aborted). Both hooks here are installed by
+``init_process_group("mpi")``:
+
+* an uncaught exception ends the job with MPI_Abort after Python printed the
+  traceback (``DIFFCOMM_ABORT_ON_EXCEPTION=0`` keeps MPI's default: the rank
+  exits and its peers wait for their deadline);
+* at interpreter exit after a Timeout, MPI_Abort instead of an MPI_Finalize
+  that would wait for the timed-out calls' requests forever.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from typing import Any
+
+from .. import _core
+
+#: MPI_Abort's error code after an uncaught exception (Python's own exit code
+#: for one).
+UNCAUGHT_EXCEPTION_CODE = 1
+
+_installed = False
+
+
+def install_hooks() -> None:
+    """Installs both hooks once per process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    atexit.register(_core.mpi.abort_if_timed_out)
+    if os.environ.get("DIFFCOMM_ABORT_ON_EXCEPTION", "1") != "0":
+        previous = sys.excepthook
+
+        def hook(kind: Any, value: Any, tb: Any) -> None:
+            previous(kind, value, tb)
+            _abort_after_uncaught(kind, value)
+
+        sys.excepthook = hook
+
+
+def _abort_after_uncaught(kind: Any, value: Any) -> None:
+    """MPI_Abort unless MPI is already finalised (or never started), the
+    world has one rank, or the exception is a plain exit (SystemExit does not
+    reach excepthook; KeyboardInterrupt does: mpirun forwards Ctrl-C to every
+    rank anyway, aborting is still right)."""
+    if not _core.mpi.initialized() or _core.mpi.finalized() or _core.mpi.world_size() < 2:
+        return
+    rank = _core.mpi.world_rank()
+    sys.stderr.write(
+        f"diffcomm: rank {rank} of the MPI job raised an uncaught {kind.__name__}: {value}; "
+        f"ending the job with MPI_Abort (code {UNCAUGHT_EXCEPTION_CODE}) so that the other "
+        f"ranks do not wait for their deadline (DIFFCOMM_ABORT_ON_EXCEPTION=0 turns this off)\n")
+    sys.stderr.flush()
+    _core.mpi.abort(UNCAUGHT_EXCEPTION_CODE)

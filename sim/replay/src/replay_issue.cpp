@@ -1,0 +1,160 @@
+// Issuing recorded calls (replay_issue.hpp).
+#include "replay_issue.hpp"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <optional>
+
+#include "diffcomm/distributed/backend.hpp"
+#include "diffcomm/distributed/backend/fingerprint.hpp"
+#include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/tensor/error.hpp"
+
+namespace diffcomm::sim::detail {
+namespace {
+using dist::Call;
+using dist::FlightRecord;
+using dist::OpType;
+
+// A backend that moves nothing: the funnel validates each call, then this
+// keeps its description (the funnel's, with even splits filled in, say:
+// what the world's rendezvous compares). Group-local rank `rank` of the
+// members `members` (global ranks).
+class DryBackend final : public dist::Backend {
+ public:
+  DryBackend(int rank, std::vector<int> members) : rank_(rank), members_(std::move(members)) {}
+  std::string backend_name() const override { return "replay-check"; }
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(members_.size()); }
+  int global_rank(int group_rank) const override {
+    return members_.at(static_cast<std::size_t>(group_rank));
+  }
+  bool supports(const Device& device) const override { return device.is_cpu(); }
+  std::shared_ptr<Backend> split(Call&, int, int) override { return nullptr; }
+  dist::CallDesc last;  // the last call's description, call numbers zero
+  void barrier(Call& c) override { keep(c); }
+  void all_reduce(Call& c) override { keep(c); }
+  void broadcast(Call& c) override { keep(c); }
+  void reduce(Call& c) override { keep(c); }
+  void all_gather(Call& c) override { keep(c); }
+  void all_gather_single(Call& c) override { keep(c); }
+  void all_gather_v(Call& c) override { keep(c); }
+  void gather(Call& c) override { keep(c); }
+  void scatter(Call& c) override { keep(c); }
+  void reduce_scatter(Call& c) override { keep(c); }
+  void reduce_scatter_single(Call& c) override { keep(c); }
+  void reduce_scatter_v(Call& c) override { keep(c); }
+  void all_to_all(Call& c) override { keep(c); }
+  void all_to_all_single(Call& c) override { keep(c); }
+  void send(Call& c) override { keep(c); }
+  void recv(Call& c) override { keep(c); }
+
+ private:
+  void keep(const Call& c) {
+    last = dist::describe(c);
+    last.seq = 0;
+    if (last.backward_of) last.backward_of->seq = 0;
+  }
+  int rank_;
+  std::vector<int> members_;
+};
+
+std::vector<Tensor> zeros_of(const std::vector<Shape>& shapes, DType dtype) {
+  std::vector<Tensor> ts;
+  ts.reserve(shapes.size());
+  for (const Shape& s : shapes) ts.push_back(zeros(s, dtype));
+  return ts;
+}
+
+// "rank R's all_reduce #S on group 'G'": the first rank that recorded
+// table.calls[call] (calls are shared between ranks), for an error message.
+std::string recorded_by(const Table& table, std::size_t call) {
+  const FlightRecord& r = table.calls[call].proto;
+  const std::string& group = table.groups[table.calls[call].group].name;
+  for (std::size_t rank = 0; rank < table.steps.size(); ++rank)
+    for (const Step& step : table.steps[rank])
+      if (step.call == call)
+        return fmt::format("rank {}'s {} #{} on group '{}'", rank, dist::op_name(r.op), step.seq,
+                           group);
+  return fmt::format("a {} on group '{}'", dist::op_name(r.op), group);
+}
+
+}  // namespace
+
+void issue(const dist::ProcessGroup& g, const FlightRecord& r) {
+  const std::vector<Tensor> in = zeros_of(r.input_shapes, r.dtype);
+  const std::vector<Tensor> out = zeros_of(r.output_shapes, r.dtype);
+  const Tensor none;
+  const Tensor& i0 = in.empty() ? none : in[0];
+  const Tensor& o0 = out.empty() ? none : out[0];
+  std::optional<dist::ProcessGroup::BackwardOf> backward;
+  if (r.backward_of) backward.emplace(g, *r.backward_of);
+  switch (r.op) {
+    case OpType::Barrier: return dist::barrier(g);
+    case OpType::AllReduce: return dist::all_reduce(g, i0, r.reduce_op);
+    case OpType::Broadcast: return dist::broadcast(g, i0, r.root);
+    case OpType::Reduce: return dist::reduce(g, i0, r.root, r.reduce_op);
+    case OpType::AllGather: return dist::all_gather(g, out, i0);
+    case OpType::AllGatherSingle: return dist::all_gather_single(g, o0, i0);
+    case OpType::AllGatherV: return dist::all_gather_v(g, o0, i0, r.output_splits.to_vector());
+    case OpType::Gather: return dist::gather(g, out, i0, r.root);
+    case OpType::Scatter: return dist::scatter(g, o0, in, r.root);
+    case OpType::ReduceScatter: return dist::reduce_scatter(g, o0, in, r.reduce_op);
+    case OpType::ReduceScatterSingle: return dist::reduce_scatter_single(g, o0, i0, r.reduce_op);
+    case OpType::ReduceScatterV:
+      return dist::reduce_scatter_v(g, o0, i0, r.input_splits.to_vector(), r.reduce_op);
+    case OpType::AllToAll: return dist::all_to_all(g, out, in);
+    case OpType::AllToAllSingle:
+      return dist::all_to_all_single(g, o0, i0, r.output_splits.to_vector(),
+                                     r.input_splits.to_vector());
+    case OpType::Send: return dist::send(g, i0, r.root, r.tag);
+    case OpType::Recv: return dist::recv(g, o0, r.root, r.tag);
+    case OpType::NewGroup: return;
+  }
+}
+
+std::vector<dist::CallDesc> validate_calls(const Table& table) {
+  struct Dry {
+    std::shared_ptr<DryBackend> backend;
+    dist::ProcessGroup group;
+  };
+  std::map<std::pair<uint32_t, int>, Dry> dry;  // (group, group rank)
+  // One small recorder for every dry group (a fresh one each held 2000
+  // entries: 800 MB for 2048 TP groups).
+  dist::Options small;
+  small.flight_recorder_size = 1;
+  const auto recorder = std::make_shared<dist::FlightRecorder>(small);
+  std::vector<dist::CallDesc> descs;
+  descs.reserve(table.calls.size());
+  for (const TableCall& c : table.calls) {
+    const FlightRecord& r = c.proto;
+    descs.emplace_back();
+    if (r.op == OpType::NewGroup) continue;
+    const TableGroup& g = table.groups[c.group];
+    auto it = dry.find({c.group, r.group_rank});
+    if (it == dry.end()) {
+      if (r.group_rank < 0 || r.group_rank >= static_cast<int>(g.members.size()))
+        throw InvalidArgument(fmt::format(
+            "replay: the recorded calls cannot be replayed: a {} on group '{}' records group "
+            "rank {} of {}",
+            dist::op_name(r.op), g.name, r.group_rank, g.members.size()));
+      auto backend = std::make_shared<DryBackend>(r.group_rank, g.members);
+      it = dry.emplace(std::pair{c.group, r.group_rank},
+                       Dry{backend, dist::ProcessGroup(backend, g.name, nullptr, recorder)})
+               .first;
+    }
+    try {
+      issue(it->second.group, r);
+      descs.back() = it->second.backend->last;
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      throw InvalidArgument(fmt::format("replay: the recorded calls cannot be replayed: {}: {}",
+                                        recorded_by(table, descs.size() - 1),
+                                        what.substr(0, what.find('\n'))));
+    }
+  }
+  return descs;
+}
+
+}  // namespace diffcomm::sim::detail

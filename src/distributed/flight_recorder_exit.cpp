@@ -1,0 +1,65 @@
+// Dumps at exit after an uncaught error: every production recorder with a
+// dump directory registers here; an uncaught C++ exception reaches
+// std::terminate, whose handler (ours, installed once) dumps them all and
+// then runs the handler it replaced, so the process still ends as it would
+// have. The Python package's sys.excepthook calls dump_all_on_error too.
+#include "flight_recorder_exit.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <vector>
+
+#include "diffcomm/distributed/flight_recorder.hpp"
+
+namespace diffcomm::dist {
+namespace {
+struct Registry {
+  std::mutex mutex;
+  std::vector<const FlightRecorder*> recorders;
+  std::terminate_handler previous = nullptr;
+  std::once_flag installed;
+};
+
+// Leaked on purpose: recorders of static groups outlive any static registry.
+Registry& registry() {
+  static Registry* r = new Registry;
+  return *r;
+}
+
+[[noreturn]] void on_terminate() {
+  FlightRecorder::dump_all_on_error();
+  const std::terminate_handler previous = registry().previous;
+  if (previous != nullptr) previous();
+  std::abort();
+}
+}  // namespace
+
+namespace detail {
+void register_for_exit_dump(const FlightRecorder* r) {
+  Registry& reg = registry();
+  std::call_once(reg.installed, [&] { reg.previous = std::set_terminate(on_terminate); });
+  const std::lock_guard<std::mutex> lock(reg.mutex);
+  reg.recorders.push_back(r);
+}
+
+void unregister_for_exit_dump(const FlightRecorder* r) noexcept {
+  Registry& reg = registry();
+  const std::lock_guard<std::mutex> lock(reg.mutex);
+  reg.recorders.erase(std::remove(reg.recorders.begin(), reg.recorders.end(), r),
+                      reg.recorders.end());
+}
+}  // namespace detail
+
+int FlightRecorder::dump_all_on_error() noexcept {
+  Registry& reg = registry();
+  // try_lock: a terminate raised while the registry is being changed must
+  // not deadlock; it then dumps nothing.
+  std::unique_lock<std::mutex> lock(reg.mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;
+  for (const FlightRecorder* r : reg.recorders) r->dump_on_error();
+  return static_cast<int>(reg.recorders.size());
+}
+
+}  // namespace diffcomm::dist
