@@ -62,6 +62,41 @@ dist::ProcessGroup configured(bool check, bool native) {
   return mpi::world(o);
 }
 
+// The median of xs (the upper one of an even count).
+double median(std::vector<double> xs) {
+  std::nth_element(xs.begin(), xs.begin() + static_cast<std::ptrdiff_t>(xs.size() / 2), xs.end());
+  return xs[xs.size() / 2];
+}
+
+// Paired ratio: each iteration's a over the b timed in the same iteration,
+// then the median, so load that shifts between iterations cancels.
+double paired_median(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> r;
+  for (std::size_t i = 0; i < a.size(); ++i) r.push_back(a[i] / b[i]);
+  return median(std::move(r));
+}
+
+// The counters of one size from the variants' samples (in the order run()
+// builds them: raw, native, det, checked, nn, the primitive under nn).
+void report(benchmark::State& state, const std::vector<std::vector<double>>& samples, int64_t bytes,
+            int n) {
+  auto us = [&](std::size_t v) { return median(samples[v]) * 1e6; };
+  state.counters["raw_us"] = us(0);
+  state.counters["native_us"] = us(1);
+  state.counters["det_us"] = us(2);
+  state.counters["checked_us"] = us(3);
+  // issue 27 item 4's target: native and det against raw.
+  state.counters["native_vs_raw"] = paired_median(samples[1], samples[0]);
+  state.counters["det_vs_raw"] = paired_median(samples[2], samples[0]);
+  state.counters["nn_us"] = us(4);
+  state.counters["into_us"] = us(5);
+  state.counters["nn_vs_det"] = paired_median(samples[4], samples[5]);
+  state.counters["det_vs_native"] = us(2) / us(1);
+  state.counters["checked_vs_det"] = us(3) / us(2);
+  state.counters["MBps"] = static_cast<double>(bytes) / us(2);
+  state.counters["ranks"] = n;
+}
+
 void run(benchmark::State& state, Op op) {
   const dist::ProcessGroup native = configured(false, true), det = configured(false, false),
                            checked = configured(true, false);
@@ -151,38 +186,7 @@ void run(benchmark::State& state, Op op) {
     for (std::size_t v = 0; v < t.size(); ++v) samples[v].push_back(t[v]);
     state.SetIterationTime(t[2]);
   }
-  auto us = [&](std::size_t v) {
-    std::vector<double> x = samples[v];
-    std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(x.size() / 2), x.end());
-    return x[x.size() / 2] * 1e6;
-  };
-  state.counters["raw_us"] = us(0);
-  state.counters["native_us"] = us(1);
-  state.counters["det_us"] = us(2);
-  state.counters["checked_us"] = us(3);
-  // Paired ratios: each iteration's variant over the raw call timed in the
-  // same iteration, then the median, so load that shifts between iterations
-  // cancels (issue 27 item 4's target: native and det against raw).
-  auto vs_raw = [&](std::size_t v) {
-    std::vector<double> r;
-    for (std::size_t i = 0; i < samples[v].size(); ++i) r.push_back(samples[v][i] / samples[0][i]);
-    std::nth_element(r.begin(), r.begin() + static_cast<std::ptrdiff_t>(r.size() / 2), r.end());
-    return r[r.size() / 2];
-  };
-  state.counters["native_vs_raw"] = vs_raw(1);
-  state.counters["det_vs_raw"] = vs_raw(2);
-  state.counters["nn_us"] = us(4);
-  state.counters["into_us"] = us(5);
-  std::vector<double> nn_det;
-  for (std::size_t i = 0; i < samples[4].size(); ++i)
-    nn_det.push_back(samples[4][i] / samples[5][i]);
-  std::nth_element(nn_det.begin(), nn_det.begin() + static_cast<std::ptrdiff_t>(nn_det.size() / 2),
-                   nn_det.end());
-  state.counters["nn_vs_det"] = nn_det[nn_det.size() / 2];
-  state.counters["det_vs_native"] = us(2) / us(1);
-  state.counters["checked_vs_det"] = us(3) / us(2);
-  state.counters["MBps"] = static_cast<double>(bytes) / us(2);
-  state.counters["ranks"] = n;
+  report(state, samples, bytes, n);
 }
 
 void Sizes(benchmark::internal::Benchmark* b) {

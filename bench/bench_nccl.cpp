@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -166,8 +167,9 @@ double expected(Op op, int n, int64_t block) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  Config cfg;
+// The command line into cfg; an exit code when the program should stop
+// (usage, a bad value), nothing to go on.
+std::optional<int> parse_args(int argc, char** argv, Config& cfg) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -209,107 +211,94 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_nccl: bad arguments\n");
     return 2;
   }
+  return std::nullopt;
+}
 
-  const int devices = nccl::device_count();
-  if (devices == 0) {
-    std::printf("bench_nccl: no CUDA device: %s; skipping\n", nccl::device_status().c_str());
-    return 0;
-  }
-  const int n = std::min(devices, cfg.devices);
-  const bool native_a2a = nccl::has_native_gather_scatter_all_to_all();
+// What every rank measured, by row: mean seconds per call through diffcomm
+// and through raw NCCL, and whether the checked call came out wrong.
+struct Measured {
+  std::vector<std::vector<double>> seconds, raw_seconds;
+  std::vector<std::vector<char>> bad;
+};
+
+// The three communicators' unique ids (plain, even all_to_all, native
+// reduction) and the barrier the ranks start each timing at.
+struct Communicators {
+  ncclUniqueId id, id_even, id_native;
+  std::barrier<>& sync;
+};
+
+// Rank r's part: one checked call, then the timings, for every row.
+void measure_rank(int r, int n, const Config& cfg, const std::vector<Row>& rows,
+                  const Communicators& comms, Measured& m) {
+  const ncclUniqueId& id = comms.id;
+  const ncclUniqueId& id_even = comms.id_even;
+  const ncclUniqueId& id_native = comms.id_native;
+  std::barrier<>& sync = comms.sync;
   const int64_t es = static_cast<int64_t>(element_size(cfg.dtype));
-
-  std::vector<Op> ops = {Op::AllReduce, Op::AllReduceNative, Op::AllGather, Op::AllToAllP2p};
-  if (native_a2a) ops.push_back(Op::AllToAllNative);
-  std::vector<int64_t> sizes;
-  for (int64_t s = cfg.min_bytes; s <= cfg.max_bytes; s *= 4) {
-    // Whole elements, divisible into n blocks.
-    const int64_t unit = es * n;
-    sizes.push_back(std::max(unit, s / unit * unit));
+  auto& seconds = m.seconds;
+  auto& raw_seconds = m.raw_seconds;
+  auto& bad = m.bad;
+  const dist::ProcessGroup world = nccl::init_rank(id, n, r, r);
+  nccl::Options even;
+  even.even_all_to_all = true;
+  const dist::ProcessGroup world_even = nccl::init_rank(id_even, n, r, r, even, "world_even");
+  nccl::Options native;
+  native.native_reduction = true;
+  const dist::ProcessGroup world_native =
+      nccl::init_rank(id_native, n, r, r, native, "world_native");
+  const Device dev = Device::cuda(r);
+  for (std::size_t k = 0; k < rows.size(); ++k) {
+    const Op op = rows[k].op;
+    const int64_t total = rows[k].bytes / es;  // elements of S
+    const dist::ProcessGroup& g = op == Op::AllToAllNative    ? world_even
+                                  : op == Op::AllReduceNative ? world_native
+                                                              : world;
+    Tensor in, out;
+    if (is_reduce(op)) {
+      in = empty({total}, cfg.dtype, dev);
+    } else if (op == Op::AllGather) {
+      in = empty({total / n}, cfg.dtype, dev);
+      out = empty({total}, cfg.dtype, dev);
+    } else {
+      in = empty({total}, cfg.dtype, dev);
+      out = empty({total}, cfg.dtype, dev);
+    }
+    // One checked op first: inputs r + 1 everywhere.
+    in.fill_(r + 1.0);
+    issue(op, g, in, is_reduce(op) ? in : out);
+    nccl::synchronize(g);
+    const Tensor& res = is_reduce(op) ? in : out;
+    const int64_t block = is_reduce(op) ? total : total / n;
+    for (int64_t b = 0; b < (is_reduce(op) ? 1 : n); ++b) {
+      const double got = res.row_view(b * block, 1).to_vector()[0];
+      if (got != expected(op, n, b)) bad[k][static_cast<std::size_t>(r)] = 1;
+    }
+    // Mean time of cfg.iters calls (after cfg.warmup), every rank
+    // starting together, host-timed around the stream like nccl-tests.
+    auto time = [&](auto&& call) {
+      for (int i = 0; i < cfg.warmup; ++i) call();
+      nccl::synchronize(g);
+      sync.arrive_and_wait();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < cfg.iters; ++i) call();
+      nccl::synchronize(g);
+      const auto t1 = std::chrono::steady_clock::now();
+      sync.arrive_and_wait();
+      return std::chrono::duration<double>(t1 - t0).count() / cfg.iters;
+    };
+    seconds[k][static_cast<std::size_t>(r)] = time([&] { issue(op, g, in, out); });
+    raw_seconds[k][static_cast<std::size_t>(r)] = time([&] { issue_raw(op, g, in, out, n); });
   }
-  std::vector<Row> rows;
-  for (Op op : ops)
-    for (int64_t s : sizes) rows.push_back({op, s});
-  // seconds[row][rank], through diffcomm and raw
-  std::vector<std::vector<double>> seconds(rows.size(),
-                                           std::vector<double>(static_cast<std::size_t>(n), 0.0));
-  std::vector<std::vector<double>> raw_seconds = seconds;
-  std::vector<std::vector<char>> bad(rows.size(),
-                                     std::vector<char>(static_cast<std::size_t>(n), 0));
-  std::vector<std::string> errors(static_cast<std::size_t>(n));
-  std::atomic<bool> failed{false};
+}
 
-  const ncclUniqueId id = nccl::unique_id();
-  const ncclUniqueId id_even = nccl::unique_id();
-  const ncclUniqueId id_native = nccl::unique_id();
-  std::barrier sync(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        const dist::ProcessGroup world = nccl::init_rank(id, n, r, r);
-        nccl::Options even;
-        even.even_all_to_all = true;
-        const dist::ProcessGroup world_even = nccl::init_rank(id_even, n, r, r, even, "world_even");
-        nccl::Options native;
-        native.native_reduction = true;
-        const dist::ProcessGroup world_native =
-            nccl::init_rank(id_native, n, r, r, native, "world_native");
-        const Device dev = Device::cuda(r);
-        for (std::size_t k = 0; k < rows.size(); ++k) {
-          const Op op = rows[k].op;
-          const int64_t total = rows[k].bytes / es;  // elements of S
-          const dist::ProcessGroup& g = op == Op::AllToAllNative    ? world_even
-                                        : op == Op::AllReduceNative ? world_native
-                                                                    : world;
-          Tensor in, out;
-          if (is_reduce(op)) {
-            in = empty({total}, cfg.dtype, dev);
-          } else if (op == Op::AllGather) {
-            in = empty({total / n}, cfg.dtype, dev);
-            out = empty({total}, cfg.dtype, dev);
-          } else {
-            in = empty({total}, cfg.dtype, dev);
-            out = empty({total}, cfg.dtype, dev);
-          }
-          // One checked op first: inputs r + 1 everywhere.
-          in.fill_(r + 1.0);
-          issue(op, g, in, is_reduce(op) ? in : out);
-          nccl::synchronize(g);
-          const Tensor& res = is_reduce(op) ? in : out;
-          const int64_t block = is_reduce(op) ? total : total / n;
-          for (int64_t b = 0; b < (is_reduce(op) ? 1 : n); ++b) {
-            const double got = res.row_view(b * block, 1).to_vector()[0];
-            if (got != expected(op, n, b)) bad[k][static_cast<std::size_t>(r)] = 1;
-          }
-          // Mean time of cfg.iters calls (after cfg.warmup), every rank
-          // starting together, host-timed around the stream like nccl-tests.
-          auto time = [&](auto&& call) {
-            for (int i = 0; i < cfg.warmup; ++i) call();
-            nccl::synchronize(g);
-            sync.arrive_and_wait();
-            const auto t0 = std::chrono::steady_clock::now();
-            for (int i = 0; i < cfg.iters; ++i) call();
-            nccl::synchronize(g);
-            const auto t1 = std::chrono::steady_clock::now();
-            sync.arrive_and_wait();
-            return std::chrono::duration<double>(t1 - t0).count() / cfg.iters;
-          };
-          seconds[k][static_cast<std::size_t>(r)] = time([&] { issue(op, g, in, out); });
-          raw_seconds[k][static_cast<std::size_t>(r)] = time([&] { issue_raw(op, g, in, out, n); });
-        }
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = e.what();
-        failed = true;
-        // Peers may now wait in a collective; nothing more to do than report.
-        std::fprintf(stderr, "bench_nccl: rank %d failed: %s\n", r, e.what());
-        std::fflush(stderr);
-        std::_Exit(1);
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (failed) return 1;
-
+// The nccl-tests style table; false when a checked call came out wrong.
+bool print_table(int n, const Config& cfg, const std::vector<Row>& rows, std::size_t per_op,
+                 bool native_a2a, const Measured& m) {
+  const int64_t es = static_cast<int64_t>(element_size(cfg.dtype));
+  const auto& seconds = m.seconds;
+  const auto& raw_seconds = m.raw_seconds;
+  const auto& bad = m.bad;
   cudaDeviceProp prop;
   std::memset(&prop, 0, sizeof prop);
   cudaGetDeviceProperties(&prop, 0);
@@ -322,7 +311,6 @@ int main(int argc, char** argv) {
       n, n, prop.name, v / 10000, (v / 100) % 100, v % 100, dtype_name(cfg.dtype).c_str(),
       cfg.iters, cfg.warmup);
   bool all_ok = true;
-  const std::size_t per_op = sizes.size();
   for (std::size_t k = 0; k < rows.size(); ++k) {
     const Op op = rows[k].op;
     if (k % per_op == 0) {
@@ -352,5 +340,50 @@ int main(int argc, char** argv) {
   std::printf("# #wrong: ranks whose result was wrong after one checked call (diffcomm path)\n");
   if (!native_a2a)
     std::printf("(ncclAlltoAll not measured: needs NCCL >= 2.28 in the header and the library)\n");
-  return all_ok ? 0 : 1;
+  return all_ok;
+}
+
+int main(int argc, char** argv) {
+  Config cfg;
+  if (const auto code = parse_args(argc, argv, cfg)) return *code;
+  const int devices = nccl::device_count();
+  if (devices == 0) {
+    std::printf("bench_nccl: no CUDA device: %s; skipping\n", nccl::device_status().c_str());
+    return 0;
+  }
+  const int n = std::min(devices, cfg.devices);
+  const bool native_a2a = nccl::has_native_gather_scatter_all_to_all();
+  const int64_t es = static_cast<int64_t>(element_size(cfg.dtype));
+
+  std::vector<Op> ops = {Op::AllReduce, Op::AllReduceNative, Op::AllGather, Op::AllToAllP2p};
+  if (native_a2a) ops.push_back(Op::AllToAllNative);
+  std::vector<int64_t> sizes;
+  for (int64_t s = cfg.min_bytes; s <= cfg.max_bytes; s *= 4) {
+    // Whole elements, divisible into n blocks.
+    const int64_t unit = es * n;
+    sizes.push_back(std::max(unit, s / unit * unit));
+  }
+  std::vector<Row> rows;
+  for (Op op : ops)
+    for (int64_t s : sizes) rows.push_back({op, s});
+  Measured m;
+  m.seconds.assign(rows.size(), std::vector<double>(static_cast<std::size_t>(n), 0.0));
+  m.raw_seconds = m.seconds;
+  m.bad.assign(rows.size(), std::vector<char>(static_cast<std::size_t>(n), 0));
+  std::barrier sync(n);
+  const Communicators comms{nccl::unique_id(), nccl::unique_id(), nccl::unique_id(), sync};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        measure_rank(r, n, cfg, rows, comms, m);
+      } catch (const std::exception& e) {
+        // Peers may now wait in a collective; nothing more to do than report.
+        std::fprintf(stderr, "bench_nccl: rank %d failed: %s\n", r, e.what());
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+    });
+  for (auto& t : threads) t.join();
+  return print_table(n, cfg, rows, sizes.size(), native_a2a, m) ? 0 : 1;
 }

@@ -368,91 +368,225 @@ int run_replay(const ReplayArgs& a) {
   return worst;
 }
 
+// ---- the subcommands: each declares its options and runs -------------------
+CLI::App* add_step_command(CLI::App& app, StepArgs& step) {
+  auto* cmd =
+      app.add_subcommand("step", "one seeded encoder-parallel training step vs its reference");
+  add_step_options(*cmd, step);
+  cmd->add_option("--fault", step.fault,
+                  "inject a failure: rank:R:at:K (rank R fails at its K-th call)")
+      ->check(kFaultSpec);
+  cmd->add_flag("--equivalence", step.equivalence,
+                "report the mesh-equivalence oracle's findings on the encoder gradient "
+                "(factor, mesh expression, divergent replicas)");
+  cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file")
+      ->check(non_empty_path("pass a file to write the trace to, or leave --trace out"));
+  return cmd;
+}
+
+int run_step_subcommand(StepArgs& step) {
+  const auto report = run_step_command(step);
+  std::cout << (step.json ? diffcomm::sim::to_json(report) + "\n" : diffcomm::sim::to_text(report));
+  return report.exit_code();
+}
+
+struct CheckArgs {
+  std::string op = "all_reduce";
+  std::string dtype = "float64";
+  int ranks = 4;
+  uint64_t seed = 0;
+  bool json = false;
+};
+
+CLI::App* add_check_command(CLI::App& app, CheckArgs& check) {
+  auto* cmd =
+      app.add_subcommand("check", "adjoint identity of one differentiable op on a random world");
+  cmd->add_option("--op", check.op, "op name")
+      ->required()
+      ->check(CLI::IsMember(diffcomm::sim::differentiable_ops()));
+  cmd->add_option("--ranks", check.ranks, "world size")->required()->check(CLI::Range(1, 4096));
+  cmd->add_option("--seed", check.seed, "seed")->required()->check(kSeed);
+  cmd->add_option("--dtype", check.dtype, "float64, float32, bfloat16 or float16")
+      ->check(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}));
+  cmd->add_flag("--json", check.json, "print JSON");
+  return cmd;
+}
+
+int run_check(const CheckArgs& check) {
+  const auto rep = diffcomm::sim::check_adjoint(check.op, check.ranks, check.seed,
+                                                diffcomm::parse_dtype(check.dtype));
+  std::cout << (check.json ? diffcomm::sim::to_json(rep) + "\n" : diffcomm::sim::to_text(rep));
+  return rep.passed ? kPassed : kFailed;
+}
+
+struct SweepArgs {
+  StepArgs step;
+  std::string seeds;
+};
+
+CLI::App* add_sweep_command(CLI::App& app, SweepArgs& sweep) {
+  auto* cmd = app.add_subcommand("sweep", "run step over a range of seeds");
+  cmd->add_option("--seeds", sweep.seeds, "A..B (inclusive)")->required()->check(kSeedRange);
+  add_step_options(*cmd, sweep.step);
+  return cmd;
+}
+
+// The sweep's progress bar on a terminal: "[####......] done/count seeds, F failed".
+void print_progress(uint64_t done, uint64_t count, int failures) {
+  const int width = 30;
+  const int filled = static_cast<int>(width * done / count);
+  std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed",
+                           std::string(static_cast<std::size_t>(filled), '#'),
+                           std::string(static_cast<std::size_t>(width - filled), '.'), done, count,
+                           failures)
+            << std::flush;
+}
+
+int run_sweep_subcommand(SweepArgs& args) {
+  StepArgs& sweep = args.step;  // make_config resolves its defaults in place
+  std::string why;
+  const auto range = parse_seed_range(args.seeds, &why);  // the validator accepted it
+  if (!range) throw BadArgs(fmt::format("--seeds '{}': {}", args.seeds, why));
+  const uint64_t lo = range->lo, hi = range->hi;
+  const ep::StepConfig cfg = make_config(sweep);  // validate once, resolve defaults
+  const std::vector<ep::ImageSize> images = load_images(sweep.images);
+  keep_freed_memory_between_seeds();
+  const bool tty = isatty(fileno(stdout)) != 0;
+  const uint64_t count = hi - lo + 1;
+  int failures = 0;
+  diffcomm::sim::run_sweep(
+      cfg, images, sweep.batch, sweep.images_per_sample, lo, hi,
+      [&](uint64_t s, const diffcomm::sim::StepReport& rep) {
+        if (rep.exit_code() != kPassed) {
+          ++failures;
+          if (tty) std::cout << "\r";
+          std::cout << fmt::format("seed {} FAILED: {}\n  reproduce: {}\n", s,
+                                   rep.error.empty() ? diffcomm::sim::check_json(rep) : rep.error,
+                                   step_command_line(sweep, s));
+        }
+        if (tty) print_progress(s - lo + 1, count, failures);
+      },
+      ep::vision_model(sweep.model));
+  if (tty) std::cout << "\n";
+  std::cout << fmt::format("sweep: {} seeds, {} passed, {} failed\n", count,
+                           count - static_cast<uint64_t>(failures), failures);
+  return failures ? kFailed : kPassed;
+}
+
+struct TokensArgs {
+  std::string images;
+  std::string model = "qwen2vl";
+  bool layout = false;
+};
+
+CLI::App* add_tokens_command(CLI::App& app, TokensArgs& tokens) {
+  auto* cmd = app.add_subcommand("tokens", "image_id,tokens for every image of a CSV");
+  cmd->add_option("--images", tokens.images,
+                  "CSV of image sizes (default: the shipped COCO val2017)")
+      ->check(kImagesPath);
+  cmd->add_option("--model", tokens.model, "token rule: qwen2vl, qwen2.5vl or qwen3vl")
+      ->check(CLI::IsMember(ep::vision_model_names()));
+  cmd->add_flag("--layout", tokens.layout,
+                "also print block_tokens and the spans (offset:tokens in the block; a "
+                "Qwen3-VL video has one per temporal group)");
+  return cmd;
+}
+
+int run_tokens(TokensArgs args) {
+  if (args.images.empty()) args.images = ep::default_image_sizes_path();
+  if (args.images.empty())
+    throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
+  std::vector<ep::ImageSize> images;
+  try {
+    images = ep::load_image_sizes(args.images);
+  } catch (const diffcomm::InvalidArgument& e) {
+    throw BadArgs(fmt::format("--images: {}", e.what()));
+  }
+  const ep::VisionModel vm = ep::vision_model(args.model);
+  std::string out = args.layout ? "image_id,tokens,block_tokens,spans\n" : "image_id,tokens\n";
+  for (const auto& im : images) {
+    ep::VideoLayout layout;
+    try {
+      layout = ep::video_layout(vm, im.frames, im.height, im.width);
+    } catch (const diffcomm::InvalidArgument& e) {
+      throw BadArgs(fmt::format("--images {}: image {}: {}", args.images, im.image_id, e.what()));
+    }
+    if (!args.layout) {
+      out += fmt::format("{},{}\n", im.image_id, layout.media.tokens);
+      continue;
+    }
+    std::vector<std::string> spans;
+    for (const auto& g : layout.groups) spans.push_back(fmt::format("{}:{}", g.offset, g.tokens));
+    out += fmt::format("{},{},{},{}\n", im.image_id, layout.media.tokens, layout.block_tokens,
+                       fmt::join(spans, " "));
+  }
+  std::cout << out;
+  return kPassed;
+}
+
+CLI::App* add_replay_command(CLI::App& app, ReplayArgs& replay) {
+  auto* cmd = app.add_subcommand(
+      "replay",
+      "replay production flight recorder dumps (DIR/rank-<r>.json) in the simulated world");
+  cmd->add_option("dir", replay.dir, "directory of the dumps (DIFFCOMM_FR_DUMP_DIR)")->required();
+  auto* seed = cmd->add_option("--seed", replay.seed, "seed of the simulated world")->check(kSeed);
+  cmd->add_option("--seeds", replay.seeds, "A..B: replay under each seed")
+      ->check(kSeedRange)
+      ->excludes(seed);  // one of them would be ignored
+  cmd->add_option("--drop", replay.drops,
+                  "RANK:GROUP:CALL: what if that rank had not made that call");
+  cmd->add_option("--insert-barrier", replay.barriers,
+                  "RANK:GROUP:CALL: what if that rank called a barrier there first");
+  cmd->add_flag("--json", replay.json, "print JSON");
+  return cmd;
+}
+
+// CLI11 reports a first word that is no subcommand as "A subcommand is
+// required": name it instead. Returns false (after saying so) for such a word.
+bool names_a_subcommand(CLI::App& app, int argc, char** argv) {
+  if (argc <= 1 || argv[1][0] == '-') return true;
+  const std::string first = argv[1];
+  const auto subs = app.get_subcommands([&](CLI::App* sub) { return sub->check_name(first); });
+  if (!subs.empty()) return true;
+  std::cerr << fmt::format(
+      "diffcomm-sim: bad argument: unknown subcommand '{}' (expected step, check, sweep, "
+      "tokens or replay; see --help)\n",
+      first);
+  return false;
+}
+
+// Runs `command`, mapping its errors to the exit codes: bad arguments 2 with
+// one line naming them, any other failure 1.
+template <class F>
+int with_exit_codes(F&& command) {
+  try {
+    return command();
+  } catch (const BadArgs& e) {
+    std::cerr << "diffcomm-sim: bad argument: " << e.what() << "\n";
+    return kBadArgs;
+  } catch (const diffcomm::InvalidArgument& e) {
+    std::cerr << "diffcomm-sim: bad argument: " << e.what() << "\n";
+    return kBadArgs;
+  } catch (const std::exception& e) {
+    std::cerr << "diffcomm-sim: error: " << e.what() << "\n";
+    return kFailed;
+  }
+}
+
 int run_main(int argc, char** argv) {
   CLI::App app{"diffcomm-sim: simulated encoder-parallel steps, adjoint checks and sweeps"};
   app.require_subcommand(1);
-
   StepArgs step;
-  auto* step_cmd =
-      app.add_subcommand("step", "one seeded encoder-parallel training step vs its reference");
-  add_step_options(*step_cmd, step);
-  step_cmd
-      ->add_option("--fault", step.fault,
-                   "inject a failure: rank:R:at:K (rank R fails at its K-th call)")
-      ->check(kFaultSpec);
-  step_cmd->add_flag("--equivalence", step.equivalence,
-                     "report the mesh-equivalence oracle's findings on the encoder gradient "
-                     "(factor, mesh expression, divergent replicas)");
-  step_cmd->add_option("--trace", step.trace, "write a Chrome trace-event JSON file")
-      ->check(non_empty_path("pass a file to write the trace to, or leave --trace out"));
-
-  std::string op = "all_reduce", check_dtype = "float64";
-  int check_ranks = 4;
-  uint64_t check_seed = 0;
-  bool check_json = false;
-  auto* check_cmd =
-      app.add_subcommand("check", "adjoint identity of one differentiable op on a random world");
-  check_cmd->add_option("--op", op, "op name")
-      ->required()
-      ->check(CLI::IsMember(diffcomm::sim::differentiable_ops()));
-  check_cmd->add_option("--ranks", check_ranks, "world size")
-      ->required()
-      ->check(CLI::Range(1, 4096));
-  check_cmd->add_option("--seed", check_seed, "seed")->required()->check(kSeed);
-  check_cmd->add_option("--dtype", check_dtype, "float64, float32, bfloat16 or float16")
-      ->check(CLI::IsMember({"float64", "float32", "bfloat16", "float16"}));
-  check_cmd->add_flag("--json", check_json, "print JSON");
-
-  StepArgs sweep;
-  std::string seeds;
-  auto* sweep_cmd = app.add_subcommand("sweep", "run step over a range of seeds");
-  sweep_cmd->add_option("--seeds", seeds, "A..B (inclusive)")->required()->check(kSeedRange);
-  add_step_options(*sweep_cmd, sweep);
-
-  std::string tokens_images, model = "qwen2vl";
-  auto* tokens_cmd = app.add_subcommand("tokens", "image_id,tokens for every image of a CSV");
-  tokens_cmd
-      ->add_option("--images", tokens_images,
-                   "CSV of image sizes (default: the shipped COCO val2017)")
-      ->check(kImagesPath);
-  tokens_cmd->add_option("--model", model, "token rule: qwen2vl, qwen2.5vl or qwen3vl")
-      ->check(CLI::IsMember(ep::vision_model_names()));
-  bool tokens_layout = false;
-  tokens_cmd->add_flag("--layout", tokens_layout,
-                       "also print block_tokens and the spans (offset:tokens in the block; a "
-                       "Qwen3-VL video has one per temporal group)");
-
-  ReplayArgs replay_args;
-  auto* replay_cmd = app.add_subcommand(
-      "replay",
-      "replay production flight recorder dumps (DIR/rank-<r>.json) in the simulated world");
-  replay_cmd->add_option("dir", replay_args.dir, "directory of the dumps (DIFFCOMM_FR_DUMP_DIR)")
-      ->required();
-  auto* replay_seed =
-      replay_cmd->add_option("--seed", replay_args.seed, "seed of the simulated world")
-          ->check(kSeed);
-  replay_cmd->add_option("--seeds", replay_args.seeds, "A..B: replay under each seed")
-      ->check(kSeedRange)
-      ->excludes(replay_seed);  // one of them would be ignored
-  replay_cmd->add_option("--drop", replay_args.drops,
-                         "RANK:GROUP:CALL: what if that rank had not made that call");
-  replay_cmd->add_option("--insert-barrier", replay_args.barriers,
-                         "RANK:GROUP:CALL: what if that rank called a barrier there first");
-  replay_cmd->add_flag("--json", replay_args.json, "print JSON");
-
-  // CLI11 reports a first word that is no subcommand as "A subcommand is
-  // required": name it instead.
-  if (argc > 1 && argv[1][0] != '-') {
-    const std::string first = argv[1];
-    const auto subs = app.get_subcommands([&](CLI::App* sub) { return sub->check_name(first); });
-    if (subs.empty()) {
-      std::cerr << fmt::format(
-          "diffcomm-sim: bad argument: unknown subcommand '{}' (expected step, check, sweep, "
-          "tokens or replay; see --help)\n",
-          first);
-      return kBadArgs;
-    }
-  }
+  CheckArgs check;
+  SweepArgs sweep;
+  TokensArgs tokens;
+  ReplayArgs replay;
+  auto* step_cmd = add_step_command(app, step);
+  auto* check_cmd = add_check_command(app, check);
+  auto* sweep_cmd = add_sweep_command(app, sweep);
+  auto* tokens_cmd = add_tokens_command(app, tokens);
+  auto* replay_cmd = add_replay_command(app, replay);
+  if (!names_a_subcommand(app, argc, argv)) return kBadArgs;
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -464,105 +598,14 @@ int run_main(int argc, char** argv) {
     std::cerr << "diffcomm-sim: bad argument: " << e.what() << "\n";
     return kBadArgs;
   }
-
-  try {
-    if (*step_cmd) {
-      const auto report = run_step_command(step);
-      std::cout << (step.json ? diffcomm::sim::to_json(report) + "\n"
-                              : diffcomm::sim::to_text(report));
-      return report.exit_code();
-    }
-    if (*check_cmd) {
-      const auto rep = diffcomm::sim::check_adjoint(op, check_ranks, check_seed,
-                                                    diffcomm::parse_dtype(check_dtype));
-      std::cout << (check_json ? diffcomm::sim::to_json(rep) + "\n" : diffcomm::sim::to_text(rep));
-      return rep.passed ? kPassed : kFailed;
-    }
-    if (*sweep_cmd) {
-      std::string why;
-      const auto range = parse_seed_range(seeds, &why);  // the validator accepted it
-      if (!range) throw BadArgs(fmt::format("--seeds '{}': {}", seeds, why));
-      const uint64_t lo = range->lo, hi = range->hi;
-      const ep::StepConfig cfg = make_config(sweep);  // validate once, resolve defaults
-      const std::vector<ep::ImageSize> images = load_images(sweep.images);
-      keep_freed_memory_between_seeds();
-      const bool tty = isatty(fileno(stdout)) != 0;
-      const uint64_t count = hi - lo + 1;
-      int failures = 0;
-      diffcomm::sim::run_sweep(
-          cfg, images, sweep.batch, sweep.images_per_sample, lo, hi,
-          [&](uint64_t s, const diffcomm::sim::StepReport& rep) {
-            if (rep.exit_code() != kPassed) {
-              ++failures;
-              if (tty) std::cout << "\r";
-              std::cout << fmt::format(
-                  "seed {} FAILED: {}\n  reproduce: {}\n", s,
-                  rep.error.empty() ? diffcomm::sim::check_json(rep) : rep.error,
-                  step_command_line(sweep, s));
-            }
-            if (tty) {
-              const uint64_t done = s - lo + 1;
-              const int width = 30;
-              const int filled = static_cast<int>(width * done / count);
-              std::cout << fmt::format("\r[{}{}] {}/{} seeds, {} failed",
-                                       std::string(static_cast<std::size_t>(filled), '#'),
-                                       std::string(static_cast<std::size_t>(width - filled), '.'),
-                                       done, count, failures)
-                        << std::flush;
-            }
-          },
-          ep::vision_model(sweep.model));
-      if (tty) std::cout << "\n";
-      std::cout << fmt::format("sweep: {} seeds, {} passed, {} failed\n", count,
-                               count - static_cast<uint64_t>(failures), failures);
-      return failures ? kFailed : kPassed;
-    }
-    if (*replay_cmd) return run_replay(replay_args);
-    if (*tokens_cmd) {
-      if (tokens_images.empty()) tokens_images = ep::default_image_sizes_path();
-      if (tokens_images.empty())
-        throw BadArgs("--images: the shipped COCO sizes were not found; pass a CSV");
-      std::vector<ep::ImageSize> images;
-      try {
-        images = ep::load_image_sizes(tokens_images);
-      } catch (const diffcomm::InvalidArgument& e) {
-        throw BadArgs(fmt::format("--images: {}", e.what()));
-      }
-      const ep::VisionModel vm = ep::vision_model(model);
-      std::string out =
-          tokens_layout ? "image_id,tokens,block_tokens,spans\n" : "image_id,tokens\n";
-      for (const auto& im : images) {
-        ep::VideoLayout layout;
-        try {
-          layout = ep::video_layout(vm, im.frames, im.height, im.width);
-        } catch (const diffcomm::InvalidArgument& e) {
-          throw BadArgs(
-              fmt::format("--images {}: image {}: {}", tokens_images, im.image_id, e.what()));
-        }
-        if (!tokens_layout) {
-          out += fmt::format("{},{}\n", im.image_id, layout.media.tokens);
-          continue;
-        }
-        std::vector<std::string> spans;
-        for (const auto& g : layout.groups)
-          spans.push_back(fmt::format("{}:{}", g.offset, g.tokens));
-        out += fmt::format("{},{},{},{}\n", im.image_id, layout.media.tokens, layout.block_tokens,
-                           fmt::join(spans, " "));
-      }
-      std::cout << out;
-      return kPassed;
-    }
-  } catch (const BadArgs& e) {
-    std::cerr << "diffcomm-sim: bad argument: " << e.what() << "\n";
+  return with_exit_codes([&] {
+    if (*step_cmd) return run_step_subcommand(step);
+    if (*check_cmd) return run_check(check);
+    if (*sweep_cmd) return run_sweep_subcommand(sweep);
+    if (*replay_cmd) return run_replay(replay);
+    if (*tokens_cmd) return run_tokens(tokens);
     return kBadArgs;
-  } catch (const diffcomm::InvalidArgument& e) {
-    std::cerr << "diffcomm-sim: bad argument: " << e.what() << "\n";
-    return kBadArgs;
-  } catch (const std::exception& e) {
-    std::cerr << "diffcomm-sim: error: " << e.what() << "\n";
-    return kFailed;
-  }
-  return kBadArgs;
+  });
 }
 
 }  // namespace

@@ -107,53 +107,47 @@ class NodeTable {
   boost::container::small_vector<NodeState, 8> states_;
 };
 
-// One run of the engine over the graph reachable from the roots.
-std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
-                               const std::vector<Tensor>& grad_roots, bool retain_graph,
-                               bool accumulate, const std::vector<Edge>& capture_edges) {
-  const char* who = accumulate ? "backward" : "grad";
-  if (!grad_roots.empty() && grad_roots.size() != roots.size())
-    throw InvalidArgument(
-        fmt::format("{}: {} roots but {} root gradients", who, roots.size(), grad_roots.size()));
-  NodeTable table;
-  boost::container::small_vector<std::shared_ptr<Node>, 4> root_nodes;
+// One run of the engine over the graph reachable from the roots: seeded with
+// the roots' gradients (add_roots), every reachable node's dependencies
+// counted, the pending members of the cohorts reached added as roots
+// (count_dependencies), then the nodes run in ReadyOrder as their
+// dependencies finish (run).
+class Engine {
+ public:
+  Engine(const char* who, bool retain_graph, bool accumulate)
+      : who_(who), retain_graph_(retain_graph), accumulate_(accumulate) {}
 
-  auto add_to_buffer = [&](Node* node, int slot, const Tensor& g) {
-    auto& buf = table[node].buffer;
-    if (buf.empty()) buf.resize(node->outputs().size());
-    Tensor& b = buf[static_cast<std::size_t>(slot)];
-    b = b.defined() ? detail::accumulate_add(b, g) : g;
-  };
-
-  for (std::size_t i = 0; i < roots.size(); ++i) {
-    const Tensor& r = roots[i];
-    if (!r.defined()) throw InvalidArgument(fmt::format("{}: root {} is undefined", who, i));
-    Edge e = gradient_edge(r);
-    if (!e.valid())
-      throw InvalidArgument(fmt::format("{}: root {} ({}) does not require grad and has no grad_fn",
-                                        who, i, r.str()));
-    Tensor g;
-    if (grad_roots.empty()) {
-      if (r.numel() != 1)
-        throw InvalidArgument(
-            fmt::format("{}: root {} ({}) has {} elements; pass its gradient explicitly", who, i,
-                        r.str(), r.numel()));
-      g = ones(r.shape(), r.dtype(), r.device());
-    } else {
-      g = grad_roots[i].detach();
+  void add_roots(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots) {
+    for (std::size_t i = 0; i < roots.size(); ++i) {
+      const Tensor& r = roots[i];
+      if (!r.defined()) throw InvalidArgument(fmt::format("{}: root {} is undefined", who_, i));
+      Edge e = gradient_edge(r);
+      if (!e.valid())
+        throw InvalidArgument(fmt::format(
+            "{}: root {} ({}) does not require grad and has no grad_fn", who_, i, r.str()));
+      Tensor g;
+      if (grad_roots.empty()) {
+        if (r.numel() != 1)
+          throw InvalidArgument(
+              fmt::format("{}: root {} ({}) has {} elements; pass its gradient explicitly", who_, i,
+                          r.str(), r.numel()));
+        g = ones(r.shape(), r.dtype(), r.device());
+      } else {
+        g = grad_roots[i].detach();
+      }
+      add_to_buffer(e.fn.get(), e.input_nr, g);
+      root_nodes_.push_back(e.fn);
     }
-    add_to_buffer(e.fn.get(), e.input_nr, g);
-    root_nodes.push_back(e.fn);
   }
 
   // Count, for every reachable node, the edges that point at it; then add
   // the pending members of every cohort a reached node belongs to as roots
   // of their own (zero cotangents), until no new cohort turns up.
-  {
+  void count_dependencies() {
     boost::container::small_vector<Node*, 16> stack;
     boost::container::small_vector<std::shared_ptr<Cohort>, 2> cohorts;
     auto visit = [&](Node* n) {
-      NodeState& st = table[n];
+      NodeState& st = table_[n];
       if (st.seen) return;
       st.seen = true;
       stack.push_back(n);
@@ -167,82 +161,119 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
         stack.pop_back();
         for (auto& e : n->next_edges()) {
           if (!e.valid()) continue;
-          ++table[e.fn.get()].deps;
+          ++table_[e.fn.get()].deps;
           visit(e.fn.get());
         }
       }
     };
-    for (auto& n : root_nodes) visit(n.get());
+    for (auto& n : root_nodes_) visit(n.get());
     count_deps();
     for (std::size_t k = 0; k < cohorts.size(); ++k)
       for (std::shared_ptr<Node>& member : cohorts[k]->pending()) {
-        if (table[member.get()].seen) continue;
+        if (table_[member.get()].seen) continue;
         visit(member.get());
         count_deps();
-        root_nodes.push_back(std::move(member));
+        root_nodes_.push_back(std::move(member));
       }
   }
 
-  std::vector<Capture> captures(capture_edges.size());
-  std::vector<Tensor> captured(capture_edges.size());
-  for (std::size_t i = 0; i < capture_edges.size(); ++i)
-    if (capture_edges[i].valid())
-      captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
-
-  std::priority_queue<Node*, boost::container::small_vector<Node*, 16>, ReadyOrder> ready;
-  for (auto& n : root_nodes) {
-    NodeState& st = table[n.get()];
-    if (st.deps == 0 && !st.queued) {
-      st.queued = true;
-      ready.push(n.get());
+  // Runs every ready node; returns the gradients flowing into capture_edges.
+  std::vector<Tensor> run(const std::vector<Edge>& capture_edges) {
+    std::vector<Capture> captures(capture_edges.size());
+    std::vector<Tensor> captured(capture_edges.size());
+    for (std::size_t i = 0; i < capture_edges.size(); ++i)
+      if (capture_edges[i].valid())
+        captures[i] = {capture_edges[i].fn.get(), capture_edges[i].input_nr};
+    for (auto& n : root_nodes_) {
+      NodeState& st = table_[n.get()];
+      if (st.deps == 0 && !st.queued) {
+        st.queued = true;
+        ready_.push(n.get());
+      }
     }
+    while (!ready_.empty()) {
+      Node* node = ready_.top();
+      ready_.pop();
+      std::vector<Tensor> buf = std::move(table_[node].buffer);
+      complete_gradients(node, buf);
+      for (std::size_t i = 0; i < captures.size(); ++i)
+        if (captures[i].node == node) captured[i] = buf[static_cast<std::size_t>(captures[i].slot)];
+      apply(node, std::move(buf));
+    }
+    return captured;
   }
 
-  while (!ready.empty()) {
-    Node* node = ready.top();
-    ready.pop();
-    auto& buf = table[node].buffer;
+ private:
+  void add_to_buffer(Node* node, int slot, const Tensor& g) {
+    auto& buf = table_[node].buffer;
+    if (buf.empty()) buf.resize(node->outputs().size());
+    Tensor& b = buf[static_cast<std::size_t>(slot)];
+    b = b.defined() ? detail::accumulate_add(b, g) : g;
+  }
+
+  // Missing gradients become zeros; a gradient of the wrong shape or dtype
+  // is refused.
+  void complete_gradients(Node* node, std::vector<Tensor>& buf) const {
     const auto& metas = node->outputs();
     if (buf.empty()) buf.resize(metas.size());
     for (std::size_t s = 0; s < metas.size(); ++s) {
       const OutputMeta& m = metas[s];
       if (!buf[s].defined()) {
-        buf[s] = zeros(m.shape, m.dtype, m.device);  // missing gradients become zeros
+        buf[s] = zeros(m.shape, m.dtype, m.device);
         continue;
       }
       if (buf[s].shape() != m.shape || buf[s].dtype() != m.dtype)
         throw InvalidArgument(
-            fmt::format("{}: gradient for output {} of {} is {}, but that output is {}{}", who, s,
+            fmt::format("{}: gradient for output {} of {} is {}, but that output is {}{}", who_, s,
                         node->name(), buf[s].str(), dtype_name(m.dtype), shape_str(m.shape)));
     }
-    for (std::size_t i = 0; i < captures.size(); ++i)
-      if (captures[i].node == node) captured[i] = buf[static_cast<std::size_t>(captures[i].slot)];
+  }
 
+  // Runs one node's backward and hands its input gradients to the nodes its
+  // edges point at (each queued once its last dependency is done).
+  void apply(Node* node, std::vector<Tensor> buf) {
     if (typeid(*node) == typeid(AccumulateGrad)) {  // final class: cheaper than dynamic_cast
-      if (accumulate) node->apply(std::move(buf));
-      buf = {};
-      continue;
+      if (accumulate_) node->apply(std::move(buf));
+      return;
     }
     if (node->released())
       throw InvalidArgument(fmt::format(
           "{}: trying to backward through {} (sequence {}) a second time: its saved state was "
           "freed by an earlier backward; pass retain_graph=true to the first one",
-          who, node->name(), node->sequence_nr()));
+          who_, node->name(), node->sequence_nr()));
     std::vector<Tensor> grads_in = node->apply(std::move(buf));
-    buf = {};
-    if (!retain_graph) node->release();
+    if (!retain_graph_) node->release();
     auto& edges = node->next_edges();
     if (grads_in.size() != edges.size())
-      throw InvalidArgument(fmt::format("{}: {} returned {} gradients for {} inputs", who,
+      throw InvalidArgument(fmt::format("{}: {} returned {} gradients for {} inputs", who_,
                                         node->name(), grads_in.size(), edges.size()));
     for (std::size_t i = 0; i < edges.size(); ++i) {
       const Edge& e = edges[i];
       if (!e.valid()) continue;
       if (grads_in[i].defined()) add_to_buffer(e.fn.get(), e.input_nr, grads_in[i]);
-      if (--table[e.fn.get()].deps == 0) ready.push(e.fn.get());
+      if (--table_[e.fn.get()].deps == 0) ready_.push(e.fn.get());
     }
   }
-  return captured;
+
+  const char* who_;
+  bool retain_graph_;
+  bool accumulate_;
+  NodeTable table_;
+  boost::container::small_vector<std::shared_ptr<Node>, 4> root_nodes_;
+  std::priority_queue<Node*, boost::container::small_vector<Node*, 16>, ReadyOrder> ready_;
+};
+
+std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
+                               const std::vector<Tensor>& grad_roots, bool retain_graph,
+                               bool accumulate, const std::vector<Edge>& capture_edges) {
+  const char* who = accumulate ? "backward" : "grad";
+  if (!grad_roots.empty() && grad_roots.size() != roots.size())
+    throw InvalidArgument(
+        fmt::format("{}: {} roots but {} root gradients", who, roots.size(), grad_roots.size()));
+  Engine engine(who, retain_graph, accumulate);
+  engine.add_roots(roots, grad_roots);
+  engine.count_dependencies();
+  return engine.run(capture_edges);
 }
 
 }  // namespace

@@ -74,9 +74,10 @@ bool blockwise_safe(const Tensor* outs, std::size_t n_outs, const std::vector<Te
   return true;
 }
 
-// The CPU rule, written to outs[0..n_outs) (see reduce_op.hpp).
-void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
-                ReduceOp op) {
+// Refuses inputs or outputs that do not match outs[0] (dtype, numel, CPU),
+// and Avg / PremulSum on integers.
+void check_cpu_operands(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
+                        ReduceOp op) {
   const Tensor& out = outs[0];
   for (const auto& t : inputs)
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
@@ -90,100 +91,109 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
   if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
     throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
                                       dtype_name(out.dtype())));
-  // A tensor of at most kBlock elements is one block: every input is read
-  // into the accumulator before any output is written, and the outputs are
-  // then written from it one after the other, which is the non-blockwise
-  // rule below. No overlap can change that result, so small reductions (an
-  // 8-byte all_reduce over N ranks) skip the O(N log N) check. Otherwise
-  // decided before the block below is on the stack (it may allocate).
-  const bool one_block = static_cast<std::size_t>(out.numel()) <= kBlock;
-  const bool blockwise = one_block || blockwise_safe(outs, n_outs, inputs, out.nbytes());
-  dispatch_dtype(out.dtype(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    using C = compute_t<T>;
-    const auto n = static_cast<std::size_t>(out.numel());
-    // Block by block: a block of the accumulator stays in L1 while every
-    // input streams through it once, and the result is written straight to
-    // every output (no N-sized scratch, no second pass). Safe whenever each
-    // output either is an input (same start: that block of it is read
-    // before it is written, and never read again) or overlaps no input, and
-    // outputs that overlap each other start at the same byte (they receive
-    // the same values). Any other overlap accumulates everything first and
-    // then writes the outputs one after the other, as copies from a
-    // temporary would. Order of combination per element is unchanged.
+}
+
+// The CPU rule for element type T (computed in C = compute_t<T>).
+//
+// Block by block: a block of the accumulator stays in L1 while every input
+// streams through it once, and the result is written straight to every
+// output (no N-sized scratch, no second pass). Safe whenever each output
+// either is an input (same start: that block of it is read before it is
+// written, and never read again) or overlaps no input, and outputs that
+// overlap each other start at the same byte (they receive the same values).
+// Any other overlap accumulates everything first and then writes the outputs
+// one after the other, as copies from a temporary would. Order of
+// combination per element is unchanged.
+template <class T>
+struct CpuReduction {
+  using C = compute_t<T>;
+  const Tensor* outs;
+  std::size_t n_outs;
+  const std::vector<Tensor>& inputs;
+  ReduceOp op;
+  bool one_block;  // at most kBlock elements: outputs written in order from the accumulator
+  bool blockwise;  // block by block (else: accumulate all, then write)
+  std::size_t n;
+
+  // Writes the finished elements [b, e) of the accumulator `a` to `po`.
+  void finish(T* po, const C* a, std::size_t b, std::size_t e) const {
+    if (op == ReduceOp::Avg) {
+      const C count = static_cast<C>(inputs.size());
+      for (std::size_t i = b; i < e; ++i) po[i] = static_cast<T>(static_cast<C>(a[i - b] / count));
+    } else {
+      for (std::size_t i = b; i < e; ++i) po[i] = static_cast<T>(a[i - b]);
+    }
+  }
+
+  // Blockwise: the first output gets the finished block, the others a copy
+  // of it (skipped where an output is the same buffer).
+  void write_block(const C* a, std::size_t b, std::size_t e) const {
+    if (one_block) {  // every output from the accumulator, in order
+      for (std::size_t j = 0; j < n_outs; ++j) finish(static_cast<T*>(outs[j].data_ptr()), a, b, e);
+      return;
+    }
+    T* p0 = static_cast<T*>(outs[0].data_ptr());
+    finish(p0, a, b, e);
+    for (std::size_t j = 1; j < n_outs; ++j) {
+      T* pj = static_cast<T*>(outs[j].data_ptr());
+      if (pj != p0) std::memcpy(pj + b, p0 + b, (e - b) * sizeof(T));
+    }
+  }
+
+  // Up to four inputs (k..k+m) folded into a[b..e) in one pass, combined one
+  // after another — (((x0 op x1) op x2) op x3), the same order as one input
+  // at a time — with a quarter of the accumulator loads and stores. `first`
+  // maps the first input's element (PremulSum's factor) when `init`.
+  template <std::size_t m, class Combine, class First>
+  void pass(C* a, std::size_t b, std::size_t e, std::size_t k, bool init, Combine combine,
+            First first) const {
+    const T* q[4] = {};
+    for (std::size_t j = 0; j < m; ++j) q[j] = static_cast<const T*>(inputs[k + j].data_ptr());
+    for (std::size_t i = b; i < e; ++i) {
+      C v = init ? first(static_cast<C>(q[0][i])) : combine(a[i - b], static_cast<C>(q[0][i]));
+      if constexpr (m > 1) v = combine(v, static_cast<C>(q[1][i]));
+      if constexpr (m > 2) v = combine(v, static_cast<C>(q[2][i]));
+      if constexpr (m > 3) v = combine(v, static_cast<C>(q[3][i]));
+      a[i - b] = v;
+    }
+  }
+
+  // One tight loop per op (the switch stays outside the element loop).
+  template <class Combine, class First>
+  void fold_with(Combine combine, First first) const {
     alignas(64) C block[kBlock];
     std::vector<C> acc(blockwise ? 0 : n);
-    // Writes the finished elements [b, e) of the accumulator `a` to `po`.
-    auto finish = [&](T* po, const C* a, std::size_t b, std::size_t e) {
-      if (op == ReduceOp::Avg) {
-        const C count = static_cast<C>(inputs.size());
-        for (std::size_t i = b; i < e; ++i)
-          po[i] = static_cast<T>(static_cast<C>(a[i - b] / count));
-      } else {
-        for (std::size_t i = b; i < e; ++i) po[i] = static_cast<T>(a[i - b]);
-      }
-    };
-    // Blockwise: the first output gets the finished block, the others a copy
-    // of it (skipped where an output is the same buffer).
-    auto write_block = [&](const C* a, std::size_t b, std::size_t e) {
-      if (one_block) {  // every output from the accumulator, in order
-        for (std::size_t j = 0; j < n_outs; ++j)
-          finish(static_cast<T*>(outs[j].data_ptr()), a, b, e);
-        return;
-      }
-      T* p0 = static_cast<T*>(outs[0].data_ptr());
-      finish(p0, a, b, e);
-      for (std::size_t j = 1; j < n_outs; ++j) {
-        T* pj = static_cast<T*>(outs[j].data_ptr());
-        if (pj != p0) std::memcpy(pj + b, p0 + b, (e - b) * sizeof(T));
-      }
-    };
-    // One tight loop per op (the switch stays outside the element loop);
-    // `first` maps the first input's element (PremulSum's factor).
-    auto fold_with = [&](auto combine, auto first) {
-      for (std::size_t b = 0; b < n; b += kBlock) {
-        const std::size_t e = std::min(n, b + kBlock);
-        C* a = blockwise ? block : acc.data() + b;
-        // Up to four inputs per pass over the block, combined one after
-        // another — (((x0 op x1) op x2) op x3), the same order as one input at
-        // a time — with a quarter of the accumulator loads and stores.
-        auto pass = [&](std::size_t k, auto count, bool init) {
-          constexpr std::size_t m = decltype(count)::value;
-          const T* q[4] = {};
-          for (std::size_t j = 0; j < m; ++j)
-            q[j] = static_cast<const T*>(inputs[k + j].data_ptr());
-          for (std::size_t i = b; i < e; ++i) {
-            C v =
-                init ? first(static_cast<C>(q[0][i])) : combine(a[i - b], static_cast<C>(q[0][i]));
-            if constexpr (m > 1) v = combine(v, static_cast<C>(q[1][i]));
-            if constexpr (m > 2) v = combine(v, static_cast<C>(q[2][i]));
-            if constexpr (m > 3) v = combine(v, static_cast<C>(q[3][i]));
-            a[i - b] = v;
-          }
-        };
-        for (std::size_t k = 0; k < inputs.size();) {
-          const std::size_t m = std::min<std::size_t>(4, inputs.size() - k);
-          const bool init = k == 0;
-          switch (m) {
-            case 4: pass(k, std::integral_constant<std::size_t, 4>{}, init); break;
-            case 3: pass(k, std::integral_constant<std::size_t, 3>{}, init); break;
-            case 2: pass(k, std::integral_constant<std::size_t, 2>{}, init); break;
-            default: pass(k, std::integral_constant<std::size_t, 1>{}, init); break;
-          }
-          k += m;
+    for (std::size_t b = 0; b < n; b += kBlock) {
+      const std::size_t e = std::min(n, b + kBlock);
+      C* a = blockwise ? block : acc.data() + b;
+      for (std::size_t k = 0; k < inputs.size();) {
+        const std::size_t m = std::min<std::size_t>(4, inputs.size() - k);
+        const bool init = k == 0;
+        switch (m) {
+          case 4: pass<4>(a, b, e, k, init, combine, first); break;
+          case 3: pass<3>(a, b, e, k, init, combine, first); break;
+          case 2: pass<2>(a, b, e, k, init, combine, first); break;
+          default: pass<1>(a, b, e, k, init, combine, first); break;
         }
-        if (blockwise) write_block(a, b, e);
+        k += m;
       }
-      if (!blockwise)
-        for (std::size_t j = 0; j < n_outs; ++j)
-          for (std::size_t b = 0; b < n; b += kBlock)
-            finish(static_cast<T*>(outs[j].data_ptr()), acc.data() + b, b, std::min(n, b + kBlock));
-    };
-    auto fold = [&](auto combine) { fold_with(combine, [](C v) { return v; }); };
-    // Integers wrap around (two's complement, as NCCL and MPI do), computed
-    // in the unsigned type so no signed overflow (undefined) happens.
-    // Max/Min propagate NaN whatever the order contributions arrive in
-    // (IEEE maximum/minimum, torch.maximum): `x != x` is true only for NaN.
+      if (blockwise) write_block(a, b, e);
+    }
+    if (!blockwise)
+      for (std::size_t j = 0; j < n_outs; ++j)
+        for (std::size_t b = 0; b < n; b += kBlock)
+          finish(static_cast<T*>(outs[j].data_ptr()), acc.data() + b, b, std::min(n, b + kBlock));
+  }
+  template <class Combine>
+  void fold(Combine combine) const {
+    fold_with(combine, [](C v) { return v; });
+  }
+
+  // Integers wrap around (two's complement, as NCCL and MPI do), computed
+  // in the unsigned type so no signed overflow (undefined) happens.
+  // Max/Min propagate NaN whatever the order contributions arrive in
+  // (IEEE maximum/minimum, torch.maximum): `x != x` is true only for NaN.
+  void run() const {
     using U = typename wrap_type<C>::type;
     switch (op) {
       case ReduceOp::Sum:
@@ -210,6 +220,27 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
         fold([](C a, C v) { return (a != a) ? a : (a < v || v != v) ? v : a; });
         break;
     }
+  }
+};
+
+// The CPU rule, written to outs[0..n_outs) (see reduce_op.hpp).
+void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor>& inputs,
+                ReduceOp op) {
+  check_cpu_operands(outs, n_outs, inputs, op);
+  const Tensor& out = outs[0];
+  // A tensor of at most kBlock elements is one block: every input is read
+  // into the accumulator before any output is written, and the outputs are
+  // then written from it one after the other, which is the non-blockwise
+  // rule. No overlap can change that result, so small reductions (an
+  // 8-byte all_reduce over N ranks) skip the O(N log N) check. Otherwise
+  // decided before the block is on the stack (it may allocate).
+  const bool one_block = static_cast<std::size_t>(out.numel()) <= kBlock;
+  const bool blockwise = one_block || blockwise_safe(outs, n_outs, inputs, out.nbytes());
+  dispatch_dtype(out.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    CpuReduction<T>{
+        outs, n_outs, inputs, op, one_block, blockwise, static_cast<std::size_t>(out.numel())}
+        .run();
   });
 }
 }  // namespace

@@ -154,12 +154,11 @@ std::vector<std::pair<int64_t, int64_t>> ExchangePlan::owned(int64_t batch_index
   return owned_ranges(seq_lens[static_cast<std::size_t>(batch_index)], decoder, c, t);
 }
 
-ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
-                           const EncoderLayout& encoder) {
-  ExchangePlan plan;
-  plan.decoder = decoder;
-  plan.encoder = encoder;
-  plan.mode = select_feature_exchange(decoder.context(0, 0));
+namespace {
+
+// The exchange group's size against the encoder layout (buckets x encoder_cp
+// ranks fill it exactly).
+void plan_sizes(ExchangePlan& plan, const DecoderMesh& decoder, const EncoderLayout& encoder) {
   const int64_t exchange_size = decoder.exchange_size();
   if (exchange_size > kMaxExchangeSize)
     throw InvalidArgument(
@@ -176,8 +175,11 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
         "ranks (cp {} x tp {})",
         encoder.buckets, encoder.encoder_cp, int64_t{encoder.buckets} * encoder.encoder_cp,
         mode_name(plan.mode), plan.exchange_size, decoder.cp, decoder.tp));
+}
 
-  // Items, with their spans validated.
+// One item per image, its span validated against its sample, and every
+// sample's length checked against the mesh (owned_ranges refuses).
+void plan_items(ExchangePlan& plan, const Batch& batch, const DecoderMesh& decoder) {
   for (std::size_t b = 0; b < batch.samples.size(); ++b) {
     const Sample& s = batch.samples[b];
     if (s.seq_len < 0)
@@ -210,8 +212,11 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
             "tokens [{}, {}) and [{}, {})",
             b, spans[i - 1].first, spans[i - 1].second, spans[i].first, spans[i].second));
   }
+}
 
-  // Buckets: longest processing time first.
+// Buckets: longest processing time first, each item to the least-loaded
+// bucket (by input rows); a bucket's items in id order.
+void plan_buckets(ExchangePlan& plan, const EncoderLayout& encoder) {
   std::vector<int64_t> order(plan.items.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
@@ -229,10 +234,12 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
     plan.bucket_of[static_cast<std::size_t>(id)] = static_cast<int>(b);
   }
   for (auto& bucket : plan.buckets) std::sort(bucket.begin(), bucket.end());
+}
 
-  // Destinations: the exchange ranks whose tokens intersect the span.
-  // Owned ranges once per (sample, rank), not per item: a long Qwen3-VL video
-  // is tens of thousands of items of one sample.
+// Destinations: the exchange ranks whose tokens intersect the span.
+// Owned ranges once per (sample, rank), not per item: a long Qwen3-VL video
+// is tens of thousands of items of one sample.
+void plan_destinations(ExchangePlan& plan) {
   plan.destinations.assign(plan.items.size(), {});
   std::vector<Ranges> owned(static_cast<std::size_t>(plan.exchange_size));
   int64_t owned_sample = -1;
@@ -250,6 +257,20 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
           break;
         }
   }
+}
+
+}  // namespace
+
+ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
+                           const EncoderLayout& encoder) {
+  ExchangePlan plan;
+  plan.decoder = decoder;
+  plan.encoder = encoder;
+  plan.mode = select_feature_exchange(decoder.context(0, 0));
+  plan_sizes(plan, decoder, encoder);
+  plan_items(plan, batch, decoder);
+  plan_buckets(plan, encoder);
+  plan_destinations(plan);
   return plan;
 }
 

@@ -268,6 +268,214 @@ void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
         fmt::format("training step: {} micro-batches for dp {}", per_dp.size(), cfg.dp));
 }
 
+// One rank's view of the step, fixed before the encoder runs: what every
+// phase below reads. The phases hold their tensors in their own scope, so
+// what a rank keeps across a collective is only what the graph needs (in a
+// simulated world every rank is parked in some collective while the others
+// run, so what a rank holds there is multiplied by the world size).
+struct RankContext {
+  const StepConfig& cfg;
+  const Synthetic& syn;
+  const ExchangePlan& plan;
+  const dist::ProcessGroup& exchange;  // the exchange's group
+  int dp_rank;
+  int tp_rank;
+  int e;  // rank in the exchange group
+};
+
+// The encoder's output on this rank: the records it produces (its bucket's
+// features, assembled on the bucket's first encoder-CP rank) and the
+// prototype anchoring an empty send.
+struct Encoded {
+  std::vector<EncoderFeature> records;
+  Tensor features;
+};
+
+// ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
+Encoded encode(const RankContext& rc, const Tensor& W) {
+  const StepConfig& cfg = rc.cfg;
+  const ExchangePlan& plan = rc.plan;
+  const int ecp = cfg.encoder.encoder_cp;
+  const int bucket = rc.e / ecp, j = rc.e % ecp;
+  const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
+  int64_t R = 0;
+  std::vector<double> p_all;
+  for (int64_t id : items) {
+    const auto& it = plan.items[static_cast<std::size_t>(id)];
+    const Drawn p = rc.syn.patches(rc.dp_rank, id, it.output_rows);
+    p_all.insert(p_all.end(), p->begin(), p->end());
+    R += it.output_rows;
+  }
+  auto slice_lo = [&](int k) { return R * k / ecp; };
+  const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
+  // P holds this rank's slice; the rows drawn are not kept across collectives.
+  Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
+                                             p_all.begin() + hi * cfg.in_features),
+                         {hi - lo, cfg.in_features}, cfg.dtype);
+  std::vector<double>().swap(p_all);
+  Encoded out;
+  out.features = LinearFn{{}, LinearFn::kRight, {}}.apply({P, W})[0];
+  if (ecp > 1) {
+    auto enc_group = rc.exchange.split(bucket, j, {ecp},
+                                       fmt::format("{}.encoder_cp{}", rc.exchange.name(), bucket));
+    dist::Splits outs(static_cast<std::size_t>(ecp), 0), ins(static_cast<std::size_t>(ecp), 0);
+    ins[0] = hi - lo;
+    if (j == 0)
+      for (int k = 0; k < ecp; ++k)
+        outs[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
+    out.features = nn::all_to_all_single(out.features, outs, ins, *enc_group);
+  }
+  if (j == 0) {
+    std::vector<int64_t> lengths;
+    for (int64_t id : items)
+      lengths.push_back(plan.items[static_cast<std::size_t>(id)].output_rows);
+    std::vector<Tensor> rows = split_rows(out.features, lengths);
+    for (std::size_t k = 0; k < items.size(); ++k)
+      out.records.push_back({plan.items[static_cast<std::size_t>(items[k])], std::move(rows[k])});
+  }
+  return out;
+}
+
+// ---- exchange, unpack, merge: the decoder's input E for this rank's shard
+Tensor exchange_and_merge(const RankContext& rc, Encoded encoded, const ShardLayout& layout,
+                          bool keep_routed_rows, StepRankResult& res) {
+  const StepConfig& cfg = rc.cfg;
+  const ExchangePlan& plan = rc.plan;
+  // `features` is the prototype: on a rank that produces nothing it is the
+  // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
+  // send on it keeps that collective's backward reachable here too. Both
+  // are moved in: the records are views of features, backward needs
+  // neither (the encoder node keeps P, the split keeps row counts), and
+  // route_features frees them once packed, before its collective parks
+  // this rank.
+  const MeshContext ctx = cfg.decoder.context(res.cp_rank, res.tp_rank);
+  RoutedFeatures routed =
+      route_features(plan.mode, std::move(encoded.records), std::move(encoded.features), rc.e, plan,
+                     rc.exchange, cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
+  if (keep_routed_rows) res.routed_rows = routed.rows.detach();
+  res.received_items = routed.items;
+  std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
+  // The text embeddings are data here: E = merge(base, routed rows)
+  // requires grad on every rank through the routed rows (the exchange of
+  // features of W, an empty anchored send included), so every rank's
+  // decoder graph is differentiable without them. As a leaf requiring grad
+  // they would stay in the graph, a shard-sized buffer at every later
+  // collective, for a gradient nothing reads.
+  Tensor base;
+  {
+    // The drawn tables are only read by gather_rows: this rank's handles
+    // are dropped before the next collective yields. Held across the step,
+    // every rank kept its own copy whenever the bounded memo had evicted
+    // its dp slice's tables, and the memo evicts more the more dp slices
+    // interleave (memory per rank grew with N).
+    std::map<int64_t, Drawn> text_cache;
+    auto text_of = [&](int64_t b) -> const std::vector<double>& {
+      auto it = text_cache.find(b);
+      if (it == text_cache.end())
+        it = text_cache
+                 .emplace(b, rc.syn.text(rc.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
+                 .first;
+      return *it->second;
+    };
+    base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
+  }
+  Tensor E = merge_into_decoder(base, received, layout, routed.rows);
+  res.decoder_input = E.detach();
+  // The merge copied what it needs; the routed rows (the exchange's largest
+  // buffer), the received records and base are freed on return.
+  return E;
+}
+
+// sum_i a[i] * b[i] accumulated in float64, read in place (to_vector would
+// copy both operands per call).
+double dot64(const Tensor& a, const Tensor& b) {
+  double acc = 0;
+  dispatch_dtype(a.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.data_ptr());
+    const T* y = static_cast<const T*>(b.data_ptr());
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i)
+      acc += static_cast<double>(static_cast<compute_t<T>>(x[i])) *
+             static_cast<double>(static_cast<compute_t<T>>(y[i]));
+  });
+  return acc;
+}
+
+// The decoder's inputs (one per SP chunk; one without SP) and the left
+// operand of the positional term (undefined on ranks without one).
+std::pair<std::vector<Tensor>, Tensor> decoder_inputs(const StepConfig& cfg, const Tensor& E,
+                                                      int tp_rank,
+                                                      const dist::ProcessGroup& tp_group) {
+  if (cfg.decoder.tp == 1) return {{E}, E};
+  if (cfg.decoder.sp) {
+    // The shard's rows in sp_chunks pieces, one all-gather each: a rank
+    // holds one piece's gathered rows (and, backward, one piece's input
+    // gradient at its reduce-scatter) instead of the whole [tp x shard].
+    // Every TP rank holds the same shard rows, so the pieces agree.
+    const std::vector<int64_t> pieces = sp_chunk_rows(E.size(0), cfg.sp_chunks);
+    if (pieces.size() == 1) return {{E}, E};
+    return {split_rows(E, pieces), E};
+  }
+  Tensor x = nn::copy_to_tp_region(E, tp_group);
+  return {{x}, tp_rank == 0 ? x : Tensor{}};
+}
+
+// ---- decoder (Megatron-style TP / SP) and loss: the graph's loss; the
+// reported value (res.loss) is accumulated in float64.
+Tensor decode_and_loss(const RankContext& rc, Tensor E, const ShardLayout& layout,
+                       const dist::ProcessGroup& tp_group, StepRankResult& res) {
+  const StepConfig& cfg = rc.cfg;
+  const int tp = cfg.decoder.tp;
+  const Drawn a_drawn = rc.syn.A();
+  const std::vector<double>& a = *a_drawn;
+  const int64_t cols = cfg.ffn / tp;
+  std::vector<double> a_cols;
+  for (int64_t r = 0; r < cfg.hidden; ++r)
+    for (int64_t c = rc.tp_rank * cols; c < (rc.tp_rank + 1) * cols; ++c)
+      a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
+  const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
+  auto [X, pos_lhs] = decoder_inputs(cfg, E, rc.tp_rank, tp_group);
+  // The positional term <pos_lhs, U>. U's rows are drawn without a
+  // collective and dropped at once (PositionalTermFn draws them again in
+  // the backward, so this lambda captures only what outlives the step's
+  // backward: rc's referents and layout). Recorded before the decoder's
+  // linear, its backward runs after the SP reduce-scatters, so no rank holds
+  // its shard-sized gradient across them.
+  auto draw_u = [&rc, &layout] {
+    const int d = rc.dp_rank;
+    return draw_rows(
+        layout.tokens(), [&](int64_t b, int64_t t) { return rc.syn.u_row(d, b, t); }, rc.cfg.hidden,
+        rc.cfg.dtype);
+  };
+  Tensor eu;
+  if (pos_lhs.defined()) eu = PositionalTermFn{{}, draw_u}.apply({pos_lhs})[0];
+  // Each piece's gathered rows are freed before the next all-gather: the
+  // linear's backward needs A_t only. The loss sums the pieces' |Y|^2.
+  std::vector<Tensor> Y;
+  Tensor yy;
+  for (Tensor& piece : X) {
+    if (tp > 1 && cfg.decoder.sp) piece = nn::all_gather_single(piece, tp_group);
+    Y.push_back(LinearFn{{}, LinearFn::kLeft, {}}.apply({piece, A_t})[0]);
+    piece = Tensor{};
+    const Tensor yy_piece = dot(Y.back(), Y.back());
+    yy = yy.defined() ? add(yy, yy_piece) : yy_piece;
+  }
+  X.clear();
+  Tensor loss = scale(yy, 0.5);
+  if (eu.defined()) loss = add(loss, eu);
+  // In float16 the graph's scalar overflows (|Y|^2 > 65504 on the default
+  // mesh), while its gradient (Y, U) does not depend on that value.
+  if (cfg.dtype == DType::Float64) {  // the graph's dots are these very sums
+    res.loss = 0.5 * yy.item() + (eu.defined() ? eu.item() : 0.0);
+  } else {
+    double yy64 = 0;
+    for (const Tensor& y : Y) yy64 += dot64(y, y);
+    res.loss = 0.5 * yy64 + (pos_lhs.defined() ? dot64(pos_lhs, draw_u()) : 0.0);
+  }
+  return loss;  // Y, pos_lhs and E: the dot nodes keep what their backward needs
+}
+
 }  // namespace
 
 std::pair<double, double> tolerance(DType dtype) {
@@ -284,8 +492,7 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   if (world.size() != cfg.world_size())
     throw InvalidArgument(fmt::format("training step: world has {} ranks but dp x cp x tp = {}",
                                       world.size(), cfg.world_size()));
-  const int tp = cfg.decoder.tp;
-  dist::DeviceMesh mesh(world, {{"dp", cfg.dp}, {"cp", cfg.decoder.cp}, {"tp", tp}});
+  dist::DeviceMesh mesh(world, {{"dp", cfg.dp}, {"cp", cfg.decoder.cp}, {"tp", cfg.decoder.tp}});
   StepRankResult res;
   res.rank = world.rank();
   res.dp_rank = mesh.coordinate("dp");
@@ -293,194 +500,25 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   res.tp_rank = mesh.coordinate("tp");
   const Batch& batch = per_dp[static_cast<std::size_t>(res.dp_rank)];
   const ExchangePlan plan = plan_exchange(batch, cfg.decoder, cfg.encoder);
-  const MeshContext ctx = cfg.decoder.context(res.cp_rank, res.tp_rank);
   res.mode = plan.mode;
   res.plan_fingerprint = plan.fingerprint();
   const dist::ProcessGroup exchange = plan.mode == FeatureExchangeMode::ParentVariableA2A
                                           ? mesh.group(std::vector<std::string>{"cp", "tp"})
                                           : mesh.group("tp");
-  const int e = exchange.rank();
-  res.exchange_rank = e;
+  res.exchange_rank = exchange.rank();
   const Synthetic syn{cfg};
+  const RankContext rc{cfg, syn, plan, exchange, res.dp_rank, res.tp_rank, exchange.rank()};
+  const ShardLayout layout(plan, rc.e);
+  res.shard_tokens = layout.tokens();
 
-  // Memory: in a simulated world every rank is parked in some collective
-  // while the others run, so what a rank holds across a collective is
-  // multiplied by the world size. The step's tensors therefore live in this
-  // scope only, each local is dropped as soon as neither the rest of the
-  // forward nor the backward reads it (the graph keeps what backward needs),
-  // and only the gradient crosses the final all-reduce.
+  // The step's tensors live in this scope only, and only the gradient
+  // crosses the final all-reduce.
   Tensor g;
   {
-    // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
     Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
     W.set_requires_grad(true);
-    const int ecp = cfg.encoder.encoder_cp;
-    const int bucket = e / ecp, j = e % ecp;
-    const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
-    int64_t R = 0;
-    std::vector<double> p_all;
-    for (int64_t id : items) {
-      const auto& it = plan.items[static_cast<std::size_t>(id)];
-      const Drawn p = syn.patches(res.dp_rank, id, it.output_rows);
-      p_all.insert(p_all.end(), p->begin(), p->end());
-      R += it.output_rows;
-    }
-    auto slice_lo = [&](int k) { return R * k / ecp; };
-    const int64_t lo = slice_lo(j), hi = slice_lo(j + 1);
-    Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
-                                               p_all.begin() + hi * cfg.in_features),
-                           {hi - lo, cfg.in_features}, cfg.dtype);
-    std::vector<double>().swap(p_all);  // P holds this rank's slice; not kept across collectives
-    Tensor features = LinearFn{{}, LinearFn::kRight, {}}.apply({P, W})[0];
-    if (ecp > 1) {
-      auto enc_group =
-          exchange.split(bucket, j, {ecp}, fmt::format("{}.encoder_cp{}", exchange.name(), bucket));
-      dist::Splits out(static_cast<std::size_t>(ecp), 0), in(static_cast<std::size_t>(ecp), 0);
-      in[0] = hi - lo;
-      if (j == 0)
-        for (int k = 0; k < ecp; ++k)
-          out[static_cast<std::size_t>(k)] = slice_lo(k + 1) - slice_lo(k);
-      features = nn::all_to_all_single(features, out, in, *enc_group);
-    }
-    std::vector<EncoderFeature> records;
-    if (j == 0) {
-      std::vector<int64_t> lengths;
-      for (int64_t id : items)
-        lengths.push_back(plan.items[static_cast<std::size_t>(id)].output_rows);
-      std::vector<Tensor> rows = split_rows(features, lengths);
-      for (std::size_t k = 0; k < items.size(); ++k)
-        records.push_back({plan.items[static_cast<std::size_t>(items[k])], std::move(rows[k])});
-    }
-
-    // ---- exchange, unpack, merge
-    // `features` is the prototype: on a rank that produces nothing it is the
-    // [0, hidden] output of the encoder-CP assembly, and anchoring the empty
-    // send on it keeps that collective's backward reachable here too. Both
-    // are moved in: the records are views of features, backward needs
-    // neither (the encoder node keeps P, the split keeps row counts), and
-    // route_features frees them once packed, before its collective parks
-    // this rank.
-    RoutedFeatures routed =
-        route_features(plan.mode, std::move(records), std::move(features), e, plan, exchange,
-                       cfg.receiver_grad.value_or(receiver_grad_for(ctx)));
-    if (keep_routed_rows) res.routed_rows = routed.rows.detach();
-    res.received_items = routed.items;
-    std::vector<EncoderFeature> received = unpack_records(routed.rows, routed.items);
-    const ShardLayout layout(plan, e);
-    res.shard_tokens = layout.tokens();
-    std::map<int64_t, Drawn> text_cache;
-    auto text_of = [&](int64_t b) -> const std::vector<double>& {
-      auto it = text_cache.find(b);
-      if (it == text_cache.end())
-        it = text_cache
-                 .emplace(b, syn.text(res.dp_rank, b, plan.seq_lens[static_cast<std::size_t>(b)]))
-                 .first;
-      return *it->second;
-    };
-    // The text embeddings are data here: E = merge(base, routed rows)
-    // requires grad on every rank through the routed rows (the exchange of
-    // features of W, an empty anchored send included), so every rank's
-    // decoder graph is differentiable without them. As a leaf requiring grad
-    // they would stay in the graph, a shard-sized buffer at every later
-    // collective, for a gradient nothing reads.
-    Tensor base = gather_rows(layout.tokens(), text_of, cfg.hidden, cfg.dtype);
-    // The drawn tables are only read by gather_rows: drop this rank's handles
-    // now, before the next collective yields. Held across the step, every rank
-    // kept its own copy whenever the bounded memo had evicted its dp slice's
-    // tables, and the memo evicts more the more dp slices interleave (memory
-    // per rank grew with N).
-    text_cache.clear();
-    Tensor E = merge_into_decoder(base, received, layout, routed.rows);
-    res.decoder_input = E.detach();
-    // The merge copied what it needs; the routed rows (the exchange's largest
-    // buffer) are not read again.
-    std::vector<EncoderFeature>().swap(received);
-    routed.rows = Tensor{};
-    base = Tensor{};
-
-    // ---- decoder (Megatron-style TP / SP) and loss
-    const Drawn a_drawn = syn.A();
-    const std::vector<double>& a = *a_drawn;
-    const int64_t cols = cfg.ffn / tp;
-    std::vector<double> a_cols;
-    for (int64_t r = 0; r < cfg.hidden; ++r)
-      for (int64_t c = res.tp_rank * cols; c < (res.tp_rank + 1) * cols; ++c)
-        a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
-    const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
-    const dist::ProcessGroup& tp_group = mesh.group("tp");
-    // The decoder's inputs, one per SP chunk (one without SP).
-    std::vector<Tensor> X;
-    Tensor pos_lhs;  // the positional term is <pos_lhs, U> where defined
-    if (tp == 1) {
-      X = {E};
-      pos_lhs = E;
-    } else if (cfg.decoder.sp) {
-      pos_lhs = E;
-      // The shard's rows in sp_chunks pieces, one all-gather each: a rank
-      // holds one piece's gathered rows (and, backward, one piece's input
-      // gradient at its reduce-scatter) instead of the whole [tp x shard].
-      // Every TP rank holds the same shard rows, so the pieces agree.
-      const std::vector<int64_t> pieces = sp_chunk_rows(E.size(0), cfg.sp_chunks);
-      if (pieces.size() == 1)
-        X = {E};
-      else
-        X = split_rows(E, pieces);
-    } else {
-      X = {nn::copy_to_tp_region(E, tp_group)};
-      if (res.tp_rank == 0) pos_lhs = X[0];
-    }
-    // The positional term <pos_lhs, U>. U's rows are drawn without a
-    // collective and dropped at once (PositionalTermFn draws them again in
-    // the backward). Recorded before the decoder's linear, its backward runs
-    // after the SP reduce-scatters, so no rank holds its shard-sized gradient
-    // across them.
-    auto draw_u = [&] {
-      return draw_rows(
-          layout.tokens(), [&](int64_t b, int64_t t) { return syn.u_row(res.dp_rank, b, t); },
-          cfg.hidden, cfg.dtype);
-    };
-    Tensor eu;
-    if (pos_lhs.defined()) eu = PositionalTermFn{{}, draw_u}.apply({pos_lhs})[0];
-    // Each piece's gathered rows are freed before the next all-gather: the
-    // linear's backward needs A_t only. The loss sums the pieces' |Y|^2.
-    std::vector<Tensor> Y;
-    Tensor yy;
-    for (Tensor& piece : X) {
-      if (tp > 1 && cfg.decoder.sp) piece = nn::all_gather_single(piece, tp_group);
-      Y.push_back(LinearFn{{}, LinearFn::kLeft, {}}.apply({piece, A_t})[0]);
-      piece = Tensor{};
-      const Tensor yy_piece = dot(Y.back(), Y.back());
-      yy = yy.defined() ? add(yy, yy_piece) : yy_piece;
-    }
-    X.clear();
-    Tensor loss = scale(yy, 0.5);
-    if (eu.defined()) loss = add(loss, eu);
-    // The reported loss is accumulated in float64 from this rank's tensors: in
-    // float16 the graph's scalar overflows (|Y|^2 > 65504 on the default mesh),
-    // while its gradient (Y, U) does not depend on that value.
-    // (Read in place: to_vector would copy both operands per call.)
-    auto dot64 = [](const Tensor& a, const Tensor& b) {
-      double acc = 0;
-      dispatch_dtype(a.dtype(), [&](auto tag) {
-        using T = typename decltype(tag)::type;
-        const T* x = static_cast<const T*>(a.data_ptr());
-        const T* y = static_cast<const T*>(b.data_ptr());
-        const int64_t n = a.numel();
-        for (int64_t i = 0; i < n; ++i)
-          acc += static_cast<double>(static_cast<compute_t<T>>(x[i])) *
-                 static_cast<double>(static_cast<compute_t<T>>(y[i]));
-      });
-      return acc;
-    };
-    if (cfg.dtype == DType::Float64) {  // the graph's dots are these very sums
-      res.loss = 0.5 * yy.item() + (eu.defined() ? eu.item() : 0.0);
-    } else {
-      double yy64 = 0;
-      for (const Tensor& y : Y) yy64 += dot64(y, y);
-      res.loss = 0.5 * yy64 + (pos_lhs.defined() ? dot64(pos_lhs, draw_u()) : 0.0);
-    }
-    Y.clear();  // the dot nodes keep them until their backward
-    pos_lhs = E = Tensor{};
+    Tensor E = exchange_and_merge(rc, encode(rc, W), layout, keep_routed_rows, res);
+    Tensor loss = decode_and_loss(rc, std::move(E), layout, mesh.group("tp"), res);
     // dW alone, without accumulating a .grad() into every leaf (the text
     // embeddings' gradient would be one more shard-sized buffer held to the
     // end); same engine, same order, same collectives as backward().

@@ -112,26 +112,44 @@ class Runner {
   int tensors_ = 0;
 };
 
-void run_step(Step s, const ProcessGroup& g, Runner& rt) {
-  const int n = g.size(), r = g.rank();
+// The deliberate mismatch, on one rank only.
+void apply_mismatch(Step& s, int n, int r) {
+  if (s.mismatch == 0 || r != s.mismatch_rank) return;
   const auto nu = static_cast<std::size_t>(n), ru = static_cast<std::size_t>(r);
-  // The deliberate mismatch, on one rank only.
-  if (s.mismatch != 0 && r == s.mismatch_rank) {
-    switch (s.mismatch) {
-      case 1: s.root = (s.root + 1) % n; break;
-      case 2: s.reduce_op = s.reduce_op == ReduceOp::Max ? ReduceOp::Min : ReduceOp::Max; break;
-      case 3: s.dtype = s.dtype == DType::Float64 ? DType::Float32 : DType::Float64; break;
-      case 4: s.cols += 1; break;
-      case 5: s.splits[ru][(ru + 1) % nu] += 1; break;
-      case 6: s.op = OpType::Barrier; break;
-      default: break;
-    }
+  switch (s.mismatch) {
+    case 1: s.root = (s.root + 1) % n; break;
+    case 2: s.reduce_op = s.reduce_op == ReduceOp::Max ? ReduceOp::Min : ReduceOp::Max; break;
+    case 3: s.dtype = s.dtype == DType::Float64 ? DType::Float32 : DType::Float64; break;
+    case 4: s.cols += 1; break;
+    case 5: s.splits[ru][(ru + 1) % nu] += 1; break;
+    case 6: s.op = OpType::Barrier; break;
+    default: break;
   }
-  const DType dt = s.dtype;
-  const int root = s.root % n;
-  const bool product = has_reduce(s.op) && s.reduce_op == ReduceOp::Product;
-  const Shape shape = {s.rows, s.cols};
-  auto rows_block = [&](int64_t rows) { return Shape{rows, s.cols}; };
+}
+
+// One step on one rank: its arguments resolved for this rank.
+struct RankStep {
+  const Step& s;
+  const ProcessGroup& g;
+  Runner& rt;
+  int n, r;
+  std::size_t nu, ru;
+  DType dt;
+  int root;
+  bool product;  // a Product reduction: inputs drawn near 1
+  Shape shape;
+  Shape rows_block(int64_t rows) const { return Shape{rows, s.cols}; }
+};
+
+// barrier, all_reduce, broadcast, reduce, send/recv
+void run_whole_tensor_op(const RankStep& x) {
+  const Step& s = x.s;
+  const ProcessGroup& g = x.g;
+  Runner& rt = x.rt;
+  const int n = x.n, r = x.r, root = x.root;
+  const DType dt = x.dt;
+  const bool product = x.product;
+  const Shape& shape = x.shape;
   switch (s.op) {
     case OpType::Barrier: dist::barrier(g); break;
     case OpType::AllReduce: {
@@ -152,6 +170,32 @@ void run_step(Step s, const ProcessGroup& g, Runner& rt) {
       rt.record(t);  // left unchanged off the root
       break;
     }
+    case OpType::Send: {
+      // Group rank 0 sends to group rank 1; the others take no part.
+      if (n < 2) break;
+      if (r == 0) dist::send(g, rt.input(shape, dt), 1, 3);
+      if (r == 1) {
+        Tensor t = rt.output(shape, dt);
+        dist::recv(g, t, 0, 3);
+        rt.record(t);
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+// all_gather, all_gather_single, all_gather_v, gather, scatter
+void run_gather_op(const RankStep& x) {
+  const Step& s = x.s;
+  const ProcessGroup& g = x.g;
+  Runner& rt = x.rt;
+  const int n = x.n, r = x.r, root = x.root;
+  const std::size_t ru = x.ru;
+  const DType dt = x.dt;
+  const Shape& shape = x.shape;
+  auto rows_block = [&](int64_t rows) { return x.rows_block(rows); };
+  switch (s.op) {
     case OpType::AllGather: {
       std::vector<Tensor> outs;
       for (int k = 0; k < n; ++k) outs.push_back(rt.output(shape, dt));
@@ -202,6 +246,22 @@ void run_step(Step s, const ProcessGroup& g, Runner& rt) {
       rt.record(out);
       break;
     }
+    default: break;
+  }
+}
+
+// reduce_scatter, reduce_scatter_single, reduce_scatter_v, all_to_all, all_to_all_single
+void run_scatter_op(const RankStep& x) {
+  const Step& s = x.s;
+  const ProcessGroup& g = x.g;
+  Runner& rt = x.rt;
+  const int n = x.n, r = x.r;
+  const std::size_t ru = x.ru;
+  const DType dt = x.dt;
+  const bool product = x.product;
+  const Shape& shape = x.shape;
+  auto rows_block = [&](int64_t rows) { return x.rows_block(rows); };
+  switch (s.op) {
     case OpType::ReduceScatter: {
       std::vector<Tensor> ins;
       for (int k = 0; k < n; ++k) ins.push_back(rt.input(shape, dt, product));
@@ -247,18 +307,36 @@ void run_step(Step s, const ProcessGroup& g, Runner& rt) {
       rt.record(out);
       break;
     }
-    case OpType::Send: {
-      // Group rank 0 sends to group rank 1; the others take no part.
-      if (n < 2) break;
-      if (r == 0) dist::send(g, rt.input(shape, dt), 1, 3);
-      if (r == 1) {
-        Tensor t = rt.output(shape, dt);
-        dist::recv(g, t, 0, 3);
-        rt.record(t);
-      }
-      break;
-    }
     default: break;
+  }
+}
+
+void run_step(Step s, const ProcessGroup& g, Runner& rt) {
+  const int n = g.size(), r = g.rank();
+  apply_mismatch(s, n, r);
+  const RankStep x{s,
+                   g,
+                   rt,
+                   n,
+                   r,
+                   static_cast<std::size_t>(n),
+                   static_cast<std::size_t>(r),
+                   s.dtype,
+                   s.root % n,
+                   has_reduce(s.op) && s.reduce_op == ReduceOp::Product,
+                   {s.rows, s.cols}};
+  switch (s.op) {
+    case OpType::AllGather:
+    case OpType::AllGatherSingle:
+    case OpType::AllGatherV:
+    case OpType::Gather:
+    case OpType::Scatter: run_gather_op(x); break;
+    case OpType::ReduceScatter:
+    case OpType::ReduceScatterSingle:
+    case OpType::ReduceScatterV:
+    case OpType::AllToAll:
+    case OpType::AllToAllSingle: run_scatter_op(x); break;
+    default: run_whole_tensor_op(x); break;
   }
 }
 

@@ -103,17 +103,36 @@ void expect_invalid(const ProcessGroup& g, const std::string& op, const std::str
 
 // Every bad call below must fail on the calling rank alone, before it is
 // numbered or sent: afterwards all ranks still agree on the next collective,
-// and no bad call was counted.
-void bad_calls(const ProcessGroup& g) {
-  const int n = g.size(), me = g.rank();
-  const auto un = static_cast<std::size_t>(n);
-  Tensor row = zeros({1, 2});
-  auto list = [](std::size_t k, const Shape& s, DType dt = DType::Float32) {
-    std::vector<Tensor> v;
-    for (std::size_t i = 0; i < k; ++i) v.push_back(zeros(s, dt));
-    return v;
-  };
-  dist::Splits ones_splits(un, 1);
+// and no bad call was counted (bad_calls runs both halves).
+
+// What the bad calls are made of: the group's size and rank, one 1x2 row,
+// and splits of one row per member.
+struct BadCallArgs {
+  int n;
+  int me;
+  std::size_t un;
+  Tensor row;
+  dist::Splits ones_splits;
+  static BadCallArgs of(const ProcessGroup& g) {
+    const auto un = static_cast<std::size_t>(g.size());
+    return {g.size(), g.rank(), un, zeros({1, 2}), dist::Splits(un, 1)};
+  }
+};
+
+// k tensors of shape s.
+std::vector<Tensor> list(std::size_t k, const Shape& s, DType dt = DType::Float32) {
+  std::vector<Tensor> v;
+  for (std::size_t i = 0; i < k; ++i) v.push_back(zeros(s, dt));
+  return v;
+}
+
+// Splits that do not match the rows, roots out of range, dtypes that disagree.
+void bad_splits_roots_and_dtypes(const ProcessGroup& g) {
+  const BadCallArgs a = BadCallArgs::of(g);
+  [[maybe_unused]] const int n = a.n, me = a.me;
+  [[maybe_unused]] const std::size_t un = a.un;
+  const Tensor& row = a.row;
+  [[maybe_unused]] const dist::Splits& ones_splits = a.ones_splits;
 
   // splits vs rows, negative splits, wrong lengths
   expect_invalid(g, "all_gather_v", "output_splits sum to", [&] {
@@ -186,6 +205,16 @@ void bad_calls(const ProcessGroup& g) {
   expect_invalid(g, "reduce_scatter_v", "has dtype uint8", [&] {
     dist::reduce_scatter_v(g, zeros({1, 2}, DType::UInt8), zeros({n, 2}), ones_splits);
   });
+}
+
+// List lengths, shapes, reduce ops and undefined tensors.
+void bad_lists_shapes_and_ops(const ProcessGroup& g) {
+  const BadCallArgs a = BadCallArgs::of(g);
+  [[maybe_unused]] const int n = a.n, me = a.me;
+  [[maybe_unused]] const std::size_t un = a.un;
+  const Tensor& row = a.row;
+  [[maybe_unused]] const dist::Splits& ones_splits = a.ones_splits;
+
   // list lengths
   expect_invalid(g, "all_gather", "has " + std::to_string(n + 1) + " tensors, expected", [&] {
     dist::all_gather(g, list(un + 1, {1, 2}), row);
@@ -234,6 +263,11 @@ void bad_calls(const ProcessGroup& g) {
                                 ReduceOp::Avg);
   });
   expect_invalid(g, "all_reduce", "undefined", [&] { dist::all_reduce(g, Tensor()); });
+}
+
+void bad_calls(const ProcessGroup& g) {
+  bad_splits_roots_and_dtypes(g);
+  bad_lists_shapes_and_ops(g);
 }
 
 TEST(SimValidation, LocalErrorsComeBeforeAnyCommunication) {
