@@ -93,11 +93,12 @@ def test_fiber_stacks_beyond_the_address_space_raise_backend_error():
     # world's fiber stacks (1024 x 64 KiB proxy stacks, 68 MiB with guards).
     proc = run_limited("""
         threading.stack_size(64 * 1024)
-        start_threads = sim._start_rank_threads
+        import diffcomm.sim._run as sim_run  # the hook: run()'s thread start
+        start_threads = sim_run._start_rank_threads
         def start_then_limit(world, threads):
             start_threads(world, threads)
             limit_to(16)
-        sim._start_rank_threads = start_then_limit
+        sim_run._start_rank_threads = start_then_limit
         try:
             sim.run(1024, lambda rank, group: None)
             print("RAN")

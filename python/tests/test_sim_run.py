@@ -391,6 +391,12 @@ def test_flight_recorder_dump_to_a_directory_is_refused_in_the_simulated_world(t
     (dict(world_size=2, fault=(0, 0)), diffcomm.InvalidArgument, "fault call k = 0, expected 1"),
     (dict(world_size=2, fault=(0, 2**40)), diffcomm.InvalidArgument,
      "fault call k = 1099511627776"),
+    (dict(world_size=2, interrupt_grace_s=-1.0), diffcomm.InvalidArgument,
+     r"interrupt_grace_s = -1\.0, expected a finite number >= 0"),
+    (dict(world_size=2, interrupt_grace_s=float("nan")), diffcomm.InvalidArgument,
+     "interrupt_grace_s = nan"),
+    (dict(world_size=2, interrupt_grace_s="5"), TypeError,
+     "interrupt_grace_s must be a number, got '5'"),
 ])
 def test_run_arguments_the_binding_cannot_take_get_diffcomm_errors(kwargs, error, message):
     """Values nanobind cannot convert (2**40 ranks, a negative seed) are named, not answered with

@@ -34,7 +34,7 @@ from .. import _core
 from .._core import encoder_parallel as _ep
 from ._equivalence import EquivalenceReport, Partial, Replicate, Shard, check_equivalence  # noqa
 from ._replay import PendingCall, ReplayReport, replay  # noqa
-from ._run import MAX_RANKS, RunResult, run  # noqa
+from ._run import INTERRUPT_GRACE_S, MAX_RANKS, RunResult, run  # noqa
 
 # The planner and the token rules.
 Batch = _ep.Batch
@@ -58,7 +58,7 @@ image_patches = _ep.image_patches
 required_seq_multiple = _ep.required_seq_multiple
 
 __all__ = [
-    "run", "RunResult", "MAX_RANKS", "step", "check", "sweep", "StepReport",
+    "run", "RunResult", "MAX_RANKS", "INTERRUPT_GRACE_S", "step", "check", "sweep", "StepReport",
     "default_images_path",
     "batch_from_image_sizes", "Batch", "Sample", "ImageSpan", "DecoderMesh", "EncoderLayout",
     "CpLayout", "MeshContext", "FeatureExchangeMode", "ReceiverGrad", "ExchangePlan",

@@ -59,18 +59,24 @@ def _start_rank_threads(world: "_core.sim.ThreadedWorld", threads: List[threadin
             raise _core.BackendError(why) from e
 
 
+#: Seconds run() waits, after Ctrl-C, for rank threads to end before it
+#: re-raises KeyboardInterrupt anyway (they are daemon threads): the default
+#: of run's ``interrupt_grace_s``.
+INTERRUPT_GRACE_S = 5.0
+
+
 def _interrupt(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
-               in_fn: List[bool], finished: List[bool]) -> None:
+               in_fn: List[bool], finished: List[bool], grace_s: float) -> None:
     """After Ctrl-C: raises KeyboardInterrupt in the rank thread that runs its
     own code (only one runs at a time: the baton holder), once per rank, until
     the world ends. A rank waiting in diffcomm is never interrupted: the world
     releases it (RankFailure naming the interrupted rank), so diffcomm's
-    bookkeeping is never cut in half. Gives up after INTERRUPT_GRACE_S, for a
+    bookkeeping is never cut in half. Gives up after grace_s seconds, for a
     rank blocked outside diffcomm (time.sleep, input()) that no exception
     reaches; rank threads are daemons. Polls with time.sleep, taking no lock
     another thread takes (see _drive)."""
     interrupted = set()
-    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    deadline = time.monotonic() + grace_s
     while not finished and time.monotonic() < deadline:
         r = world.running_rank()
         if r >= 0 and in_fn[r] and r not in interrupted and threads[r].ident is not None:
@@ -83,7 +89,7 @@ def _interrupt(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread]
 
 
 def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
-           in_fn: List[bool]) -> None:
+           in_fn: List[bool], grace_s: float) -> None:
     """Runs the world on a driver thread while this (the calling, usually the
     main) thread waits in short slices, so that Ctrl-C reaches Python: the
     signal handler runs only between bytecodes, never while a thread sits in
@@ -115,7 +121,7 @@ def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
         while not done.acquire(timeout=0.05):
             pass
     except KeyboardInterrupt:
-        _interrupt(world, threads, in_fn, finished)
+        _interrupt(world, threads, in_fn, finished, grace_s)
         raise
     for t in threads:
         t.join()
@@ -123,9 +129,6 @@ def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
         raise failure[0]
 
 
-#: Seconds run() waits, after Ctrl-C, for rank threads to end before it
-#: re-raises KeyboardInterrupt anyway (they are daemon threads).
-INTERRUPT_GRACE_S = 5.0
 
 
 #: The most ranks a simulated world runs (C++ ``sim::kMaxRanks``).
@@ -139,11 +142,16 @@ def _whole(name: str, value: Any, low: int, high: int) -> None:
         raise _core.InvalidArgument(f"sim.run: {name} = {value}, expected {low}..{high}")
 
 
-def _check_run_arguments(world_size: Any, seed: Any, fault: Any) -> None:
+def _check_run_arguments(world_size: Any, seed: Any, fault: Any, grace_s: Any) -> None:
     """Checks what the binding would refuse with nanobind's TypeError listing its signature
     (2**40 ranks, a negative seed, a fault that is no pair), naming the argument instead."""
     _whole("world_size", world_size, 1, MAX_RANKS)
     _whole("seed", seed, 0, 2**64 - 1)
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)):
+        raise TypeError(f"sim.run: interrupt_grace_s must be a number, got {grace_s!r}")
+    if not 0 <= grace_s < float("inf"):
+        raise _core.InvalidArgument(
+            f"sim.run: interrupt_grace_s = {grace_s}, expected a finite number >= 0")
     if fault is None:
         return
     if not isinstance(fault, (tuple, list)) or len(fault) != 2:
@@ -162,6 +170,7 @@ def run(
     trace: bool = True,
     torch_distributed: bool = False,
     one_cpu: bool = True,
+    interrupt_grace_s: float = INTERRUPT_GRACE_S,
 ) -> RunResult:
     """Runs ``fn(rank, group)`` for every rank of a simulated world.
 
@@ -175,8 +184,9 @@ def run(
     KeyboardInterrupt, the world ends the others as it does for any failing
     rank (RankFailure), and ``run`` raises KeyboardInterrupt. A rank blocked
     outside diffcomm (``time.sleep``, ``input()``) holds the baton where no
-    exception reaches it: ``run`` raises after ``INTERRUPT_GRACE_S`` seconds,
-    leaving the rank threads (daemons) behind.
+    exception reaches it: ``run`` raises after ``interrupt_grace_s`` seconds
+    (default ``INTERRUPT_GRACE_S``, 5), leaving the rank threads (daemons)
+    behind.
 
     ``torch_distributed=True`` (torch >= 2): in every rank thread,
     torch.distributed is initialised with the c10d backend ``"diffcomm_sim"``
@@ -200,12 +210,13 @@ def run(
     it) and ``.rank_errors`` (every rank's exception or None) attached;
     diffcomm errors keep their class (CollectiveMismatch, Deadlock, ...).
     """
-    _check_run_arguments(world_size, seed, fault)
+    _check_run_arguments(world_size, seed, fault, interrupt_grace_s)
     if torch_distributed:  # the c10d backend: diffcomm/sim/_c10d_backend.py
         from . import _c10d_backend  # noqa: PLC0415 (torch >= 2 only: imported on request)
 
         return _c10d_backend.run(lambda body: run(world_size, body, seed=seed, schedule=schedule,
-                                              fault=fault, trace=trace, one_cpu=one_cpu), fn)
+                                              fault=fault, trace=trace, one_cpu=one_cpu,
+                                              interrupt_grace_s=interrupt_grace_s), fn)
     world = _core.sim.ThreadedWorld(world_size, seed, schedule, fault, trace, one_cpu)
     results: List[Any] = [None] * world_size
     errors: List[Optional[BaseException]] = [None] * world_size
@@ -243,7 +254,7 @@ def run(
         for r in range(world_size)
     ]
     _start_rank_threads(world, threads)
-    _drive(world, threads, in_fn)
+    _drive(world, threads, in_fn, interrupt_grace_s)
     if order:
         first = errors[order[0]]
         assert first is not None

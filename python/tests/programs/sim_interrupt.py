@@ -19,7 +19,7 @@ import diffcomm.sim as sim
 import diffcomm.torch as dt
 
 scenario = sys.argv[1]
-sim.INTERRUPT_GRACE_S = 2.0
+GRACE_S = 2.0  # run(interrupt_grace_s=...)
 # A hang (CI saw one, sleeping scenario) prints every thread's stack and exits.
 faulthandler.dump_traceback_later(20, exit=True)
 
@@ -40,7 +40,7 @@ def fn(rank, group):
 
 started = 0.0
 try:
-    sim.run(4, fn)
+    sim.run(4, fn, interrupt_grace_s=GRACE_S)
 except KeyboardInterrupt:
     alive = sum(t.name.startswith("diffcomm-sim-rank") and t.is_alive()
                 for t in threading.enumerate())
