@@ -36,6 +36,24 @@ from ._core import (
 )
 from . import encoder_parallel, nn
 
+# diffcomm.sim and diffcomm.torch are imported on first use (``import diffcomm`` then
+# ``diffcomm.sim.run``), as torch does with its submodules: diffcomm.torch imports torch, which
+# ``import diffcomm`` alone should not pay for.
+_LAZY_SUBMODULES = ("sim", "torch")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'diffcomm' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
+
 __all__ = [
     "HAVE_CUDA",
     "HAVE_MPI",

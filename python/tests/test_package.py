@@ -53,3 +53,22 @@ def test_stubs_are_installed_and_match_the_binding():
     assert not missing, missing
     nn_text = open(os.path.join(stubs, "nn.pyi")).read()
     assert all(f"def {n}(" in nn_text for n in public(_core.nn))
+
+
+def test_import_diffcomm_reaches_every_submodule_lazily():
+    """`import diffcomm` then diffcomm.sim / diffcomm.torch, as torch's submodules; torch itself
+    is imported only when diffcomm.torch is first used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, diffcomm\n"
+            "assert 'torch' not in sys.modules and 'diffcomm.sim' not in sys.modules\n"
+            "assert diffcomm.sim.run is sys.modules['diffcomm.sim'].run\n"
+            "assert 'sim' in dir(diffcomm) and 'torch' in dir(diffcomm)\n"
+            "assert 'torch' not in sys.modules\n"
+            "help(diffcomm.sim.run)\n"
+            "assert diffcomm.torch.all_reduce and 'torch' in sys.modules\n"
+            "try:\n    diffcomm.nosuch\nexcept AttributeError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERR module 'diffcomm' has no attribute 'nosuch'" in out.stdout

@@ -57,7 +57,7 @@ Conventions (differences from torch.distributed.nn.functional):
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -69,15 +69,17 @@ from ._args import group_or_default, reduce_op, root_rank, split_sizes, premul_s
 from ._bridge import apply, apply_one, from_diffcomm, to_diffcomm
 from ._exchange import Record, merge_into_decoder, route_features, unpack_records
 from ._in_place import all_reduce_, broadcast_
+from ._work import Work, finish
 
 __all__ = [
-    "init_process_group", "destroy_process_group", "abort", "get_world", "get_rank", "get_world_size",
+    "init_process_group", "destroy_process_group", "abort", "get_world", "get_rank",
+    "get_world_size",
     "new_group", "to_diffcomm", "from_diffcomm", "premul_sum",
     "backward", "backward_pending", "discard_pending",
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
     "all_to_all", "all_to_all_single", "copy_to_tp_region", "all_reduce_", "broadcast_",
-    "Record", "route_features", "unpack_records", "merge_into_decoder",
+    "Record", "route_features", "unpack_records", "merge_into_decoder", "Work",
 ]
 
 
@@ -332,127 +334,150 @@ def discard_pending(group: Optional[_core.ProcessGroup] = None) -> None:
 
 # ----------------------------------------------------------------- the 13 ops
 def all_reduce(tensor: torch.Tensor, op: Any = "sum",
-               group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+               group: Optional[_core.ProcessGroup] = None, *,
+               async_op: bool = False) -> Any:
     """y = reduce over members of tensor. Sum/Avg: adjoint all_reduce.
     Max/Min: gradient to the extremum holders, split among ties.
     Product: dx_r = G * prod_{s != r} x_s."""
     g, o = group_or_default(group), reduce_op(op)
-    return apply_one(lambda t: _nn.all_reduce(t, g, o), tensor, op="all_reduce", group=g)
+    out = apply_one(lambda t: _nn.all_reduce(t, g, o), tensor, op="all_reduce", group=g)
+    return finish(out, async_op, "all_reduce")
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None,
-              group: Optional[_core.ProcessGroup] = None, *,
-              group_src: Optional[int] = None) -> torch.Tensor:
+              group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+              group_src: Optional[int] = None) -> Any:
     """y = tensor of src on every rank; dx = sum of the gradients on src, zeros elsewhere."""
     g = group_or_default(group)
     s = root_rank(g, src, group_src, "src", "broadcast")
-    return apply_one(lambda t: _nn.broadcast(t, s, g), tensor, op="broadcast", group=g)
+    out = apply_one(lambda t: _nn.broadcast(t, s, g), tensor, op="broadcast", group=g)
+    return finish(out, async_op, "broadcast")
 
 
 def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = "sum",
-           group: Optional[_core.ProcessGroup] = None, *,
-           group_dst: Optional[int] = None) -> torch.Tensor:
+           group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+           group_dst: Optional[int] = None) -> Any:
     """y = reduce of tensor on dst; zeros on other ranks. dx: dst's gradient on every rank."""
     g, o = group_or_default(group), reduce_op(op)
     d = root_rank(g, dst, group_dst, "dst", "reduce")
-    return apply_one(lambda t: _nn.reduce(t, d, g, o), tensor, op="reduce", group=g)
+    out = apply_one(lambda t: _nn.reduce(t, d, g, o), tensor, op="reduce", group=g)
+    return finish(out, async_op, "reduce")
 
 
 def all_gather(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
-               grad: str = "partial") -> Tuple[torch.Tensor, ...]:
+               async_op: bool = False,
+               grad: str = "partial") -> Any:
     """y[s] = tensor of member s. Backward: one reduce_scatter (partial) or own slice (replicated)."""
     g = group_or_default(group)
-    return apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor, op="all_gather", group=g)
+    out = apply(lambda i: list(_nn.all_gather(i[0], g, grad)), tensor, op="all_gather", group=g)
+    return finish(out, async_op, "all_gather")
 
 
 def all_gather_single(tensor: torch.Tensor, group: Optional[_core.ProcessGroup] = None, *,
-                      grad: str = "partial") -> torch.Tensor:
+                      async_op: bool = False,
+                      grad: str = "partial") -> Any:
     """Rows of every member concatenated along dim 0 (torch's all_gather_into_tensor)."""
     g = group_or_default(group)
-    return apply_one(lambda t: _nn.all_gather_single(t, g, grad), tensor,
-                  op="all_gather_single", group=g)
+    out = apply_one(lambda t: _nn.all_gather_single(t, g, grad), tensor,
+                    op="all_gather_single", group=g)
+    return finish(out, async_op, "all_gather_single")
 
 
 def all_gather_v(tensor: torch.Tensor, output_split_sizes: Sequence[int],
-                 group: Optional[_core.ProcessGroup] = None, *,
-                 grad: str = "partial") -> torch.Tensor:
+                 group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+                 grad: str = "partial") -> Any:
     """Concatenation of the members' tensors, member s having output_split_sizes[s] rows."""
-    g, splits = group_or_default(group), split_sizes(output_split_sizes, "output_split_sizes", "all_gather_v")
-    return apply_one(lambda t: _nn.all_gather_v(t, splits, g, grad), tensor,
-                  op="all_gather_v", group=g)
+    g = group_or_default(group)
+    splits = split_sizes(output_split_sizes, "output_split_sizes", "all_gather_v")
+    out = apply_one(lambda t: _nn.all_gather_v(t, splits, g, grad), tensor,
+                    op="all_gather_v", group=g)
+    return finish(out, async_op, "all_gather_v")
 
 
 def gather(tensor: torch.Tensor, dst: Optional[int] = None,
-           group: Optional[_core.ProcessGroup] = None, *,
-           group_dst: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+           group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+           group_dst: Optional[int] = None) -> Any:
     """On dst y[s] = tensor of member s; zeros elsewhere. dst defaults to group rank 0 as in torch."""
     g = group_or_default(group)
     d = root_rank(g, dst, group_dst if (group_dst is not None or dst is not None) else 0, "dst",
-              "gather")
-    return apply(lambda i: list(_nn.gather(i[0], d, g)), tensor, op="gather", group=g)
+                  "gather")
+    out = apply(lambda i: list(_nn.gather(i[0], d, g)), tensor, op="gather", group=g)
+    return finish(out, async_op, "gather")
 
 
 def scatter(tensors: Sequence[torch.Tensor], src: Optional[int] = None,
-            group: Optional[_core.ProcessGroup] = None, *,
-            group_src: Optional[int] = None) -> torch.Tensor:
+            group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+            group_src: Optional[int] = None) -> Any:
     """y = tensors[rank] of src. Every rank passes size() tensors of the output shape
     (values ignored off src). src defaults to group rank 0."""
     g = group_or_default(group)
     s = root_rank(g, src, group_src if (group_src is not None or src is not None) else 0, "src",
-              "scatter")
-    return apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors, op="scatter", group=g)[0]
+                  "scatter")
+    out = apply(lambda i: [_nn.scatter(list(i), s, g)], *tensors, op="scatter", group=g)[0]
+    return finish(out, async_op, "scatter")
 
 
 def reduce_scatter(input_list: Sequence[torch.Tensor], op: Any = "sum",
-                   group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+                   group: Optional[_core.ProcessGroup] = None, *,
+                   async_op: bool = False) -> Any:
     """y = reduce over members s of input_list[rank] of s (no output argument)."""
     g, o = group_or_default(group), reduce_op(op)
-    return apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list,
-                  op="reduce_scatter", group=g)[0]
+    out = apply(lambda i: [_nn.reduce_scatter(list(i), g, o)], *input_list,
+                op="reduce_scatter", group=g)[0]
+    return finish(out, async_op, "reduce_scatter")
 
 
 def reduce_scatter_single(tensor: torch.Tensor, op: Any = "sum",
-                          group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+                          group: Optional[_core.ProcessGroup] = None, *,
+                          async_op: bool = False) -> Any:
     """[size*R, ...] -> [R, ...] (torch's reduce_scatter_tensor)."""
     g, o = group_or_default(group), reduce_op(op)
-    return apply_one(lambda t: _nn.reduce_scatter_single(t, g, o), tensor,
-                  op="reduce_scatter_single", group=g)
+    out = apply_one(lambda t: _nn.reduce_scatter_single(t, g, o), tensor,
+                    op="reduce_scatter_single", group=g)
+    return finish(out, async_op, "reduce_scatter_single")
 
 
 def reduce_scatter_v(tensor: torch.Tensor, input_split_sizes: Sequence[int], op: Any = "sum",
-                     group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+                     group: Optional[_core.ProcessGroup] = None, *,
+                     async_op: bool = False) -> Any:
     """[sum(input_split_sizes), ...] -> [input_split_sizes[rank], ...]."""
     g, o = group_or_default(group), reduce_op(op)
     splits = split_sizes(input_split_sizes, "input_split_sizes", "reduce_scatter_v")
-    return apply_one(lambda t: _nn.reduce_scatter_v(t, splits, g, o), tensor,
-                  op="reduce_scatter_v", group=g)
+    out = apply_one(lambda t: _nn.reduce_scatter_v(t, splits, g, o), tensor,
+                    op="reduce_scatter_v", group=g)
+    return finish(out, async_op, "reduce_scatter_v")
 
 
 def all_to_all(input_tensor_list: Sequence[torch.Tensor],
-               group: Optional[_core.ProcessGroup] = None, *,
-               output_shapes: Optional[Sequence[Sequence[int]]] = None) -> Tuple[torch.Tensor, ...]:
+               group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+               output_shapes: Optional[Sequence[Sequence[int]]] = None) -> Any:
     """y[s] = input_tensor_list[rank] of member s. output_shapes[s]: shape of y[s]
     (default: the shape of input_tensor_list[s] here)."""
     g = group_or_default(group)
     shapes = [list(s) for s in output_shapes] if output_shapes is not None else []
-    return apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list,
-                  op="all_to_all", group=g)
+    out = apply(lambda i: list(_nn.all_to_all(list(i), g, shapes)), *input_tensor_list,
+                op="all_to_all", group=g)
+    return finish(out, async_op, "all_to_all")
 
 
 def all_to_all_single(input: torch.Tensor, output_split_sizes: Optional[Sequence[int]] = None,
                       input_split_sizes: Optional[Sequence[int]] = None,
-                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+                      group: Optional[_core.ProcessGroup] = None, *,
+                      async_op: bool = False) -> Any:
     """Rows routed by splits (None: even). Backward: splits swapped; dx has input's shape."""
     g = group_or_default(group)
     out = split_sizes(output_split_sizes, "output_split_sizes", "all_to_all_single")
     inp = split_sizes(input_split_sizes, "input_split_sizes", "all_to_all_single")
-    return apply_one(lambda t: _nn.all_to_all_single(t, out, inp, g), input,
-                  op="all_to_all_single", group=g)
+    out = apply_one(lambda t: _nn.all_to_all_single(t, out, inp, g), input,
+                    op="all_to_all_single", group=g)
+    return finish(out, async_op, "all_to_all_single")
 
 
 def copy_to_tp_region(tensor: torch.Tensor,
-                      group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+                      group: Optional[_core.ProcessGroup] = None, *,
+                      async_op: bool = False) -> Any:
     """Megatron's copy to the TP region: identity forward, all_reduce of the gradient."""
     g = group_or_default(group)
-    return apply_one(lambda t: _nn.copy_to_tp_region(t, g), tensor,
-                  op="copy_to_tp_region", group=g)
+    out = apply_one(lambda t: _nn.copy_to_tp_region(t, g), tensor,
+                    op="copy_to_tp_region", group=g)
+    return finish(out, async_op, "copy_to_tp_region")

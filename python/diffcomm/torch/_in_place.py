@@ -12,6 +12,7 @@ from .. import _core
 from .._core import InvalidArgument
 from ._args import group_or_default, op_site, reduce_op, root_rank
 from ._bridge import refused, to_diffcomm
+from ._work import finish
 
 
 def _in_place(name: str, tensor: torch.Tensor, g: _core.ProcessGroup) -> _core.Tensor:
@@ -51,24 +52,24 @@ def _bump_version(tensor: torch.Tensor) -> None:
 
 
 def all_reduce_(tensor: torch.Tensor, op: Any = "sum",
-                group: Optional[_core.ProcessGroup] = None) -> torch.Tensor:
+                group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False) -> Any:
     """In place: tensor = reduce over members of tensor, as torch.distributed.all_reduce;
     returns tensor. Not differentiable: InvalidArgument if tensor requires grad
     while grad mode is on. The same values, bit for bit, as all_reduce."""
     g, o = group_or_default(group), reduce_op(op)
     g.all_reduce_(_in_place("all_reduce_", tensor, g), o)
     _bump_version(tensor)
-    return tensor
+    return finish(tensor, async_op, "all_reduce_")
 
 
 def broadcast_(tensor: torch.Tensor, src: Optional[int] = None,
-               group: Optional[_core.ProcessGroup] = None, *,
-               group_src: Optional[int] = None) -> torch.Tensor:
+               group: Optional[_core.ProcessGroup] = None, *, async_op: bool = False,
+               group_src: Optional[int] = None) -> Any:
     """In place: tensor = src's tensor on every member, as torch.distributed.broadcast;
     returns tensor. Not differentiable (as all_reduce_)."""
     g = group_or_default(group)
     s = root_rank(g, src, group_src, "src", "broadcast_")
     g.broadcast_(_in_place("broadcast_", tensor, g), s)
     _bump_version(tensor)
-    return tensor
+    return finish(tensor, async_op, "broadcast_")
 
