@@ -42,7 +42,7 @@ nb::dlpack::dtype dl_from_dtype(dc::DType t);
 /// DLPack out: lends diffcomm's storage to the framework (zero-copy).
 template <class Framework>
 nb::ndarray<Framework> tensor_to_ndarray(const Tensor& t) {
-  if (!t.defined()) throw dc::InvalidArgument("diffcomm: cannot export an undefined tensor");
+  if (!t.defined()) dc::raise("diffcomm", "cannot export an undefined tensor");
   auto* keep = new Tensor(t.detach());
   nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
   std::vector<size_t> shape(t.shape().begin(), t.shape().end());

@@ -39,7 +39,7 @@ dc::dist::ReduceOp parse_reduce_op(const std::string& s) {
     const double f = std::strtod(factor.c_str(), &end);
     if (!factor.empty() && end != nullptr && *end == '\0') return R::premul_sum(f);
   }
-  throw dc::InvalidArgument("diffcomm: unknown reduce op '" + s +
+  dc::raise("diffcomm", std::string("unknown reduce op '") + s +
                             "' (sum, avg, product, min, max, premul_sum:<factor>)");
 }
 
@@ -136,7 +136,7 @@ void bind_dist(nb::module_& m) {
             const auto m = g.members();
             for (std::size_t i = 0; i < m.size(); ++i)
               if (m[i] == global) return static_cast<int>(i);
-            throw dc::InvalidArgument("diffcomm: global rank " + std::to_string(global) +
+            dc::raise("diffcomm", std::string("global rank ") + std::to_string(global) +
                                       " is not a member of group '" + g.name() + "'");
           },
           "global_rank"_a, "Group-local rank of a member given its global rank.")
@@ -328,7 +328,7 @@ void bind_backends(nb::module_& m) {
       [](nb::bytes id_bytes, int nranks, int rank, int device, uintptr_t stream) {
         ncclUniqueId id;
         if (id_bytes.size() != sizeof(id.internal))
-          throw dc::InvalidArgument("nccl.init_rank: the unique id must have 128 bytes");
+          dc::raise("nccl.init_rank", "the unique id must have 128 bytes");
         std::memcpy(id.internal, id_bytes.c_str(), sizeof(id.internal));
         dc::nccl::Options o;
         o.stream = reinterpret_cast<cudaStream_t>(stream);

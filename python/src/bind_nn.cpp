@@ -10,8 +10,8 @@ namespace {
 dc::nn::GatherGrad parse_gather_grad(const std::string& s) {
   if (s == "partial") return dc::nn::GatherGrad::Partial;
   if (s == "replicated") return dc::nn::GatherGrad::Replicated;
-  throw dc::InvalidArgument("diffcomm: unknown gather grad convention '" + s +
-                            "' (partial, replicated)");
+  dc::raise("diffcomm",
+            std::string("unknown gather grad convention '") + s + "' (partial, replicated)");
 }
 }  // namespace
 

@@ -39,7 +39,7 @@ dc::DType dtype_from_dl(const nb::dlpack::dtype& d) {
       d.code < std::size(kKinds)
           ? std::string(kKinds[d.code]) + (d.code == 6 ? "" : std::to_string(d.bits))
           : "DLPack code " + std::to_string(d.code) + ", " + std::to_string(d.bits) + " bits";
-  throw dc::InvalidArgument("diffcomm: unsupported tensor dtype " + name +
+  dc::raise("diffcomm", std::string("unsupported tensor dtype ") + name +
                             (d.lanes != 1 ? " x" + std::to_string(d.lanes) + " lanes" : "") +
                             "; supported: float64, float32, bfloat16, float16, int64, int32, "
                             "uint8");
@@ -63,7 +63,7 @@ nb::dlpack::dtype dl_from_dtype(dc::DType t) {
     case dc::DType::Int32: return make(C::Int, 32);
     case dc::DType::UInt8: return make(C::UInt, 8);
   }
-  throw dc::InvalidArgument("diffcomm: unknown dtype");
+  dc::raise("diffcomm", "unknown dtype");
 }
 
 /// Borrows a DLPack tensor (torch, numpy, ...) as a diffcomm Tensor sharing
@@ -97,10 +97,11 @@ Tensor tensor_from_dlpack(nb::ndarray<> a, bool requires_grad) {
         std::string strides;
         for (std::size_t i = 0; i < a.ndim(); ++i)
           strides += (i ? ", " : "") + std::to_string(a.stride(i));
-        throw dc::InvalidArgument(
-            "diffcomm: tensor of shape " + dc::shape_str(shape) + " with strides (" + strides +
-            ") is not contiguous; diffcomm borrows storage without copying and needs a dense "
-            "row-major tensor: call .contiguous() first");
+        dc::raise(
+            "diffcomm",
+            std::string("tensor of shape ") + dc::shape_str(shape) + " with strides (" + strides +
+                ") is not contiguous; diffcomm borrows storage without copying and needs a dense "
+                "row-major tensor: call .contiguous() first");
       }
       expected *= shape[k];
     }
@@ -111,12 +112,12 @@ Tensor tensor_from_dlpack(nb::ndarray<> a, bool requires_grad) {
   } else if (a.device_type() == nb::device::cuda::value) {
     device = dc::Device::cuda(a.device_id());
   } else {
-    throw dc::InvalidArgument("diffcomm: only CPU and CUDA tensors are supported (DLPack device " +
+    dc::raise("diffcomm", std::string("only CPU and CUDA tensors are supported (DLPack device ") +
                               std::to_string(a.device_type()) + ")");
   }
   const dc::DType dtype = dtype_from_dl(a.dtype());
   if (numel > 0 && a.data() == nullptr)  // torch's ZeroTensor: a shape and no memory
-    throw dc::InvalidArgument("diffcomm: tensor of shape " + dc::shape_str(shape) +
+    dc::raise("diffcomm", std::string("tensor of shape ") + dc::shape_str(shape) +
                               " has no memory (null data pointer, e.g. torch's "
                               "_efficientzerotensor); materialize it first (.clone())");
   auto keep = std::make_shared<nb::ndarray<>>(a);  // releases the producer's buffer last

@@ -120,17 +120,16 @@ class Engine {
   void add_roots(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots) {
     for (std::size_t i = 0; i < roots.size(); ++i) {
       const Tensor& r = roots[i];
-      if (!r.defined()) throw InvalidArgument(fmt::format("{}: root {} is undefined", who_, i));
+      if (!r.defined()) raise(who_, fmt::format("root {} is undefined", i));
       Edge e = gradient_edge(r);
       if (!e.valid())
-        throw InvalidArgument(fmt::format(
-            "{}: root {} ({}) does not require grad and has no grad_fn", who_, i, r.str()));
+        raise(who_,
+              fmt::format("root {} ({}) does not require grad and has no grad_fn", i, r.str()));
       Tensor g;
       if (grad_roots.empty()) {
         if (r.numel() != 1)
-          throw InvalidArgument(
-              fmt::format("{}: root {} ({}) has {} elements; pass its gradient explicitly", who_, i,
-                          r.str(), r.numel()));
+          raise(who_, fmt::format("root {} ({}) has {} elements; pass its gradient explicitly", i,
+                                  r.str(), r.numel()));
         g = ones(r.shape(), r.dtype(), r.device());
       } else {
         g = grad_roots[i].detach();
@@ -223,9 +222,9 @@ class Engine {
         continue;
       }
       if (buf[s].shape() != m.shape || buf[s].dtype() != m.dtype)
-        throw InvalidArgument(
-            fmt::format("{}: gradient for output {} of {} is {}, but that output is {}{}", who_, s,
-                        node->name(), buf[s].str(), dtype_name(m.dtype), shape_str(m.shape)));
+        raise(who_,
+              fmt::format("gradient for output {} of {} is {}, but that output is {}{}", s,
+                          node->name(), buf[s].str(), dtype_name(m.dtype), shape_str(m.shape)));
     }
   }
 
@@ -237,16 +236,17 @@ class Engine {
       return;
     }
     if (node->released())
-      throw InvalidArgument(fmt::format(
-          "{}: trying to backward through {} (sequence {}) a second time: its saved state was "
-          "freed by an earlier backward; pass retain_graph=true to the first one",
-          who_, node->name(), node->sequence_nr()));
+      raise(who_,
+            fmt::format(
+                "trying to backward through {} (sequence {}) a second time: its saved state was "
+                "freed by an earlier backward; pass retain_graph=true to the first one",
+                node->name(), node->sequence_nr()));
     std::vector<Tensor> grads_in = node->apply(std::move(buf));
     if (!retain_graph_) node->release();
     auto& edges = node->next_edges();
     if (grads_in.size() != edges.size())
-      throw InvalidArgument(fmt::format("{}: {} returned {} gradients for {} inputs", who_,
-                                        node->name(), grads_in.size(), edges.size()));
+      raise(who_, fmt::format("{} returned {} gradients for {} inputs", node->name(),
+                              grads_in.size(), edges.size()));
     for (std::size_t i = 0; i < edges.size(); ++i) {
       const Edge& e = edges[i];
       if (!e.valid()) continue;
@@ -268,8 +268,7 @@ std::vector<Tensor> run_engine(const std::vector<Tensor>& roots,
                                bool accumulate, const std::vector<Edge>& capture_edges) {
   const char* who = accumulate ? "backward" : "grad";
   if (!grad_roots.empty() && grad_roots.size() != roots.size())
-    throw InvalidArgument(
-        fmt::format("{}: {} roots but {} root gradients", who, roots.size(), grad_roots.size()));
+    raise(who, fmt::format("{} roots but {} root gradients", roots.size(), grad_roots.size()));
   Engine engine(who, retain_graph, accumulate);
   engine.add_roots(roots, grad_roots);
   engine.count_dependencies();
@@ -309,8 +308,8 @@ Node::~Node() {
 }
 
 void detail::throw_released(const std::string& name) {
-  throw InvalidArgument(fmt::format(
-      "backward: {} was already run and its saved state freed; pass retain_graph=true", name));
+  raise("backward",
+        fmt::format("{} was already run and its saved state freed; pass retain_graph=true", name));
 }
 
 Edge gradient_edge(const Tensor& t) {
@@ -339,8 +338,7 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
   metas.reserve(outputs.size());
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined())
-      throw InvalidArgument(
-          fmt::format("{}: forward returned an undefined output {}", node->name(), i));
+      raise(node->name(), fmt::format("forward returned an undefined output {}", i));
     // A fresh handle per output, so two outputs sharing data (or an output
     // that is an input's data) still get their own grad_fn slot. A handle
     // only this list holds (the usual new tensor from forward) is already
@@ -432,7 +430,7 @@ std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Ten
                          bool allow_unused) {
   std::vector<Edge> edges;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].defined()) throw InvalidArgument(fmt::format("grad: input {} is undefined", i));
+    if (!inputs[i].defined()) raise("grad", fmt::format("input {} is undefined", i));
     edges.push_back(gradient_edge(inputs[i]));
   }
   std::vector<Tensor> out =
@@ -440,9 +438,10 @@ std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Ten
   for (std::size_t i = 0; i < out.size(); ++i) {
     if (out[i].defined()) continue;
     if (!allow_unused)
-      throw InvalidArgument(fmt::format(
-          "grad: input {} ({}) is not reached from the roots (pass allow_unused=true for zeros)", i,
-          inputs[i].str()));
+      raise("grad",
+            fmt::format(
+                "input {} ({}) is not reached from the roots (pass allow_unused=true for zeros)", i,
+                inputs[i].str()));
     out[i] = zeros_like(inputs[i]);
   }
   return out;
@@ -492,12 +491,12 @@ double gradcheck_max_error(const std::function<Tensor(const std::vector<Tensor>&
 Tensor& Tensor::set_requires_grad(bool value) {
   if (!impl_) detail::throw_undefined_tensor();
   if (value && !is_floating(dtype()))
-    throw InvalidArgument(fmt::format(
-        "set_requires_grad: only floating-point tensors can require grad, got {}", str()));
+    raise("set_requires_grad",
+          fmt::format("only floating-point tensors can require grad, got {}", str()));
   if (!is_leaf())
-    throw InvalidArgument(
-        fmt::format("set_requires_grad: {} is not a leaf (it has grad_fn {}); detach() it first",
-                    str(), grad_fn()->name()));
+    raise("set_requires_grad",
+          fmt::format("{} is not a leaf (it has grad_fn {}); detach() it first", str(),
+                      grad_fn()->name()));
   impl_->requires_grad = value;
   return *this;
 }

@@ -19,16 +19,15 @@ namespace diffcomm {
 namespace {
 
 void check_same(const char* op, const Tensor& a, const Tensor& b) {
-  if (!a.defined() || !b.defined()) throw InvalidArgument(fmt::format("{}: undefined tensor", op));
+  if (!a.defined() || !b.defined()) raise(op, "undefined tensor");
   if (a.dtype() != b.dtype() || a.shape() != b.shape() || a.device() != b.device())
-    throw InvalidArgument(
-        fmt::format("{}: operands differ: {} vs {} (no broadcasting)", op, a.str(), b.str()));
+    raise(op, fmt::format("operands differ: {} vs {} (no broadcasting)", a.str(), b.str()));
 }
 
 void require_cpu(const char* op, const Tensor& t) {
   if (!t.device().is_cpu())
-    throw InvalidArgument(fmt::format("{}: {} is on {}; this op runs on CPU tensors only", op,
-                                      t.str(), t.device().str()));
+    raise(op,
+          fmt::format("{} is on {}; this op runs on CPU tensors only", t.str(), t.device().str()));
 }
 
 // out[i] = f(a[i], b[i]) computed in compute_t<T>.
@@ -259,8 +258,8 @@ void matmul_fixed_n(const T* __restrict pa, const T* __restrict pb, T* __restric
 
 Tensor raw_matmul(const Tensor& a, const Tensor& b) {
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(0) || a.dtype() != b.dtype())
-    throw InvalidArgument(
-        fmt::format("matmul: needs [m, k] x [k, n] of one dtype, got {} x {}", a.str(), b.str()));
+    raise("matmul",
+          fmt::format("needs [m, k] x [k, n] of one dtype, got {} x {}", a.str(), b.str()));
   require_cpu("matmul", a);
   require_cpu("matmul", b);
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
@@ -297,8 +296,7 @@ Tensor raw_matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor raw_transpose(const Tensor& x) {
-  if (x.dim() != 2)
-    throw InvalidArgument(fmt::format("transpose: needs a 2-d tensor, got {}", x.str()));
+  if (x.dim() != 2) raise("transpose", fmt::format("needs a 2-d tensor, got {}", x.str()));
   require_cpu("transpose", x);
   const int64_t r = x.size(0), c = x.size(1);
   Tensor out = empty({c, r}, x.dtype());
@@ -431,9 +429,9 @@ struct CatFn : Function<CatFn> {
   static constexpr const char* kName = "CatBackward";
   std::vector<int64_t> rows;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    if (in.empty()) throw InvalidArgument("cat: needs at least one tensor");
+    if (in.empty()) raise("cat", "needs at least one tensor");
     const Tensor& first = in[0];
-    if (first.dim() == 0) throw InvalidArgument("cat: cannot concatenate 0-d tensors along dim 0");
+    if (first.dim() == 0) raise("cat", "cannot concatenate 0-d tensors along dim 0");
     Shape trailing(first.shape().begin() + 1, first.shape().end());
     int64_t total = 0;
     for (std::size_t i = 0; i < in.size(); ++i) {
@@ -441,9 +439,11 @@ struct CatFn : Function<CatFn> {
       Shape tt(t.shape().begin() + std::min<std::ptrdiff_t>(1, t.dim()), t.shape().end());
       if (t.dim() == 0 || tt != trailing || t.dtype() != first.dtype() ||
           t.device() != first.device())
-        throw InvalidArgument(fmt::format(
-            "cat: tensor {} is {}, but tensor 0 is {} (trailing dims, dtype and device must agree)",
-            i, t.str(), first.str()));
+        raise(
+            "cat",
+            fmt::format(
+                "tensor {} is {}, but tensor 0 is {} (trailing dims, dtype and device must agree)",
+                i, t.str(), first.str()));
       rows.push_back(t.size(0));
       total += t.size(0);
     }
@@ -517,12 +517,12 @@ Tensor matmul(const Tensor& a, const Tensor& b) { return MatmulFn{}.apply({a, b}
 Tensor transpose(const Tensor& x) { return TransposeFn{}.apply({x})[0]; }
 Tensor cat(const std::vector<Tensor>& tensors) { return CatFn{}.apply(tensors)[0]; }
 Tensor narrow(const Tensor& x, int64_t start, int64_t length) {
-  if (!x.defined()) throw InvalidArgument("narrow: undefined tensor");
+  if (!x.defined()) raise("narrow", "undefined tensor");
   x.row_view(start, length);  // validates the range before recording anything
   return NarrowFn{{}, start, length, {}}.apply({x})[0];
 }
 Tensor reshape(const Tensor& x, const Shape& shape) {
-  if (!x.defined()) throw InvalidArgument("reshape: undefined tensor");
+  if (!x.defined()) raise("reshape", "undefined tensor");
   x.view_as_shape(shape);  // validates
   return ReshapeFn{{}, shape, {}}.apply({x})[0];
 }
@@ -546,7 +546,7 @@ Tensor to_dtype(const Tensor& x, DType dtype) {
 
 double max_abs_diff(const Tensor& a, const Tensor& b) {
   if (a.numel() != b.numel())
-    throw InvalidArgument(fmt::format("max_abs_diff: {} vs {} elements", a.numel(), b.numel()));
+    raise("max_abs_diff", fmt::format("{} vs {} elements", a.numel(), b.numel()));
   const auto va = a.to_vector(), vb = b.to_vector();
   double m = 0.0;
   for (std::size_t i = 0; i < va.size(); ++i) m = std::max(m, std::abs(va[i] - vb[i]));

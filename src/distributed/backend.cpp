@@ -25,9 +25,7 @@ void Backend::run(Call& c) {
     case OpType::Recv: return recv(c);
     case OpType::NewGroup: break;
   }
-  throw InvalidArgument(c.where() +
-                        ": Backend::run cannot run new_group (it returns a backend): "
-                        "call Backend::split");
+  raise(c.site(), "Backend::run cannot run new_group (it returns a backend): call Backend::split");
 }
 
 }  // namespace diffcomm::dist

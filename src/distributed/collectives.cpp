@@ -89,8 +89,8 @@ void stage_aliased_inputs(Call& c) {
   }
 }
 
-// Builds the Call and validates it; fail() raises InvalidArgument naming the
-// op, the group, the rank and the call number this call would take.
+// Builds the Call and validates it; a bad argument raises InvalidArgument at
+// site(): the op, the group, the backend and the rank of this call.
 class Checker {
  public:
   Checker(const ProcessGroup& g, OpType op) : g_(g) {
@@ -103,7 +103,6 @@ class Checker {
   int size() const { return call_.group_size; }
   int rank() const { return call_.rank; }
 
-  [[noreturn]] void fail(const std::string& what) const { throw InvalidArgument(site(), what); }
   // The call not yet numbered: op, group, backend, rank.
   ErrorSite site() const {
     ErrorSite s;
@@ -117,7 +116,7 @@ class Checker {
 
   // First tensor sets the call's dtype and device; later ones must agree.
   void tensor(const Tensor& t, const std::string& role) {
-    if (!t.defined()) fail(role + " is undefined");
+    if (!t.defined()) raise(site(), role + " is undefined");
     if (!have_first_) {
       have_first_ = true;
       call_.dtype = t.dtype();
@@ -125,16 +124,16 @@ class Checker {
       first_role_ = role;
       first_role_lit_ = nullptr;
       if (!g_.backend().supports(device_))
-        fail(fmt::format("{} is on {}, which the {} backend cannot communicate", role,
-                         device_.str(), g_.backend().backend_name()));
+        raise(site(), fmt::format("{} is on {}, which the {} backend cannot communicate", role,
+                                  device_.str(), g_.backend().backend_name()));
       return;
     }
     if (t.dtype() != call_.dtype)
-      fail(fmt::format("{} has dtype {} but {} has dtype {}", role, dtype_name(t.dtype()),
-                       first_role(), dtype_name(call_.dtype)));
+      raise(site(), fmt::format("{} has dtype {} but {} has dtype {}", role, dtype_name(t.dtype()),
+                                first_role(), dtype_name(call_.dtype)));
     if (t.device() != device_)
-      fail(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role(),
-                       device_.str()));
+      raise(site(), fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role(),
+                                device_.str()));
   }
   // The common call names its tensors with literals ("tensor", "input"):
   // the checks that pass need no std::string built per call.
@@ -170,22 +169,23 @@ class Checker {
   // per call; a message is formatted only when a check fails.
   void has_rows(const Tensor& t, std::string_view role) {
     if (t.dim() == 0)
-      fail(fmt::format("{} is 0-d; this op moves rows (dim 0), give it at least one dim", role));
+      raise(site(),
+            fmt::format("{} is 0-d; this op moves rows (dim 0), give it at least one dim", role));
   }
   void same_shape(const Tensor& t, const Shape& expected, std::string_view role) {
     if (t.shape() != expected)
-      fail(fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()),
-                       shape_str(expected)));
+      raise(site(), fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()),
+                                shape_str(expected)));
   }
   void list_size(const std::vector<Tensor>& ts, std::size_t expected, std::string_view role) {
     if (ts.size() != expected)
-      fail(fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(),
-                       expected));
+      raise(site(), fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(),
+                                expected));
   }
   void root(int r, const char* what) {
     if (r < 0 || r >= size())
-      fail(
-          fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
+      raise(site(), fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r,
+                                size()));
     call_.root = r;
   }
   // Entries per member, none negative, and the rows they add up to (rows of
@@ -194,22 +194,24 @@ class Checker {
   // list (even splits) is checked in O(1).
   void splits(const SplitList& s, std::string_view role, uint64_t row_bytes) {
     if (static_cast<int>(s.size()) != size())
-      fail(fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
+      raise(site(),
+            fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
     const uint64_t per_row = std::max<uint64_t>(row_bytes, 1);
     auto too_big = [&]() {
-      fail(fmt::format(
-          "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)", role,
-          fmt::join(s.to_vector(), "+"), row_bytes, kMaxTensorBytes));
+      raise(site(),
+            fmt::format(
+                "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)",
+                role, fmt::join(s.to_vector(), "+"), row_bytes, kMaxTensorBytes));
     };
     if (s.is_uniform()) {
       if (s.empty()) return;
-      if (s[0] < 0) fail(fmt::format("{}[0] = {} is negative", role, s[0]));
+      if (s[0] < 0) raise(site(), fmt::format("{}[0] = {} is negative", role, s[0]));
       if (static_cast<uint64_t>(s[0]) > kMaxTensorBytes / per_row / s.size()) too_big();
       return;
     }
     uint64_t rows = 0;
     for (std::size_t i = 0; i < s.size(); ++i) {
-      if (s[i] < 0) fail(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
+      if (s[i] < 0) raise(site(), fmt::format("{}[{}] = {} is negative", role, i, s[i]));
       const auto r = static_cast<uint64_t>(s[i]);
       if (r > kMaxTensorBytes || rows + r > kMaxTensorBytes / per_row) too_big();
       rows += r;
@@ -251,11 +253,12 @@ class Checker {
   void reduce_op(ReduceOp op) {
     // A Kind cast from an integer outside the enum (e.g. ReduceOp::Kind(9)).
     if (static_cast<unsigned>(op.kind()) > ReduceOp::PremulSum)
-      fail(fmt::format("reduce op kind {} is not one of sum, avg, product, min, max, premul_sum",
-                       static_cast<unsigned>(op.kind())));
+      raise(site(),
+            fmt::format("reduce op kind {} is not one of sum, avg, product, min, max, premul_sum",
+                        static_cast<unsigned>(op.kind())));
     if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(call_.dtype))
-      fail(fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
-                       dtype_name(call_.dtype)));
+      raise(site(), fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
+                                dtype_name(call_.dtype)));
     call_.reduce_op = op;
   }
   static Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
@@ -265,8 +268,8 @@ class Checker {
                      std::string_view ref_role) {
     const Shape &a = t.shape(), &b = ref.shape();
     if (!std::equal(a.begin() + 1, a.end(), b.begin() + 1, b.end()))
-      fail(fmt::format("{} has row shape {} but {} has row shape {}", role, shape_str(trailing(t)),
-                       ref_role, shape_str(trailing(ref))));
+      raise(site(), fmt::format("{} has row shape {} but {} has row shape {}", role,
+                                shape_str(trailing(t)), ref_role, shape_str(trailing(ref))));
   }
 
   // Numbers the call, accounts its bytes, applies the aliasing rule, records
@@ -347,8 +350,8 @@ class Checker {
 
 Splits even_splits(int64_t rows, int parts, const char* op) {
   if (parts <= 0 || rows % parts != 0)
-    throw InvalidArgument(fmt::format(
-        "{}: {} rows cannot be split evenly over {} ranks; pass explicit splits", op, rows, parts));
+    raise(op, fmt::format("{} rows cannot be split evenly over {} ranks; pass explicit splits",
+                          rows, parts));
   return Splits(static_cast<std::size_t>(parts), rows / parts);
 }
 
@@ -464,11 +467,12 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
   c.splits(output_splits, "output_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(output_splits) != output.size(0))
-    c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(output_splits),
-                       output.size(0)));
+    raise(c.site(), fmt::format("output_splits sum to {} but output has {} rows",
+                                split_sum(output_splits), output.size(0)));
   if (output_splits[static_cast<std::size_t>(c.rank())] != input.size(0))
-    c.fail(fmt::format("output_splits[{}] = {} but this rank's input has {} rows", c.rank(),
-                       output_splits[static_cast<std::size_t>(c.rank())], input.size(0)));
+    raise(c.site(),
+          fmt::format("output_splits[{}] = {} but this rank's input has {} rows", c.rank(),
+                      output_splits[static_cast<std::size_t>(c.rank())], input.size(0)));
   c.call().inputs = TensorList::borrow(input);
   c.call().outputs = TensorList::borrow(output);
   c.call().output_splits = output_splits;
@@ -488,8 +492,9 @@ void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const
       c.same_shape(outputs[i], input.shape(), Checker::Item{"outputs", i});
     }
   } else if (!outputs.empty()) {
-    c.fail(fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
-                       outputs.size()));
+    raise(c.site(),
+          fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
+                      outputs.size()));
   }
   c.call().inputs = TensorList::borrow(input);
   c.call().outputs = TensorList::borrow(outputs);
@@ -509,8 +514,8 @@ void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<
       c.same_shape(inputs[i], output.shape(), Checker::Item{"inputs", i});
     }
   } else if (!inputs.empty()) {
-    c.fail(fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
-                       inputs.size()));
+    raise(c.site(), fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
+                                inputs.size()));
   }
   c.call().inputs = TensorList::borrow(inputs);
   c.call().outputs = TensorList::borrow(output);
@@ -558,11 +563,12 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
   c.splits(input_splits, "input_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(input_splits) != input.size(0))
-    c.fail(fmt::format("input_splits sum to {} but input has {} rows", split_sum(input_splits),
-                       input.size(0)));
+    raise(c.site(), fmt::format("input_splits sum to {} but input has {} rows",
+                                split_sum(input_splits), input.size(0)));
   if (input_splits[static_cast<std::size_t>(c.rank())] != output.size(0))
-    c.fail(fmt::format("input_splits[{}] = {} but this rank's output has {} rows", c.rank(),
-                       input_splits[static_cast<std::size_t>(c.rank())], output.size(0)));
+    raise(c.site(),
+          fmt::format("input_splits[{}] = {} but this rank's output has {} rows", c.rank(),
+                      input_splits[static_cast<std::size_t>(c.rank())], output.size(0)));
   c.call().inputs = TensorList::borrow(input);
   c.call().outputs = TensorList::borrow(output);
   c.call().input_splits = input_splits;
@@ -598,7 +604,8 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   // the checker, so the message names the group and rank like every other.
   auto even = [&](const Tensor& t, const char* role) {
     if (t.size(0) % c.size() != 0)
-      c.fail(
+      raise(
+          c.site(),
           fmt::format("{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits",
                       role, t.size(0), c.size(), role));
     // Uniform: no N-entry vector per rank (see SplitList).
@@ -609,15 +616,15 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   c.splits(in, "input_splits", Checker::row_bytes(input));
   c.splits(out, "output_splits", Checker::row_bytes(input));
   if (split_sum(in) != input.size(0))
-    c.fail(
-        fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));
+    raise(c.site(), fmt::format("input_splits sum to {} but input has {} rows", split_sum(in),
+                                input.size(0)));
   if (split_sum(out) != output.size(0))
-    c.fail(fmt::format("output_splits sum to {} but output has {} rows", split_sum(out),
-                       output.size(0)));
+    raise(c.site(), fmt::format("output_splits sum to {} but output has {} rows", split_sum(out),
+                                output.size(0)));
   const auto me = static_cast<std::size_t>(c.rank());
   if (in[me] != out[me])
-    c.fail(fmt::format("input_splits[{}] = {} (rows kept) but output_splits[{}] = {}", me, in[me],
-                       me, out[me]));
+    raise(c.site(), fmt::format("input_splits[{}] = {} (rows kept) but output_splits[{}] = {}", me,
+                                in[me], me, out[me]));
   const uint64_t row_bytes = static_cast<uint64_t>(input.row_numel()) * element_size(input.dtype());
   const uint64_t sent = static_cast<uint64_t>(split_sum(in) - in[me]) * row_bytes;
   const uint64_t received = static_cast<uint64_t>(split_sum(out) - out[me]) * row_bytes;
@@ -632,7 +639,7 @@ void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag) {
   Checker c(group, OpType::Send);
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
-  if (dst == c.rank()) c.fail("dst is this rank; send to yourself would never match");
+  if (dst == c.rank()) raise(c.site(), "dst is this rank; send to yourself would never match");
   c.call().tag = tag;
   c.call().inputs = TensorList::borrow(tensor);
   c.dispatch(nbytes(tensor), 0);
@@ -642,7 +649,7 @@ void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag) {
   Checker c(group, OpType::Recv);
   c.tensor(tensor, "tensor");
   c.root(src, "src");
-  if (src == c.rank()) c.fail("src is this rank; recv from yourself would never match");
+  if (src == c.rank()) raise(c.site(), "src is this rank; recv from yourself would never match");
   c.call().tag = tag;
   c.call().outputs = TensorList::borrow(tensor);
   c.dispatch(0, nbytes(tensor));

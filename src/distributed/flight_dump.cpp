@@ -35,13 +35,13 @@ std::optional<std::array<int, 3>> as_range(const std::vector<int>& m) {
 OpType Reader::op(const std::string& name) const {
   for (int i = 0; i <= static_cast<int>(kLastOp); ++i)
     if (op_name(static_cast<OpType>(i)) == name) return static_cast<OpType>(i);
-  fail(fmt::format("unknown op '{}'", name));
+  raise(file, where + fmt::format("unknown op '{}'", name));
 }
 DType Reader::dtype(const std::string& name) const {
   try {
     return parse_dtype(name);
   } catch (const InvalidArgument&) {
-    fail(fmt::format("unknown dtype '{}'", name));
+    raise(file, where + fmt::format("unknown dtype '{}'", name));
   }
 }
 ReduceOp Reader::reduce(const std::string& name, double factor) const {
@@ -50,13 +50,13 @@ ReduceOp Reader::reduce(const std::string& name, double factor) const {
       const auto kind = static_cast<ReduceOp::Kind>(k);
       return kind == ReduceOp::PremulSum ? ReduceOp::premul_sum(factor) : ReduceOp(kind);
     }
-  fail(fmt::format("unknown reduce op '{}'", name));
+  raise(file, where + fmt::format("unknown reduce op '{}'", name));
 }
 FlightRecord::State Reader::state(const std::string& name) const {
   if (name == "issued") return FlightRecord::State::Issued;
   if (name == "completed") return FlightRecord::State::Completed;
   if (name == "failed") return FlightRecord::State::Failed;
-  fail(fmt::format("unknown state '{}'", name));
+  raise(file, where + fmt::format("unknown state '{}'", name));
 }
 
 json group_json(const DumpedGroup& g) {
@@ -76,7 +76,7 @@ DumpedGroup parse_group(const json& g, const Reader& rd) {
   if (g.contains("member_range")) {
     const auto r = rd.get<std::array<int, 3>>(g, "member_range");
     if (r[2] < 0 || r[2] > 1 << 20)
-      rd.fail(fmt::format("member_range count {} out of range", r[2]));
+      raise(rd.file, rd.where + fmt::format("member_range count {} out of range", r[2]));
     for (int i = 0; i < r[2]; ++i) d.group.members.push_back(r[0] + i * r[1]);
   } else {
     d.group.members = rd.get<std::vector<int>>(g, "members");
@@ -114,7 +114,7 @@ json desc_json(const FlightRecord& r) {
 }
 
 FlightRecord parse_desc(const json& e, const Reader& rd) {
-  if (!e.is_object()) rd.fail("is not an object");
+  if (!e.is_object()) raise(rd.file, rd.where + "is not an object");
   FlightRecord r;
   r.group = rd.get<std::string>(e, "group");
   r.group_rank = rd.get<int>(e, "group_rank");
@@ -161,7 +161,8 @@ FlightDump parse_v1(const json& doc, Reader& rd) {
   d.capacity = rd.get<std::size_t>(doc, "capacity");
   const json groups = rd.get<json>(doc, "groups");
   const json entries = rd.get<json>(doc, "entries");
-  if (!groups.is_array() || !entries.is_array()) rd.fail("'groups' and 'entries' must be arrays");
+  if (!groups.is_array() || !entries.is_array())
+    raise(rd.file, rd.where + "'groups' and 'entries' must be arrays");
   for (std::size_t i = 0; i < groups.size(); ++i) {
     rd.where = fmt::format("groups[{}]: ", i);
     d.groups.push_back(parse_group(groups[i], rd));
@@ -237,33 +238,31 @@ std::string write_flight_dump(const FlightDump& dump, const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec)
-    throw InvalidArgument(
-        fmt::format("flight recorder dump: cannot create directory '{}': {}", dir, ec.message()));
+    raise("flight recorder dump",
+          fmt::format("cannot create directory '{}': {}", dir, ec.message()));
   const fs::path path = fs::path(dir) / fmt::format("rank-{}.json", dump.rank);
   const fs::path tmp = fs::path(path).concat(".tmp");
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out << flight_dump_json(dump);
     out.flush();
-    if (!out)
-      throw InvalidArgument(fmt::format("flight recorder dump: cannot write '{}'", tmp.string()));
+    if (!out) raise("flight recorder dump", fmt::format("cannot write '{}'", tmp.string()));
   }
   fs::rename(tmp, path, ec);
   if (ec)
-    throw InvalidArgument(fmt::format("flight recorder dump: cannot rename '{}' to '{}': {}",
-                                      tmp.string(), path.string(), ec.message()));
+    raise("flight recorder dump",
+          fmt::format("cannot rename '{}' to '{}': {}", tmp.string(), path.string(), ec.message()));
   return path.string();
 }
 
 std::string read_dump_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) throw InvalidArgument(fmt::format("{}: cannot open", path));
+  if (!in) raise(path, "cannot open");
   // One read into a buffer of the file's size (a stream copy moved every
   // byte twice, a tenth of a replay at scale).
   std::string text(static_cast<std::size_t>(in.tellg()), '\0');
   in.seekg(0);
-  if (!in.read(text.data(), static_cast<std::streamsize>(text.size())))
-    throw InvalidArgument(fmt::format("{}: cannot read", path));
+  if (!in.read(text.data(), static_cast<std::streamsize>(text.size()))) raise(path, "cannot read");
   return text;
 }
 

@@ -27,9 +27,8 @@ int64_t to_ns(double s) { return std::llround(s * 1e9); }
 
 [[noreturn]] void syntax_error(const std::string& file, std::size_t offset, std::size_t size) {
   if (offset >= size)
-    throw InvalidArgument(
-        fmt::format("{}: byte offset {}: truncated (the file ends there)", file, size));
-  throw InvalidArgument(fmt::format("{}: byte offset {}: not valid JSON", file, offset));
+    raise(file, fmt::format("byte offset {}: truncated (the file ends there)", size));
+  raise(file, fmt::format("byte offset {}: not valid JSON", offset));
 }
 
 // Arrays and objects nested deeper than this are refused while parsing (a
@@ -43,8 +42,7 @@ json parse_nested_at_most(std::string_view text, const std::string& file, bool a
     const bool opens =
         event == json::parse_event_t::object_start || event == json::parse_event_t::array_start;
     if (opens && depth >= kMaxNesting)
-      throw InvalidArgument(
-          fmt::format("{}: arrays and objects nest deeper than {}", file, kMaxNesting));
+      raise(file, fmt::format("arrays and objects nest deeper than {}", kMaxNesting));
     return true;
   };
   return json::parse(text.begin(), text.end(), limit, allow_exceptions);
@@ -57,7 +55,7 @@ json parse_json(std::string_view text, const std::string& file) {
     // e.byte counts the characters read (1-based); the offset is 0-based.
     syntax_error(file, e.byte > 0 ? e.byte - 1 : 0, text.size());
   } catch (const json::exception&) {  // out_of_range 406: a number too large for a double
-    throw InvalidArgument(fmt::format("{}: a number is out of range", file));
+    raise(file, "a number is out of range");
   }
 }
 
@@ -111,10 +109,9 @@ CompactFlightDump::Row row_of(const int64_t (&v)[kColumns], std::size_t calls, c
                               std::size_t index) {
   if (v[0] < 0 || v[1] < 0 || static_cast<uint64_t>(v[1]) >= calls || v[2] < 0 || v[3] < 0 ||
       v[3] > 2 || v[4] < -1 || v[7] < 0 || v[8] < 0)
-    Reader{rd.file, fmt::format("entries[{}]: ", index)}.fail(
-        fmt::format("a value is out of range (call_index < {}, state 0..2, backward_call >= "
-                    "-1, others >= 0)",
-                    calls));
+    raise(rd.file, fmt::format("entries[{}]: a value is out of range (call_index < {}, state "
+                               "0..2, backward_call >= -1, others >= 0)",
+                               index, calls));
   CompactFlightDump::Row w;
   w.id = static_cast<uint64_t>(v[0]);
   w.call_index = static_cast<uint32_t>(v[1]);
@@ -133,10 +130,11 @@ void read_header(const json& doc, CompactFlightDump& c, Reader& rd) {
   c.world_size = rd.get<int>(doc, "world_size");
   c.capacity = rd.get<std::size_t>(doc, "capacity");
   if (rd.get<std::vector<std::string>>(doc, "columns") != kColumnNames)
-    rd.fail(fmt::format("'columns' must be [{}]", fmt::join(kColumnNames, ", ")));
+    raise(rd.file, rd.where + fmt::format("'columns' must be [{}]", fmt::join(kColumnNames, ", ")));
   const json groups = rd.get<json>(doc, "groups");
   const json calls = rd.get<json>(doc, "calls");
-  if (!groups.is_array() || !calls.is_array()) rd.fail("'groups' and 'calls' must be arrays");
+  if (!groups.is_array() || !calls.is_array())
+    raise(rd.file, rd.where + "'groups' and 'calls' must be arrays");
   for (std::size_t i = 0; i < groups.size(); ++i) {
     rd.where = fmt::format("groups[{}]: ", i);
     c.groups.push_back(dump_fields::parse_group(groups[i], rd));
@@ -189,11 +187,12 @@ void scan_rows(RowScanner& s, CompactFlightDump& c, Reader& rd) {
 // Version 2 through a JSON tree (a file another tool rewrote, say).
 void rows_from_tree(const json& doc, CompactFlightDump& c, Reader& rd) {
   const json entries = rd.get<json>(doc, "entries");
-  if (!entries.is_array()) rd.fail("'entries' must be an array");
+  if (!entries.is_array()) raise(rd.file, rd.where + "'entries' must be an array");
   for (std::size_t i = 0; i < entries.size(); ++i) {
     rd.where = fmt::format("entries[{}]: ", i);
     const auto a = rd.get<std::vector<int64_t>>(json{{"row", entries[i]}}, "row");
-    if (a.size() != kColumns) rd.fail(fmt::format("{} values, expected {}", a.size(), kColumns));
+    if (a.size() != kColumns)
+      raise(rd.file, rd.where + fmt::format("{} values, expected {}", a.size(), kColumns));
     int64_t v[kColumns];
     std::copy(a.begin(), a.end(), v);
     c.rows.push_back(row_of(v, c.calls.size(), rd, i));
@@ -203,12 +202,13 @@ void rows_from_tree(const json& doc, CompactFlightDump& c, Reader& rd) {
 
 void check_format(const json& doc, Reader& rd) {
   if (!doc.is_object() || doc.value("format", json()) != dump_fields::kFormat)
-    rd.fail(fmt::format("not a diffcomm flight recorder dump (no \"format\": \"{}\")",
-                        dump_fields::kFormat));
+    raise(rd.file,
+          rd.where + fmt::format("not a diffcomm flight recorder dump (no \"format\": \"{}\")",
+                                 dump_fields::kFormat));
   const int version = rd.get<int>(doc, "version");
   if (version != 1 && version != kFlightDumpVersion)
-    rd.fail(
-        fmt::format("format version {} (this build reads 1 and {})", version, kFlightDumpVersion));
+    raise(rd.file, rd.where + fmt::format("format version {} (this build reads 1 and {})", version,
+                                          kFlightDumpVersion));
 }
 
 // Version 2 as written: the header through a JSON tree, the rows scanned.
@@ -253,10 +253,11 @@ void check_numbering(const CompactFlightDump& d, const std::string& file) {
     uint64_t& next = least[sequence[w.call_index]];
     if (w.seq < next) {
       const FlightRecord& c = d.calls[w.call_index];
-      throw InvalidArgument(fmt::format(
-          "{}: entry {}: {} #{} on group '{}' comes after #{} there (a rank numbers its calls on "
-          "a group in the order it makes them: the dump is corrupt)",
-          file, i, op_name(c.op), w.seq, c.group, next - 1));
+      raise(file,
+            fmt::format(
+                "entry {}: {} #{} on group '{}' comes after #{} there (a rank numbers its calls on "
+                "a group in the order it makes them: the dump is corrupt)",
+                i, op_name(c.op), w.seq, c.group, next - 1));
     }
     next = w.seq == UINT64_MAX ? w.seq : w.seq + 1;
   }
@@ -285,15 +286,15 @@ void check_consistency(const CompactFlightDump& d, const std::string& file) {
     group_of.emplace(g.group.name, &g);
     const auto members = static_cast<int64_t>(g.group.members.size());
     if (g.group.group_rank < 0 || g.group.group_rank >= members)
-      throw InvalidArgument(
-          fmt::format("{}: groups[{}]: group_rank {} of group '{}' outside its {} "
-                      "members",
-                      file, k, g.group.group_rank, g.group.name, members));
+      raise(file, fmt::format("groups[{}]: group_rank {} of group '{}' outside its {} "
+                              "members",
+                              k, g.group.group_rank, g.group.name, members));
     if (g.watermark > g.group.calls || g.p2p_watermark > g.group.p2p_calls)
-      throw InvalidArgument(fmt::format(
-          "{}: groups[{}]: group '{}' has watermark {} / p2p_watermark {} above its calls {} / "
-          "p2p_calls {} (a watermark is an earliest recorded call number)",
-          file, k, g.group.name, g.watermark, g.p2p_watermark, g.group.calls, g.group.p2p_calls));
+      raise(file,
+            fmt::format(
+                "groups[{}]: group '{}' has watermark {} / p2p_watermark {} above its calls {} / "
+                "p2p_calls {} (a watermark is an earliest recorded call number)",
+                k, g.group.name, g.watermark, g.p2p_watermark, g.group.calls, g.group.p2p_calls));
   }
   std::vector<const DumpedGroup*> call_group(d.calls.size(), nullptr);
   for (std::size_t i = 0; i < d.calls.size(); ++i) {
@@ -302,21 +303,24 @@ void check_consistency(const CompactFlightDump& d, const std::string& file) {
     if (it != group_of.end()) {
       const RecordedGroup& g = it->second->group;
       if (c.group_size != static_cast<int>(g.members.size()) || c.group_rank != g.group_rank)
-        throw InvalidArgument(fmt::format(
-            "{}: calls[{}]: {} on group '{}' records group_rank {} of {}, but the group is rank "
-            "{} of {} members",
-            file, i, op_name(c.op), c.group, c.group_rank, c.group_size, g.group_rank,
-            g.members.size()));
+        raise(file,
+              fmt::format(
+                  "calls[{}]: {} on group '{}' records group_rank {} of {}, but the group is rank "
+                  "{} of {} members",
+                  i, op_name(c.op), c.group, c.group_rank, c.group_size, g.group_rank,
+                  g.members.size()));
       call_group[i] = it->second;
     }
     const std::vector<Shape>& shapes = c.input_shapes.empty() ? c.output_shapes : c.input_shapes;
     if (shapes.empty()) continue;  // no tensor (a barrier): nothing to count
     const int64_t n = elements(shapes[0]);
     if (n >= 0 && n != c.numel)
-      throw InvalidArgument(fmt::format(
-          "{}: calls[{}]: {} on group '{}' records numel {}, but its first {} shape [{}] holds {}",
-          file, i, op_name(c.op), c.group, c.numel, c.input_shapes.empty() ? "output" : "input",
-          fmt::join(shapes[0], ","), n));
+      raise(
+          file,
+          fmt::format(
+              "calls[{}]: {} on group '{}' records numel {}, but its first {} shape [{}] holds {}",
+              i, op_name(c.op), c.group, c.numel, c.input_shapes.empty() ? "output" : "input",
+              fmt::join(shapes[0], ","), n));
   }
   for (std::size_t i = 0; i < d.rows.size(); ++i) {
     const CompactFlightDump::Row& w = d.rows[i];
@@ -327,9 +331,10 @@ void check_consistency(const CompactFlightDump& d, const std::string& file) {
     const uint64_t lo = p2p ? g->p2p_watermark : g->watermark;
     const uint64_t hi = p2p ? g->group.p2p_calls : g->group.calls;
     if (w.seq < lo || w.seq >= hi)
-      throw InvalidArgument(fmt::format(
-          "{}: entry {}: {} #{} on group '{}' lies outside its group's recorded {} [{}, {})", file,
-          i, op_name(c.op), w.seq, c.group, p2p ? "send/recv numbers" : "call numbers", lo, hi));
+      raise(file,
+            fmt::format(
+                "entry {}: {} #{} on group '{}' lies outside its group's recorded {} [{}, {})", i,
+                op_name(c.op), w.seq, c.group, p2p ? "send/recv numbers" : "call numbers", lo, hi));
   }
 }
 

@@ -68,14 +68,12 @@ bool convert(const nlohmann::json& v, T& out) {
   }
 }
 
-/// Reading: every failure names the file and where (entry k, field f).
+/// Reading: every failure is raise(file, where + what), naming the file and
+/// where in it (entry k, field f).
 struct Reader {
   const std::string& file;
-  std::string where;
+  std::string where;  ///< "entries[3]: ", or "" at the top level
 
-  [[noreturn]] void fail(const std::string& what) const {
-    throw InvalidArgument(fmt::format("{}: {}{}", file, where, what));
-  }
   /// The field's value as T, checked: a number must be an integer inside
   /// T's range (nlohmann's own conversion casts 1e300 to an integer, which
   /// is undefined behaviour; fuzz_flight_dump found it), element by element
@@ -83,11 +81,11 @@ struct Reader {
   template <class T>
   T get(const nlohmann::json& obj, const char* field) const {
     auto it = obj.find(field);
-    if (it == obj.end()) fail(fmt::format("missing field '{}'", field));
+    if (it == obj.end()) raise(file, where + fmt::format("missing field '{}'", field));
     T out{};
     if (!convert(*it, out))
-      fail(fmt::format("field '{}' has the wrong type or is out of range ({})", field,
-                       it->type_name()));
+      raise(file, where + fmt::format("field '{}' has the wrong type or is out of range ({})",
+                                      field, it->type_name()));
     return out;
   }
   OpType op(const std::string& name) const;

@@ -170,12 +170,12 @@ std::string FlightRecorder::dump() const {
 
 std::string FlightRecorder::dump(const std::string& dir) const {
   if (!detailed_)
-    throw InvalidArgument(fmt::format(
-        "FlightRecorder::dump('{}'): this is a simulated world's recorder, which keeps no shapes, "
-        "splits, groups or global rank, so its dump could not be replayed; dump() without a "
-        "directory (str() in Python) gives its last {} calls as text (production recorders: MPI, "
-        "NCCL, the torch transport, write dumps)",
-        dir, kTextEntries));
+    raise(fmt::format("FlightRecorder::dump('{}')", dir),
+          fmt::format("this is a simulated world's recorder, which keeps no shapes, splits, groups "
+                      "or global rank, so its dump could not be replayed; dump() without a "
+                      "directory (str() in Python) gives its last {} calls as text (production "
+                      "recorders: MPI, NCCL, the torch transport, write dumps)",
+                      kTextEntries));
   return write_flight_dump(snapshot_flight_dump(*this), dir);
 }
 

@@ -33,7 +33,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Backend> backend, std::string name,
                            std::shared_ptr<Stats> stats, std::shared_ptr<FlightRecorder> recorder,
                            std::shared_ptr<Cohort> cohort)
     : state_(std::make_shared<State>()) {
-  if (!backend) throw InvalidArgument("ProcessGroup: null backend");
+  if (!backend) raise("ProcessGroup", "null backend");
   state_->backend = std::move(backend);
   state_->name = std::move(name);
   state_->stats = stats ? std::move(stats) : std::make_shared<Stats>();
@@ -117,16 +117,16 @@ ProcessGroup::CallSlot::~CallSlot() {
 
 int ProcessGroup::global_rank(int group_rank) const {
   if (group_rank < 0 || group_rank >= size())
-    throw InvalidArgument(fmt::format("global_rank: rank {} out of range for group '{}' of size {}",
-                                      group_rank, name(), size()));
+    raise("global_rank", fmt::format("rank {} out of range for group '{}' of size {}", group_rank,
+                                     name(), size()));
   return state_->backend->global_rank(group_rank);
 }
 
 int ProcessGroup::group_rank(int global) const {
   for (int r = 0; r < size(); ++r)
     if (state_->backend->global_rank(r) == global) return r;
-  throw InvalidArgument(fmt::format("group_rank: global rank {} is not a member of group '{}' ({})",
-                                    global, name(), fmt::join(members(), ",")));
+  raise("group_rank", fmt::format("global rank {} is not a member of group '{}' ({})", global,
+                                  name(), fmt::join(members(), ",")));
 }
 
 std::vector<int> ProcessGroup::members() const {

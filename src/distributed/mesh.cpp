@@ -21,14 +21,13 @@ DeviceMesh::DeviceMesh(ProcessGroup world, Dims dims)
   std::set<std::string> names;
   for (const auto& [n, s] : dims_) {
     if (n.empty() || !names.insert(n).second)
-      throw InvalidArgument(
-          fmt::format("DeviceMesh: empty or repeated dim name in {}", dims_str(dims_)));
-    if (s < 1) throw InvalidArgument(fmt::format("DeviceMesh: dim '{}' has size {} (< 1)", n, s));
+      raise("DeviceMesh", fmt::format("empty or repeated dim name in {}", dims_str(dims_)));
+    if (s < 1) raise("DeviceMesh", fmt::format("dim '{}' has size {} (< 1)", n, s));
     product *= s;
   }
   if (product != world_.size())
-    throw InvalidArgument(fmt::format("DeviceMesh: dims {} hold {} ranks but group '{}' has {}",
-                                      dims_str(dims_), product, world_.name(), world_.size()));
+    raise("DeviceMesh", fmt::format("dims {} hold {} ranks but group '{}' has {}", dims_str(dims_),
+                                    product, world_.name(), world_.size()));
   int r = world_.rank();
   coords_.assign(dims_.size(), 0);
   for (std::size_t i = dims_.size(); i-- > 0;) {
@@ -41,8 +40,7 @@ DeviceMesh::DeviceMesh(ProcessGroup world, Dims dims)
 std::size_t DeviceMesh::index_of(const std::string& dim) const {
   for (std::size_t i = 0; i < dims_.size(); ++i)
     if (dims_[i].first == dim) return i;
-  throw InvalidArgument(
-      fmt::format("DeviceMesh: unknown dim '{}' (mesh {})", dim, dims_str(dims_)));
+  raise("DeviceMesh", fmt::format("unknown dim '{}' (mesh {})", dim, dims_str(dims_)));
 }
 
 int DeviceMesh::size(const std::string& dim) const { return dims_[index_of(dim)].second; }
@@ -56,13 +54,13 @@ const ProcessGroup& DeviceMesh::group(const std::string& dim) const {
 
 int DeviceMesh::rank_of(const std::vector<int>& coords) const {
   if (coords.size() != dims_.size())
-    throw InvalidArgument(fmt::format("DeviceMesh::rank_of: {} coordinates for {} dims",
-                                      coords.size(), dims_.size()));
+    raise("DeviceMesh::rank_of",
+          fmt::format("{} coordinates for {} dims", coords.size(), dims_.size()));
   int r = 0;
   for (std::size_t i = 0; i < dims_.size(); ++i) {
     if (coords[i] < 0 || coords[i] >= dims_[i].second)
-      throw InvalidArgument(fmt::format("DeviceMesh::rank_of: coordinate {} out of range for '{}'",
-                                        coords[i], dims_[i].first));
+      raise("DeviceMesh::rank_of",
+            fmt::format("coordinate {} out of range for '{}'", coords[i], dims_[i].first));
     r = r * dims_[i].second + coords[i];
   }
   return r;
@@ -71,12 +69,12 @@ int DeviceMesh::rank_of(const std::vector<int>& coords) const {
 ProcessGroup DeviceMesh::group(const std::vector<std::string>& dims) {
   auto it = groups_.find(dims);
   if (it != groups_.end()) return it->second;
-  if (dims.empty()) throw InvalidArgument("DeviceMesh::group: no dims given");
+  if (dims.empty()) raise("DeviceMesh::group", "no dims given");
   std::vector<std::size_t> in;
   std::vector<bool> selected(dims_.size(), false);
   for (const auto& d : dims) {
     const std::size_t i = index_of(d);
-    if (selected[i]) throw InvalidArgument(fmt::format("DeviceMesh::group: dim '{}' repeated", d));
+    if (selected[i]) raise("DeviceMesh::group", fmt::format("dim '{}' repeated", d));
     selected[i] = true;
     in.push_back(i);
   }
@@ -109,7 +107,7 @@ ProcessGroup DeviceMesh::group(const std::vector<std::string>& dims) {
   for (std::size_t i : in) fingerprint.push_back(-1 - static_cast<int64_t>(i));
   std::string name = fmt::format("{}{{{}}}", fmt::join(dims, "*"), fmt::join(members, ","));
   auto g = world_.split(color, key, fingerprint, name);
-  if (!g) throw InvalidArgument("DeviceMesh::group: backend returned no group for a member");
+  if (!g) raise("DeviceMesh::group", "backend returned no group for a member");
   groups_.emplace(dims, *g);
   return *g;
 }

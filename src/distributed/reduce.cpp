@@ -81,16 +81,15 @@ void check_cpu_operands(const Tensor* outs, std::size_t n_outs, const std::vecto
   const Tensor& out = outs[0];
   for (const auto& t : inputs)
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || !t.device().is_cpu())
-      throw InvalidArgument(
-          fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
+      raise("reduce_into", fmt::format("input {} does not match output {}", t.str(), out.str()));
   for (std::size_t j = 1; j < n_outs; ++j)
     if (outs[j].dtype() != out.dtype() || outs[j].numel() != out.numel() ||
         !outs[j].device().is_cpu())
-      throw InvalidArgument(
-          fmt::format("reduce_into: output {} does not match output {}", outs[j].str(), out.str()));
+      raise("reduce_into",
+            fmt::format("output {} does not match output {}", outs[j].str(), out.str()));
   if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
-    throw InvalidArgument(fmt::format("reduce_into: {} is undefined for {}", reduce_op_name(op),
-                                      dtype_name(out.dtype())));
+    raise("reduce_into",
+          fmt::format("{} is undefined for {}", reduce_op_name(op), dtype_name(out.dtype())));
 }
 
 // The CPU rule for element type T (computed in C = compute_t<T>).
@@ -246,17 +245,16 @@ void reduce_cpu(const Tensor* outs, std::size_t n_outs, const std::vector<Tensor
 }  // namespace
 
 void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp op) {
-  if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
+  if (inputs.empty()) raise("reduce_into", "no inputs");
   if (out.device().is_cuda()) {
     // The same per-element rule on the device (src/tensor/cuda/reduce_semantics.hpp),
     // on the caller's current stream.
     for (const auto& t : inputs)
       if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
-        throw InvalidArgument(
-            fmt::format("reduce_into: input {} does not match output {}", t.str(), out.str()));
+        raise("reduce_into", fmt::format("input {} does not match output {}", t.str(), out.str()));
     if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(out.dtype()))
-      throw InvalidArgument(fmt::format("reduce_into_device: {} is undefined for {}",
-                                        reduce_op_name(op), dtype_name(out.dtype())));
+      raise("reduce_into_device",
+            fmt::format("{} is undefined for {}", reduce_op_name(op), dtype_name(out.dtype())));
     detail::reduce_into_device(out, inputs, static_cast<int>(op.kind()), op.factor(),
                                cuda::current_stream(out.device().index));
     return;
@@ -265,12 +263,12 @@ void reduce_into(const Tensor& out, const std::vector<Tensor>& inputs, ReduceOp 
 }
 
 void reduce_into(const std::vector<Tensor>& outs, const std::vector<Tensor>& inputs, ReduceOp op) {
-  if (inputs.empty()) throw InvalidArgument("reduce_into: no inputs");
-  if (outs.empty()) throw InvalidArgument("reduce_into: no outputs");
+  if (inputs.empty()) raise("reduce_into", "no inputs");
+  if (outs.empty()) raise("reduce_into", "no outputs");
   for (const auto& t : outs)
     if (!t.device().is_cpu())
-      throw InvalidArgument(fmt::format(
-          "reduce_into: output {} is not a CPU tensor (one output on devices)", t.str()));
+      raise("reduce_into",
+            fmt::format("output {} is not a CPU tensor (one output on devices)", t.str()));
   reduce_cpu(outs.data(), outs.size(), inputs, op);
 }
 

@@ -11,7 +11,7 @@ namespace diffcomm::dist {
 
 ReduceOp ReduceOp::premul_sum(double factor) {
   if (!std::isfinite(factor))
-    throw InvalidArgument(fmt::format("ReduceOp::premul_sum: factor {} is not finite", factor));
+    raise("ReduceOp::premul_sum", fmt::format("factor {} is not finite", factor));
   ReduceOp op(PremulSum);
   op.factor_ = factor;
   return op;

@@ -68,9 +68,6 @@ std::vector<std::string> split_line(std::string_view line) {
 }  // namespace
 
 std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::string& source) {
-  auto fail = [&](std::size_t lineno, const std::string& what) -> InvalidArgument {
-    return InvalidArgument(fmt::format("load_image_sizes: '{}' line {}: {}", source, lineno, what));
-  };
   std::size_t lineno = 0, at = 0;
   auto next_line = [&](std::string_view& line) {
     if (at >= text.size()) return false;
@@ -84,24 +81,26 @@ std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::strin
   };
   std::string_view line;
   if (!next_line(line) || line.empty())
-    throw InvalidArgument(fmt::format(
-        "load_image_sizes: '{}' has no header line (expected image_id,width,height)", source));
+    raise("load_image_sizes",
+          fmt::format("'{}' has no header line (expected image_id,width,height)", source));
   if (line.substr(0, 3) == "\xEF\xBB\xBF") line.remove_prefix(3);  // UTF-8 byte order mark
   std::vector<std::string> header;
   try {
     header = split_line(line);
   } catch (const std::invalid_argument& e) {
-    throw fail(lineno, fmt::format("header: {}", e.what()));
+    raise("load_image_sizes", fmt::format("'{}' line {}: header: {}", source, lineno, e.what()));
   }
   auto column = [&](const char* name, bool required) -> std::optional<std::size_t> {
     const auto n = std::count(header.begin(), header.end(), name);
     if (n > 1)
-      throw fail(lineno, fmt::format("column '{}' appears {} times in the header", name, n));
+      raise("load_image_sizes",
+            fmt::format("'{}' line {}: column '{}' appears {} times in the header", source, lineno,
+                        name, n));
     const auto it = std::find(header.begin(), header.end(), name);
     if (it != header.end()) return static_cast<std::size_t>(it - header.begin());
     if (required)
-      throw InvalidArgument(fmt::format("load_image_sizes: '{}' has no column '{}' (header: {})",
-                                        source, name, line));
+      raise("load_image_sizes",
+            fmt::format("'{}' has no column '{}' (header: {})", source, name, line));
     return std::nullopt;
   };
   const std::size_t ci = *column("image_id", true), cw = *column("width", true),
@@ -116,16 +115,18 @@ std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::strin
     try {
       cells = split_line(line);
     } catch (const std::invalid_argument& e) {
-      throw fail(lineno, e.what());
+      raise("load_image_sizes", fmt::format("'{}' line {}: {}", source, lineno, e.what()));
     }
     if (cells.size() < needed)
-      throw fail(lineno, fmt::format("{} cells, the header needs at least {} ('{}')", cells.size(),
-                                     needed, line));
+      raise("load_image_sizes",
+            fmt::format("'{}' line {}: {} cells, the header needs at least {} ('{}')", source,
+                        lineno, cells.size(), needed, line));
     auto cell = [&](std::size_t c, int64_t lo, int64_t hi) {
       try {
         return parse_integer(cells[c], lo, hi);
       } catch (const std::invalid_argument& e) {
-        throw fail(lineno, fmt::format("column {} ({}): {}", c + 1, header[c], e.what()));
+        raise("load_image_sizes", fmt::format("'{}' line {}: column {} ({}): {}", source, lineno,
+                                              c + 1, header[c], e.what()));
       }
     };
     ImageSize s;
@@ -141,10 +142,9 @@ std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::strin
 std::vector<ImageSize> load_image_sizes(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
-    throw InvalidArgument(
-        fmt::format("load_image_sizes: '{}' is a directory, not a CSV file", path));
+    raise("load_image_sizes", fmt::format("'{}' is a directory, not a CSV file", path));
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument(fmt::format("load_image_sizes: cannot open '{}'", path));
+  if (!in) raise("load_image_sizes", fmt::format("cannot open '{}'", path));
   // Read in chunks up to a cap, so a path that never ends (/dev/zero, a
   // character device, a runaway pipe) is an error, not an unbounded allocation.
   std::string text;
@@ -153,12 +153,12 @@ std::vector<ImageSize> load_image_sizes(const std::string& path) {
     in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
     const auto got = static_cast<std::size_t>(in.gcount());
     if (text.size() + got > kMaxImageSizesBytes)
-      throw InvalidArgument(fmt::format(
-          "load_image_sizes: '{}' is larger than {} bytes (expected a CSV of image sizes)", path,
-          kMaxImageSizesBytes));
+      raise("load_image_sizes",
+            fmt::format("'{}' is larger than {} bytes (expected a CSV of image sizes)", path,
+                        kMaxImageSizesBytes));
     text.append(chunk.data(), got);
   }
-  if (in.bad()) throw InvalidArgument(fmt::format("load_image_sizes: cannot read '{}'", path));
+  if (in.bad()) raise("load_image_sizes", fmt::format("cannot read '{}'", path));
   return parse_image_sizes(text, path);
 }
 
@@ -189,13 +189,13 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
   if (dp < 1 || o.samples < 0 || o.images_per_sample < 0 || o.text_min < 0 ||
       o.text_max < o.text_min || o.text_max > kMaxOption || o.seq_multiple < 1 ||
       o.seq_multiple > kMaxOption)
-    throw InvalidArgument(fmt::format(
-        "build_batches: dp {} samples {} images_per_sample {} text [{}, {}] seq_multiple {} "
-        "(need dp >= 1, non-negative counts, text_min <= text_max <= 2^40, "
-        "1 <= seq_multiple <= 2^40)",
-        dp, o.samples, o.images_per_sample, o.text_min, o.text_max, o.seq_multiple));
+    raise("build_batches",
+          fmt::format("dp {} samples {} images_per_sample {} text [{}, {}] seq_multiple {} "
+                      "(need dp >= 1, non-negative counts, text_min <= text_max <= 2^40, "
+                      "1 <= seq_multiple <= 2^40)",
+                      dp, o.samples, o.images_per_sample, o.text_min, o.text_max, o.seq_multiple));
   if (images.empty() && o.images_per_sample > 0 && o.samples > 0)
-    throw InvalidArgument("build_batches: no images to draw from");
+    raise("build_batches", "no images to draw from");
   Generator gen(o.seed);
   std::vector<std::size_t> order(images.size());
   std::iota(order.begin(), order.end(), 0);
@@ -208,9 +208,6 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
   };
   o.model.validate();
   constexpr int64_t kMaxSeqLen = int64_t{1} << 62;
-  auto too_long = [] {
-    return InvalidArgument("build_batches: a sample is longer than 2^62 tokens");
-  };
   std::vector<Batch> out(static_cast<std::size_t>(dp));
   for (auto& batch : out)
     for (int s = 0; s < o.samples; ++s) {
@@ -223,12 +220,12 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
         try {
           layout = video_layout(o.model, im.frames, im.height, im.width);
         } catch (const InvalidArgument& e) {
-          throw InvalidArgument(fmt::format("build_batches: image {} ({}x{}, {} frame(s)): {}",
-                                            im.image_id, im.height, im.width, im.frames, e.what()));
+          raise("build_batches", fmt::format("image {} ({}x{}, {} frame(s)): {}", im.image_id,
+                                             im.height, im.width, im.frames, e.what()));
         }
         int64_t end = 0;
         if (__builtin_add_overflow(pos, layout.block_tokens, &end) || end > kMaxSeqLen)
-          throw too_long();
+          raise("build_batches", "a sample is longer than 2^62 tokens");
         // One span per group: an image or an untimestamped video is one group
         // at offset 0 filling its block; a Qwen3-VL video is one per temporal
         // group, its separator tokens text inside the block.
@@ -243,7 +240,7 @@ std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
         pos = end;
       }
       pos += text();
-      if (pos > kMaxSeqLen) throw too_long();
+      if (pos > kMaxSeqLen) raise("build_batches", "a sample is longer than 2^62 tokens");
       sample.seq_len = (pos + o.seq_multiple - 1) / o.seq_multiple * o.seq_multiple;
       batch.samples.push_back(std::move(sample));
     }

@@ -12,8 +12,8 @@ namespace diffcomm::encoder_parallel {
 
 FeatureExchangeMode select_feature_exchange(const MeshContext& mesh) {
   if (mesh.cp_size < 1 || mesh.tp_size < 1)
-    throw InvalidArgument(fmt::format("select_feature_exchange: cp {} and tp {} must be >= 1",
-                                      mesh.cp_size, mesh.tp_size));
+    raise("select_feature_exchange",
+          fmt::format("cp {} and tp {} must be >= 1", mesh.cp_size, mesh.tp_size));
   if (mesh.cp_size > 1) return FeatureExchangeMode::ParentVariableA2A;
   if (mesh.tp_size == 1) return FeatureExchangeMode::Local;
   return mesh.sequence_parallel ? FeatureExchangeMode::TpVariableA2A

@@ -15,10 +15,6 @@
 namespace diffcomm::encoder_parallel {
 namespace {
 
-[[noreturn]] void fail(const std::string& what) {
-  throw InvalidArgument("route_features: " + what);
-}
-
 // Forward: identity. Backward: zeros. Marks a TP replica's copy of received
 // rows whose gradient must not be counted again (ReplicatedOverTp).
 struct ReplicaCopyFn : Function<ReplicaCopyFn> {
@@ -138,20 +134,23 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   try {
     plan.validate();
   } catch (const InvalidArgument& e) {
-    fail(e.what());
+    raise("route_features", e.what());
   }
   const int n = group.size();
   const int ecp = plan.encoder.encoder_cp;
   if (mode != plan.mode)
-    fail(fmt::format("mode {} differs from the plan's {}", mode_name(mode), mode_name(plan.mode)));
+    raise("route_features",
+          fmt::format("mode {} differs from the plan's {}", mode_name(mode), mode_name(plan.mode)));
   if (n != plan.encoder.buckets * ecp || n != plan.exchange_size)
-    fail(fmt::format("exchange group '{}' has {} ranks but buckets x encoder_cp = {} x {} = {}",
-                     group.name(), n, plan.encoder.buckets, ecp, plan.encoder.buckets * ecp));
+    raise("route_features",
+          fmt::format("exchange group '{}' has {} ranks but buckets x encoder_cp = {} x {} = {}",
+                      group.name(), n, plan.encoder.buckets, ecp, plan.encoder.buckets * ecp));
   if (exchange_rank != group.rank())
-    fail(fmt::format("exchange_rank {} is not this rank's rank {} in group '{}'", exchange_rank,
-                     group.rank(), group.name()));
+    raise("route_features", fmt::format("exchange_rank {} is not this rank's rank {} in group '{}'",
+                                        exchange_rank, group.rank(), group.name()));
   if (!prototype.defined() || prototype.dim() != 2)
-    fail(fmt::format("prototype must be a 2-d [n, hidden] tensor, got {}", prototype.str()));
+    raise("route_features",
+          fmt::format("prototype must be a 2-d [n, hidden] tensor, got {}", prototype.str()));
   const int64_t hidden = prototype.size(1);
 
   // This rank's records must be exactly its bucket, in bucket order.
@@ -160,19 +159,22 @@ RoutedFeatures route_features(FeatureExchangeMode mode,
   const std::vector<int64_t>& mine =
       producer ? plan.buckets[static_cast<std::size_t>(exchange_rank / ecp)] : none;
   if (producer_records.size() != mine.size())
-    fail(fmt::format("exchange rank {} holds {} records but the plan gives it {} items",
-                     exchange_rank, producer_records.size(), mine.size()));
+    raise("route_features",
+          fmt::format("exchange rank {} holds {} records but the plan gives it {} items",
+                      exchange_rank, producer_records.size(), mine.size()));
   for (std::size_t k = 0; k < mine.size(); ++k) {
     const EncoderFeature& f = producer_records[k];
     const EncoderWorkItem& want = plan.items[static_cast<std::size_t>(mine[k])];
     if (!(f.item == want))
-      fail(
+      raise(
+          "route_features",
           fmt::format("record {} on exchange rank {} is item {} but the plan expects item {} there",
                       k, exchange_rank, f.item.item_id, want.item_id));
     if (!f.rows.defined() || f.rows.dim() != 2 || f.rows.size(0) != want.output_rows ||
         f.rows.size(1) != hidden || f.rows.dtype() != prototype.dtype())
-      fail(fmt::format("record of item {} has rows {}, expected {}[{}, {}]", want.item_id,
-                       f.rows.str(), dtype_name(prototype.dtype()), want.output_rows, hidden));
+      raise("route_features",
+            fmt::format("record of item {} has rows {}, expected {}[{}, {}]", want.item_id,
+                        f.rows.str(), dtype_name(prototype.dtype()), want.output_rows, hidden));
   }
   RoutedFeatures out;
   if (mode == FeatureExchangeMode::Local) {
@@ -210,19 +212,18 @@ std::vector<EncoderFeature> unpack_records(const Tensor& rows,
   int64_t total = 0;
   for (const auto& it : received_items) {
     if (it.output_rows < 0)
-      throw InvalidArgument(fmt::format("unpack_records: item {} has negative output_rows {}",
-                                        it.item_id, it.output_rows));
+      raise("unpack_records",
+            fmt::format("item {} has negative output_rows {}", it.item_id, it.output_rows));
     if (__builtin_add_overflow(total, it.output_rows, &total))
-      throw InvalidArgument(fmt::format("unpack_records: the {} items' output_rows exceed 2^63",
-                                        received_items.size()));
+      raise("unpack_records",
+            fmt::format("the {} items' output_rows exceed 2^63", received_items.size()));
   }
   if (!rows.defined() || rows.dim() != 2)
-    throw InvalidArgument(
-        fmt::format("unpack_records: rows must be [n, hidden], got {}", rows.str()));
+    raise("unpack_records", fmt::format("rows must be [n, hidden], got {}", rows.str()));
   if (rows.size(0) != total)
-    throw InvalidArgument(fmt::format(
-        "unpack_records: rows has {} rows but the plan's {} received items total {} rows",
-        rows.size(0), received_items.size(), total));
+    raise("unpack_records",
+          fmt::format("rows has {} rows but the plan's {} received items total {} rows",
+                      rows.size(0), received_items.size(), total));
   std::vector<int64_t> lengths;
   lengths.reserve(received_items.size());
   for (const auto& it : received_items) lengths.push_back(it.output_rows);
@@ -240,15 +241,15 @@ std::vector<EncoderFeature> unpack_records(const Tensor& rows,
 
 std::vector<Tensor> split_rows(const Tensor& rows, const std::vector<int64_t>& lengths) {
   if (!rows.defined() || rows.dim() < 1)
-    throw InvalidArgument(fmt::format("split_rows: needs a tensor of rows, got {}",
-                                      rows.defined() ? rows.str() : "an undefined tensor"));
+    raise("split_rows", fmt::format("needs a tensor of rows, got {}",
+                                    rows.defined() ? rows.str() : "an undefined tensor"));
   int64_t total = 0;
   for (int64_t n : lengths)
     if (n < 0 || __builtin_add_overflow(total, n, &total))
-      throw InvalidArgument(fmt::format("split_rows: bad block length {}", n));
+      raise("split_rows", fmt::format("bad block length {}", n));
   if (total != rows.size(0))
-    throw InvalidArgument(fmt::format("split_rows: blocks total {} rows but {} has {}", total,
-                                      rows.str(), rows.size(0)));
+    raise("split_rows",
+          fmt::format("blocks total {} rows but {} has {}", total, rows.str(), rows.size(0)));
   if (lengths.empty()) return {};
   return SplitRowsFn{{}, lengths}.apply({rows});
 }

@@ -66,8 +66,8 @@ struct MergeFn : Function<MergeFn> {
 Tensor merge_into_decoder(const Tensor& base, const std::vector<EncoderFeature>& records,
                           const ShardLayout& layout, const Tensor& anchor) {
   if (!base.defined() || base.dim() != 2 || base.size(0) != layout.rows())
-    throw InvalidArgument(fmt::format("merge_into_decoder: base is {}, expected [{}, hidden]",
-                                      base.str(), layout.rows()));
+    raise("merge_into_decoder",
+          fmt::format("base is {}, expected [{}, hidden]", base.str(), layout.rows()));
   MergeFn fn;
   std::vector<Tensor> inputs{base};
   // Group shard ranges by sample once.
@@ -75,9 +75,9 @@ Tensor merge_into_decoder(const Tensor& base, const std::vector<EncoderFeature>&
     const EncoderFeature& f = records[k];
     if (!f.rows.defined() || f.rows.dim() != 2 || f.rows.size(1) != base.size(1) ||
         f.rows.dtype() != base.dtype() || f.rows.size(0) != f.item.output_rows)
-      throw InvalidArgument(fmt::format(
-          "merge_into_decoder: record of item {} has rows {}, expected {}[{}, {}]", f.item.item_id,
-          f.rows.str(), dtype_name(base.dtype()), f.item.output_rows, base.size(1)));
+      raise("merge_into_decoder",
+            fmt::format("record of item {} has rows {}, expected {}[{}, {}]", f.item.item_id,
+                        f.rows.str(), dtype_name(base.dtype()), f.item.output_rows, base.size(1)));
     inputs.push_back(f.rows);
     fn.record_shapes.push_back(f.rows.shape());
     const int64_t lo = f.item.decoder_token_start, hi = lo + f.item.output_rows;

@@ -14,10 +14,6 @@ constexpr int64_t kMaxExchangeSize = int64_t{1} << 24;
 
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 
-InvalidArgument plan_error(const std::string& what) {
-  return InvalidArgument("ExchangePlan: " + what);
-}
-
 std::string span_text(const EncoderWorkItem& it) {
   return fmt::format("[{}, {})", it.decoder_token_start, it.decoder_token_start + it.output_rows);
 }
@@ -38,10 +34,12 @@ void check_no_overlap(const ExchangePlan& plan, int64_t sample, std::vector<int6
     const EncoderWorkItem& prev = items[static_cast<std::size_t>(ids[k - 1])];
     const EncoderWorkItem& next = items[static_cast<std::size_t>(ids[k])];
     if (next.decoder_token_start < prev.decoder_token_start + prev.output_rows)
-      throw plan_error(fmt::format(
-          "item {} (tokens {}) and item {} (tokens {}) of sample {} overlap; an image's tokens "
-          "must belong to one item",
-          prev.item_id, span_text(prev), next.item_id, span_text(next), sample));
+      raise(
+          "ExchangePlan",
+          fmt::format(
+              "item {} (tokens {}) and item {} (tokens {}) of sample {} overlap; an image's tokens "
+              "must belong to one item",
+              prev.item_id, span_text(prev), next.item_id, span_text(next), sample));
   }
 }
 
@@ -60,10 +58,12 @@ void check_owners_reached(const ExchangePlan& plan, int64_t sample, const std::v
         if (std::max(lo, b) < std::min(hi, e))
           mine.push_back(fmt::format("[{}, {})", std::max(lo, b), std::min(hi, e)));
       if (!mine.empty() && !std::binary_search(dst.begin(), dst.end(), r))
-        throw plan_error(fmt::format(
-            "item {} (sample {}, tokens {}) has destinations [{}] but leaves out exchange rank "
-            "{}, which owns tokens {} of it",
-            id, sample, span_text(it), fmt::join(dst, ","), r, fmt::join(mine, " ")));
+        raise(
+            "ExchangePlan",
+            fmt::format(
+                "item {} (sample {}, tokens {}) has destinations [{}] but leaves out exchange rank "
+                "{}, which owns tokens {} of it",
+                id, sample, span_text(it), fmt::join(dst, ","), r, fmt::join(mine, " ")));
     }
   }
 }
@@ -95,22 +95,22 @@ std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const Dec
                                                       int cp_rank, int tp_rank) {
   if (mesh.cp < 1 || mesh.tp < 1 || cp_rank < 0 || cp_rank >= mesh.cp || tp_rank < 0 ||
       tp_rank >= mesh.tp)
-    throw InvalidArgument(fmt::format("owned_ranges: rank (cp {}, tp {}) outside mesh cp {} tp {}",
-                                      cp_rank, tp_rank, mesh.cp, mesh.tp));
+    raise("owned_ranges", fmt::format("rank (cp {}, tp {}) outside mesh cp {} tp {}", cp_rank,
+                                      tp_rank, mesh.cp, mesh.tp));
   const int64_t cp = mesh.cp;
   std::vector<std::pair<int64_t, int64_t>> local;
   if (mesh.layout == CpLayout::Contiguous) {
     if (seq_len % cp != 0)
-      throw InvalidArgument(
-          fmt::format("owned_ranges: sequence length {} is not divisible by cp {} (contiguous CP)",
-                      seq_len, cp));
+      raise(
+          "owned_ranges",
+          fmt::format("sequence length {} is not divisible by cp {} (contiguous CP)", seq_len, cp));
     const int64_t per = seq_len / cp;
     local.push_back({cp_rank * per, (cp_rank + 1) * per});
   } else {
     if (seq_len % (2 * cp) != 0)
-      throw InvalidArgument(
-          fmt::format("owned_ranges: sequence length {} is not divisible by 2*cp = {} (zigzag CP)",
-                      seq_len, 2 * cp));
+      raise("owned_ranges",
+            fmt::format("sequence length {} is not divisible by 2*cp = {} (zigzag CP)", seq_len,
+                        2 * cp));
     const int64_t chunk = seq_len / (2 * cp);
     local.push_back({cp_rank * chunk, (cp_rank + 1) * chunk});
     local.push_back({(2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk});
@@ -119,9 +119,9 @@ std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const Dec
   int64_t local_len = 0;
   for (auto& r : local) local_len += r.second - r.first;
   if (local_len % mesh.tp != 0)
-    throw InvalidArgument(fmt::format(
-        "owned_ranges: a CP rank's {} tokens (sequence length {}) are not divisible by tp {} (SP)",
-        local_len, seq_len, mesh.tp));
+    raise("owned_ranges",
+          fmt::format("a CP rank's {} tokens (sequence length {}) are not divisible by tp {} (SP)",
+                      local_len, seq_len, mesh.tp));
   const int64_t part = local_len / mesh.tp;
   // Walk the local sequence and keep positions [t*part, (t+1)*part).
   const int64_t want_begin = tp_rank * part, want_end = want_begin + part;
@@ -138,8 +138,8 @@ std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const Dec
 
 std::pair<int, int> ExchangePlan::coordinates(int exchange_rank) const {
   if (exchange_rank < 0 || exchange_rank >= exchange_size)
-    throw InvalidArgument(fmt::format("ExchangePlan: exchange rank {} outside [0, {})",
-                                      exchange_rank, exchange_size));
+    raise("ExchangePlan",
+          fmt::format("exchange rank {} outside [0, {})", exchange_rank, exchange_size));
   if (mode == FeatureExchangeMode::ParentVariableA2A)
     return {exchange_rank / decoder.tp, exchange_rank % decoder.tp};
   return {0, exchange_rank};
@@ -148,8 +148,8 @@ std::pair<int, int> ExchangePlan::coordinates(int exchange_rank) const {
 std::vector<std::pair<int64_t, int64_t>> ExchangePlan::owned(int64_t batch_index,
                                                              int exchange_rank) const {
   if (batch_index < 0 || batch_index >= static_cast<int64_t>(seq_lens.size()))
-    throw InvalidArgument(fmt::format("ExchangePlan: sample {} outside the batch of {}",
-                                      batch_index, seq_lens.size()));
+    raise("ExchangePlan",
+          fmt::format("sample {} outside the batch of {}", batch_index, seq_lens.size()));
   const auto [c, t] = coordinates(exchange_rank);
   return owned_ranges(seq_lens[static_cast<std::size_t>(batch_index)], decoder, c, t);
 }
@@ -161,20 +161,20 @@ namespace {
 void plan_sizes(ExchangePlan& plan, const DecoderMesh& decoder, const EncoderLayout& encoder) {
   const int64_t exchange_size = decoder.exchange_size();
   if (exchange_size > kMaxExchangeSize)
-    throw InvalidArgument(
-        fmt::format("plan_exchange: an exchange group of {} ranks (cp {} x tp "
-                    "{}) is larger than {}",
-                    exchange_size, decoder.cp, decoder.tp, kMaxExchangeSize));
+    raise("plan_exchange", fmt::format("an exchange group of {} ranks (cp {} x tp "
+                                       "{}) is larger than {}",
+                                       exchange_size, decoder.cp, decoder.tp, kMaxExchangeSize));
   plan.exchange_size = static_cast<int>(exchange_size);
   if (encoder.buckets < 1 || encoder.encoder_cp < 1)
-    throw InvalidArgument(fmt::format("plan_exchange: buckets {} and encoder_cp {} must be >= 1",
-                                      encoder.buckets, encoder.encoder_cp));
+    raise("plan_exchange", fmt::format("buckets {} and encoder_cp {} must be >= 1", encoder.buckets,
+                                       encoder.encoder_cp));
   if (int64_t{encoder.buckets} * encoder.encoder_cp != plan.exchange_size)
-    throw InvalidArgument(fmt::format(
-        "plan_exchange: buckets x encoder_cp = {} x {} = {} but the {} exchange group has {} "
-        "ranks (cp {} x tp {})",
-        encoder.buckets, encoder.encoder_cp, int64_t{encoder.buckets} * encoder.encoder_cp,
-        mode_name(plan.mode), plan.exchange_size, decoder.cp, decoder.tp));
+    raise("plan_exchange",
+          fmt::format("buckets x encoder_cp = {} x {} = {} but the {} exchange group has {} "
+                      "ranks (cp {} x tp {})",
+                      encoder.buckets, encoder.encoder_cp,
+                      int64_t{encoder.buckets} * encoder.encoder_cp, mode_name(plan.mode),
+                      plan.exchange_size, decoder.cp, decoder.tp));
 }
 
 // One item per image, its span validated against its sample, and every
@@ -182,8 +182,7 @@ void plan_sizes(ExchangePlan& plan, const DecoderMesh& decoder, const EncoderLay
 void plan_items(ExchangePlan& plan, const Batch& batch, const DecoderMesh& decoder) {
   for (std::size_t b = 0; b < batch.samples.size(); ++b) {
     const Sample& s = batch.samples[b];
-    if (s.seq_len < 0)
-      throw InvalidArgument(fmt::format("plan_exchange: sample {} has negative length", b));
+    if (s.seq_len < 0) raise("plan_exchange", fmt::format("sample {} has negative length", b));
     plan.seq_lens.push_back(s.seq_len);
     for (int r = 0; r < plan.exchange_size; ++r)
       owned_ranges(s.seq_len, decoder, plan.coordinates(r).first, plan.coordinates(r).second);
@@ -191,10 +190,10 @@ void plan_items(ExchangePlan& plan, const Batch& batch, const DecoderMesh& decod
     for (const ImageSpan& im : s.images) {
       if (im.token_start < 0 || im.tokens < 0 || im.patches < 0 || im.token_start > s.seq_len ||
           im.tokens > s.seq_len - im.token_start)
-        throw InvalidArgument(fmt::format(
-            "plan_exchange: sample {} image at tokens [{}, {}) (patches {}) is outside the "
-            "sequence of {} tokens",
-            b, im.token_start, im.token_start + im.tokens, im.patches, s.seq_len));
+        raise("plan_exchange",
+              fmt::format("sample {} image at tokens [{}, {}) (patches {}) is outside the "
+                          "sequence of {} tokens",
+                          b, im.token_start, im.token_start + im.tokens, im.patches, s.seq_len));
       spans.push_back({im.token_start, im.token_start + im.tokens});
       EncoderWorkItem item;
       item.item_id = static_cast<int64_t>(plan.items.size());
@@ -207,10 +206,10 @@ void plan_items(ExchangePlan& plan, const Batch& batch, const DecoderMesh& decod
     std::sort(spans.begin(), spans.end());
     for (std::size_t i = 1; i < spans.size(); ++i)
       if (spans[i].first < spans[i - 1].second)
-        throw InvalidArgument(fmt::format(
-            "plan_exchange: sample {} has overlapping images at "
-            "tokens [{}, {}) and [{}, {})",
-            b, spans[i - 1].first, spans[i - 1].second, spans[i].first, spans[i].second));
+        raise("plan_exchange", fmt::format("sample {} has overlapping images at "
+                                           "tokens [{}, {}) and [{}, {})",
+                                           b, spans[i - 1].first, spans[i - 1].second,
+                                           spans[i].first, spans[i].second));
   }
 }
 
@@ -275,91 +274,99 @@ ExchangePlan plan_exchange(const Batch& batch, const DecoderMesh& decoder,
 }
 
 void ExchangePlan::validate() const {
-  auto bad = [](const std::string& what) { return InvalidArgument("ExchangePlan: " + what); };
   if (decoder.cp < 1 || decoder.tp < 1)
-    throw bad(fmt::format("decoder cp {} and tp {} must be >= 1", decoder.cp, decoder.tp));
+    raise("ExchangePlan",
+          fmt::format("decoder cp {} and tp {} must be >= 1", decoder.cp, decoder.tp));
   if (decoder.layout != CpLayout::Contiguous && decoder.layout != CpLayout::Zigzag)
-    throw bad(fmt::format("decoder layout {} is not a CpLayout", static_cast<int>(decoder.layout)));
+    raise("ExchangePlan",
+          fmt::format("decoder layout {} is not a CpLayout", static_cast<int>(decoder.layout)));
   const FeatureExchangeMode want = select_feature_exchange(decoder.context(0, 0));
   if (mode != want)
-    throw bad(fmt::format("mode {} but the decoder mesh (cp {}, tp {}, sp {}) needs {}",
-                          mode_name(mode), decoder.cp, decoder.tp, decoder.sp, mode_name(want)));
+    raise("ExchangePlan",
+          fmt::format("mode {} but the decoder mesh (cp {}, tp {}, sp {}) needs {}",
+                      mode_name(mode), decoder.cp, decoder.tp, decoder.sp, mode_name(want)));
   const int64_t group = decoder.exchange_size();  // mode == want: the mode's group
   if (group > kMaxExchangeSize)
-    throw bad(
-        fmt::format("an exchange group of {} ranks is larger than {}", group, kMaxExchangeSize));
+    raise("ExchangePlan",
+          fmt::format("an exchange group of {} ranks is larger than {}", group, kMaxExchangeSize));
   if (exchange_size != group)
-    throw bad(fmt::format("exchange_size {} but the {} exchange group has {} ranks", exchange_size,
-                          mode_name(mode), group));
+    raise("ExchangePlan", fmt::format("exchange_size {} but the {} exchange group has {} ranks",
+                                      exchange_size, mode_name(mode), group));
   if (encoder.buckets < 1 || encoder.encoder_cp < 1 ||
       int64_t{encoder.buckets} * encoder.encoder_cp != exchange_size)
-    throw bad(
-        fmt::format("buckets x encoder_cp = {} x {} must be >= 1 each and equal "
-                    "exchange_size {}",
-                    encoder.buckets, encoder.encoder_cp, exchange_size));
+    raise("ExchangePlan", fmt::format("buckets x encoder_cp = {} x {} must be >= 1 each and equal "
+                                      "exchange_size {}",
+                                      encoder.buckets, encoder.encoder_cp, exchange_size));
   for (std::size_t b = 0; b < seq_lens.size(); ++b) {
-    if (seq_lens[b] < 0) throw bad(fmt::format("seq_lens[{}] = {} is negative", b, seq_lens[b]));
+    if (seq_lens[b] < 0)
+      raise("ExchangePlan", fmt::format("seq_lens[{}] = {} is negative", b, seq_lens[b]));
     try {
       for (int r = 0; r < exchange_size; ++r)
         owned_ranges(seq_lens[b], decoder, coordinates(r).first, coordinates(r).second);
     } catch (const InvalidArgument& e) {
-      throw bad(fmt::format("seq_lens[{}]: {}", b, e.what()));
+      raise("ExchangePlan", fmt::format("seq_lens[{}]: {}", b, e.what()));
     }
   }
   const std::size_t n = items.size();
   for (std::size_t i = 0; i < n; ++i) {
     const EncoderWorkItem& it = items[i];
     if (it.item_id != static_cast<int64_t>(i))
-      throw bad(
-          fmt::format("items[{}].item_id is {}; plans are keyed by position, so item ids "
-                      "must be 0..{} in order",
-                      i, it.item_id, n - 1));
+      raise("ExchangePlan",
+            fmt::format("items[{}].item_id is {}; plans are keyed by position, so item ids "
+                        "must be 0..{} in order",
+                        i, it.item_id, n - 1));
     if (it.batch_index < 0 || it.batch_index >= static_cast<int64_t>(seq_lens.size()))
-      throw bad(fmt::format("item {} has batch_index {} outside the {} sample(s) of seq_lens", i,
-                            it.batch_index, seq_lens.size()));
+      raise("ExchangePlan",
+            fmt::format("item {} has batch_index {} outside the {} sample(s) of seq_lens", i,
+                        it.batch_index, seq_lens.size()));
     const int64_t len = seq_lens[static_cast<std::size_t>(it.batch_index)];
     if (it.input_rows < 0 || it.output_rows < 0)
-      throw bad(fmt::format("item {} has input_rows {} and output_rows {} (need >= 0)", i,
-                            it.input_rows, it.output_rows));
+      raise("ExchangePlan", fmt::format("item {} has input_rows {} and output_rows {} (need >= 0)",
+                                        i, it.input_rows, it.output_rows));
     if (it.decoder_token_start < 0 || it.decoder_token_start > len ||
         it.output_rows > len - it.decoder_token_start)
-      throw bad(fmt::format("item {} spans tokens [{}, {} + {}) outside sample {} of {} tokens", i,
-                            it.decoder_token_start, it.decoder_token_start, it.output_rows,
-                            it.batch_index, len));
+      raise("ExchangePlan",
+            fmt::format("item {} spans tokens [{}, {} + {}) outside sample {} of {} tokens", i,
+                        it.decoder_token_start, it.decoder_token_start, it.output_rows,
+                        it.batch_index, len));
   }
   if (buckets.size() != static_cast<std::size_t>(encoder.buckets))
-    throw bad(
-        fmt::format("{} bucket lists for encoder.buckets = {}", buckets.size(), encoder.buckets));
+    raise("ExchangePlan",
+          fmt::format("{} bucket lists for encoder.buckets = {}", buckets.size(), encoder.buckets));
   if (bucket_of.size() != n)
-    throw bad(fmt::format("bucket_of has {} entries for {} items", bucket_of.size(), n));
+    raise("ExchangePlan",
+          fmt::format("bucket_of has {} entries for {} items", bucket_of.size(), n));
   std::vector<int> seen(n, 0);
   for (std::size_t b = 0; b < buckets.size(); ++b) {
     int64_t rows = 0;
     for (int64_t id : buckets[b]) {
       if (id < 0 || id >= static_cast<int64_t>(n))
-        throw bad(fmt::format("bucket {} lists item {} outside [0, {})", b, id, n));
+        raise("ExchangePlan", fmt::format("bucket {} lists item {} outside [0, {})", b, id, n));
       const auto k = static_cast<std::size_t>(id);
-      if (seen[k]++) throw bad(fmt::format("item {} appears more than once in the buckets", id));
+      if (seen[k]++)
+        raise("ExchangePlan", fmt::format("item {} appears more than once in the buckets", id));
       if (bucket_of[k] != static_cast<int>(b))
-        throw bad(
-            fmt::format("item {} is in bucket {} but bucket_of[{}] = {}", id, b, id, bucket_of[k]));
+        raise("ExchangePlan", fmt::format("item {} is in bucket {} but bucket_of[{}] = {}", id, b,
+                                          id, bucket_of[k]));
       if (__builtin_add_overflow(rows, items[k].output_rows, &rows))
-        throw bad(fmt::format("the rows of bucket {} exceed 2^63", b));
+        raise("ExchangePlan", fmt::format("the rows of bucket {} exceed 2^63", b));
     }
   }
   for (std::size_t i = 0; i < n; ++i)
-    if (!seen[i]) throw bad(fmt::format("item {} is in no bucket", i));
+    if (!seen[i]) raise("ExchangePlan", fmt::format("item {} is in no bucket", i));
   if (destinations.size() != n)
-    throw bad(fmt::format("destinations has {} lists for {} items", destinations.size(), n));
+    raise("ExchangePlan",
+          fmt::format("destinations has {} lists for {} items", destinations.size(), n));
   for (std::size_t i = 0; i < n; ++i) {
     const auto& d = destinations[i];
     for (std::size_t k = 0; k < d.size(); ++k) {
       if (d[k] < 0 || d[k] >= exchange_size)
-        throw bad(
-            fmt::format("item {} has destination {} outside [0, {})", i, d[k], exchange_size));
+        raise("ExchangePlan",
+              fmt::format("item {} has destination {} outside [0, {})", i, d[k], exchange_size));
       if (k > 0 && d[k] <= d[k - 1])
-        throw bad(fmt::format("destinations of item {} are not ascending and distinct: [{}]", i,
-                              fmt::join(d, ",")));
+        raise("ExchangePlan",
+              fmt::format("destinations of item {} are not ascending and distinct: [{}]", i,
+                          fmt::join(d, ",")));
     }
   }
   check_samples(*this);
@@ -458,12 +465,12 @@ uint64_t owner_minimum_rows(const ExchangePlan& plan) {
 
 PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
   validate();
-  if (hidden < 0) throw InvalidArgument(fmt::format("ExchangePlan::stats: hidden {} < 0", hidden));
+  if (hidden < 0) raise("ExchangePlan::stats", fmt::format("hidden {} < 0", hidden));
   PlanStats st;
   const auto n = static_cast<std::size_t>(exchange_size);
   uint64_t row_bytes = 0;
   if (__builtin_mul_overflow(static_cast<uint64_t>(hidden), element_size(dtype), &row_bytes))
-    throw InvalidArgument(fmt::format("ExchangePlan::stats: hidden {} overflows a row", hidden));
+    raise("ExchangePlan::stats", fmt::format("hidden {} overflows a row", hidden));
   // Every byte count below is at most (n^2 + n) * total rows * row_bytes.
   uint64_t total_rows = 0, bound = 0;
   bool overflow = false;
@@ -473,9 +480,8 @@ PlanStats ExchangePlan::stats(int64_t hidden, DType dtype) const {
   if (overflow || __builtin_mul_overflow(total_rows, row_bytes, &bound) ||
       __builtin_mul_overflow(bound, static_cast<uint64_t>(n) * (n + 1), &bound) ||
       bound > static_cast<uint64_t>(INT64_MAX))
-    throw InvalidArgument(
-        fmt::format("ExchangePlan::stats: {} rows of {} bytes over {} ranks exceed 2^63 bytes",
-                    total_rows, row_bytes, n));
+    raise("ExchangePlan::stats", fmt::format("{} rows of {} bytes over {} ranks exceed 2^63 bytes",
+                                             total_rows, row_bytes, n));
   std::map<std::pair<int, int>, int64_t> rows;  // (src, dst) -> rows, as route_features sends
   for (int b = 0; b < encoder.buckets; ++b) {
     const int src = producer(b);

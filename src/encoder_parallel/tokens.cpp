@@ -105,18 +105,17 @@ VisionModel vision_model(std::string_view name) {
   if (name == "qwen2vl") return qwen2vl_model();
   if (name == "qwen2.5vl") return qwen25vl_model();
   if (name == "qwen3vl") return qwen3vl_model();
-  throw InvalidArgument(fmt::format("vision_model: unknown model '{}' (known: {})", name,
-                                    fmt::join(vision_model_names(), ", ")));
+  raise("vision_model",
+        fmt::format("unknown model '{}' (known: {})", name, fmt::join(vision_model_names(), ", ")));
 }
 
 namespace {
 // Both resize rules accept sides in [1, kMaxImageSide].
 void check_sides(int64_t height, int64_t width) {
   if (height < 1 || width < 1 || height > kMaxImageSide || width > kMaxImageSide)
-    throw InvalidArgument(
-        fmt::format("smart_resize: size {}x{} (height x width) must be in [1, "
-                    "2^40] on each side",
-                    height, width));
+    raise("smart_resize", fmt::format("size {}x{} (height x width) must be in [1, "
+                                      "2^40] on each side",
+                                      height, width));
 }
 }  // namespace
 
@@ -125,8 +124,8 @@ ResizedImage smart_resize(const VisionModel& model, int64_t height, int64_t widt
   check_sides(height, width);
   // Integer form of max/min > 200: exact, unlike the division.
   if (std::max(height, width) > kMaxAspectRatio * std::min(height, width))
-    throw InvalidArgument(fmt::format("smart_resize: aspect ratio of {}x{} exceeds {}", height,
-                                      width, kMaxAspectRatio));
+    raise("smart_resize",
+          fmt::format("aspect ratio of {}x{} exceeds {}", height, width, kMaxAspectRatio));
   const int64_t f = model.factor();
   const double h = static_cast<double>(height), w = static_cast<double>(width);
   const long double area = static_cast<long double>(height) * static_cast<long double>(width);
@@ -155,8 +154,8 @@ ResizedImage clip_resize(const VisionModel& model, int64_t frames, int64_t heigh
     // ratio far above 200 (refused below); this keeps the casts defined.
     constexpr double kTwo53 = 9007199254740992.0;
     if (hs > kTwo53 || ws > kTwo53)
-      throw InvalidArgument(fmt::format("smart_resize: aspect ratio of {}x{} exceeds {}", height,
-                                        width, kMaxAspectRatio));
+      raise("smart_resize",
+            fmt::format("aspect ratio of {}x{} exceeds {}", height, width, kMaxAspectRatio));
     height = static_cast<int64_t>(hs);
     width = static_cast<int64_t>(ws);
   }
@@ -165,8 +164,8 @@ ResizedImage clip_resize(const VisionModel& model, int64_t frames, int64_t heigh
   // than half an ulp).
   if (height < 1 || width < 1 ||
       std::max(height, width) > kMaxAspectRatio * std::min(height, width))
-    throw InvalidArgument(fmt::format("smart_resize: aspect ratio of {}x{} exceeds {}", height,
-                                      width, kMaxAspectRatio));
+    raise("smart_resize",
+          fmt::format("aspect ratio of {}x{} exceeds {}", height, width, kMaxAspectRatio));
   const int64_t tf = model.temporal_patch_size;
   const double h = static_cast<double>(height), w = static_cast<double>(width);
   const long double volume = static_cast<long double>(frames) * static_cast<long double>(height) *
@@ -184,7 +183,7 @@ int64_t integer_digits(double t) {
   char buf[64];
   const int n = std::snprintf(buf, sizeof buf, "%.1f", t);
   if (n < 3 || static_cast<std::size_t>(n) >= sizeof buf)
-    throw InvalidArgument(fmt::format("video_layout: timestamp {} s cannot be formatted", t));
+    raise("video_layout", fmt::format("timestamp {} s cannot be formatted", t));
   return n - 2;
 }
 
@@ -196,7 +195,7 @@ MediaTokens image_tokens(const VisionModel& model, int64_t height, int64_t width
 
 MediaTokens video_tokens(const VisionModel& model, int64_t frames, int64_t height, int64_t width) {
   if (frames < 1 || frames > kMaxFrames)
-    throw InvalidArgument(fmt::format("video_tokens: {} frames (need 1..{})", frames, kMaxFrames));
+    raise("video_tokens", fmt::format("{} frames (need 1..{})", frames, kMaxFrames));
   const ResizedImage r = model.video_clip_bounds && frames > 1
                              ? clip_resize(model, frames, height, width)
                              : smart_resize(model, height, width);
@@ -207,8 +206,8 @@ MediaTokens video_tokens(const VisionModel& model, int64_t frames, int64_t heigh
   int64_t per_frame = 0;
   if (__builtin_mul_overflow(t.grid_h, t.grid_w, &per_frame) ||
       __builtin_mul_overflow(per_frame, t.grid_t, &t.patches))
-    throw InvalidArgument(fmt::format(
-        "video_tokens: {} frames of {}x{} give more than 2^63 patches", frames, height, width));
+    raise("video_tokens",
+          fmt::format("{} frames of {}x{} give more than 2^63 patches", frames, height, width));
   t.tokens = t.patches / (model.merge_size * model.merge_size);
   return t;
 }
@@ -244,9 +243,8 @@ VideoLayout video_layout(const VisionModel& model, int64_t frames, int64_t heigh
     int64_t next = 0;
     if (__builtin_add_overflow(pos, grp.timestamp_tokens + 1, &grp.offset) ||
         __builtin_add_overflow(grp.offset, grp.tokens + 1, &next))
-      throw InvalidArgument(
-          fmt::format("video_layout: {} frames of {}x{} give a block longer than 2^63 tokens",
-                      frames, height, width));
+      raise("video_layout", fmt::format("{} frames of {}x{} give a block longer than 2^63 tokens",
+                                        frames, height, width));
     pos = next;
     out.groups.push_back(grp);
   }

@@ -250,22 +250,20 @@ std::vector<int64_t> sp_chunk_rows(int64_t rows, int chunks) {
 
 void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
   if (cfg.dp < 1 || cfg.decoder.cp < 1 || cfg.decoder.tp < 1)
-    throw InvalidArgument(fmt::format("training step: dp {}, cp {}, tp {} must be >= 1", cfg.dp,
-                                      cfg.decoder.cp, cfg.decoder.tp));
+    raise("training step",
+          fmt::format("dp {}, cp {}, tp {} must be >= 1", cfg.dp, cfg.decoder.cp, cfg.decoder.tp));
   if (cfg.hidden < 1 || cfg.in_features < 1 || cfg.ffn < 1 || cfg.ffn % cfg.decoder.tp != 0)
-    throw InvalidArgument(fmt::format(
-        "training step: hidden {}, in_features {} must be >= 1 and ffn {} a positive multiple of "
-        "tp {}",
-        cfg.hidden, cfg.in_features, cfg.ffn, cfg.decoder.tp));
+    raise("training step",
+          fmt::format("hidden {}, in_features {} must be >= 1 and ffn {} a positive multiple of "
+                      "tp {}",
+                      cfg.hidden, cfg.in_features, cfg.ffn, cfg.decoder.tp));
   if (!is_floating(cfg.dtype))
-    throw InvalidArgument(
-        fmt::format("training step: dtype {} is not floating point", dtype_name(cfg.dtype)));
+    raise("training step", fmt::format("dtype {} is not floating point", dtype_name(cfg.dtype)));
   if (cfg.sp_chunks < 1 || cfg.sp_chunks > kMaxSpChunks)
-    throw InvalidArgument(
-        fmt::format("training step: sp_chunks {} is outside [1, {}]", cfg.sp_chunks, kMaxSpChunks));
+    raise("training step",
+          fmt::format("sp_chunks {} is outside [1, {}]", cfg.sp_chunks, kMaxSpChunks));
   if (static_cast<int>(per_dp.size()) != cfg.dp)
-    throw InvalidArgument(
-        fmt::format("training step: {} micro-batches for dp {}", per_dp.size(), cfg.dp));
+    raise("training step", fmt::format("{} micro-batches for dp {}", per_dp.size(), cfg.dp));
 }
 
 // One rank's view of the step, fixed before the encoder runs: what every
@@ -490,8 +488,8 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
                         const std::vector<Batch>& per_dp, bool keep_routed_rows) {
   validate(cfg, per_dp);
   if (world.size() != cfg.world_size())
-    throw InvalidArgument(fmt::format("training step: world has {} ranks but dp x cp x tp = {}",
-                                      world.size(), cfg.world_size()));
+    raise("training step",
+          fmt::format("world has {} ranks but dp x cp x tp = {}", world.size(), cfg.world_size()));
   dist::DeviceMesh mesh(world, {{"dp", cfg.dp}, {"cp", cfg.decoder.cp}, {"tp", cfg.decoder.tp}});
   StepRankResult res;
   res.rank = world.rank();

@@ -31,28 +31,28 @@ Tensor scaled(const Tensor& t, ReduceOp op, int n) {
   return a == 1.0 ? t : scale(t, a);
 }
 
-[[noreturn]] void fail(const char* op, const ProcessGroup& g, const std::string& what) {
-  throw InvalidArgument(fmt::format("nn::{} on group '{}' (rank {} of {}): {}", op, g.name(),
-                                    g.rank(), g.size(), what));
+// Where nn::`op` was called on `g`: "nn::op on group 'g' (rank r of n)".
+ErrorSite nn_site(const char* op, const ProcessGroup& g) {
+  return {
+      .op = fmt::format("nn::{}", op), .group = g.name(), .rank = g.rank(), .group_size = g.size()};
 }
 
 void check_defined(const char* op, const ProcessGroup& g, const Tensor& t, const char* role) {
-  if (!t.defined()) fail(op, g, fmt::format("{} is undefined", role));
+  if (!t.defined()) raise(nn_site(op, g), fmt::format("{} is undefined", role));
 }
 
 void check_root(const char* op, const ProcessGroup& g, int root, const char* what) {
   if (root < 0 || root >= g.size())
-    fail(op, g,
-         fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, root,
-                     g.size()));
+    raise(nn_site(op, g), fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)",
+                                      what, root, g.size()));
 }
 
 void refuse_nonlinear(const char* op, const ProcessGroup& g, ReduceOp r) {
   if (!linear(r))
-    fail(op, g,
-         fmt::format("reduce op {} has no gradient here (only all_reduce and reduce "
-                     "differentiate max/min/product); use sum, avg or premul_sum",
-                     dist::reduce_op_name(r)));
+    raise(nn_site(op, g),
+          fmt::format("reduce op {} has no gradient here (only all_reduce and reduce "
+                      "differentiate max/min/product); use sum, avg or premul_sum",
+                      dist::reduce_op_name(r)));
 }
 
 // prod_{s != r} xs[s], elementwise, by direct multiplication (exact with zeros).
@@ -122,9 +122,10 @@ Shape shape_from_splits(const char* op, const ProcessGroup& g, const Splits& spl
                         const char* role, const Tensor& x) {
   int64_t rows = 0;
   for (std::size_t i = 0; i < splits.size(); ++i) {
-    if (splits[i] < 0) fail(op, g, fmt::format("{}[{}] = {} is negative", role, i, splits[i]));
+    if (splits[i] < 0)
+      raise(nn_site(op, g), fmt::format("{}[{}] = {} is negative", role, i, splits[i]));
     if (splits[i] > std::numeric_limits<int64_t>::max() - rows)
-      fail(op, g, fmt::format("{} [{}] sum past int64", role, fmt::join(splits, ",")));
+      raise(nn_site(op, g), fmt::format("{} [{}] sum past int64", role, fmt::join(splits, ",")));
     rows += splits[i];
   }
   Shape shape = x.shape();
@@ -258,7 +259,8 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
   ProcessGroup group;
   GatherGrad mode;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    if (in[0].dim() == 0) fail("all_gather_single", group, "x is 0-d; it needs rows (dim 0)");
+    if (in[0].dim() == 0)
+      raise(nn_site("all_gather_single", group), "x is 0-d; it needs rows (dim 0)");
     Shape shape = in[0].shape();
     shape[0] *= group.size();
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
@@ -286,7 +288,7 @@ struct AllGatherVFn : Function<AllGatherVFn> {
   Splits splits;
   GatherGrad mode;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    if (in[0].dim() == 0) fail("all_gather_v", group, "x is 0-d; it needs rows (dim 0)");
+    if (in[0].dim() == 0) raise(nn_site("all_gather_v", group), "x is 0-d; it needs rows (dim 0)");
     const Shape shape = shape_from_splits("all_gather_v", group, splits, "output_splits", in[0]);
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
     dist::all_gather_v(group, out, in[0], splits);
@@ -359,7 +361,8 @@ struct ReduceScatterFn : Function<ReduceScatterFn> {
   ProcessGroup group;
   ReduceOp op;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    if (in.empty()) fail("reduce_scatter", group, "xs is empty; expected one tensor per member");
+    if (in.empty())
+      raise(nn_site("reduce_scatter", group), "xs is empty; expected one tensor per member");
     Tensor out = empty_like(in[0]);
     dist::reduce_scatter(group, out, in, op);
     forward_call = group.last_call();
@@ -383,9 +386,9 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     const Tensor& x = in[0];
     if (x.dim() == 0 || x.size(0) % group.size() != 0)
-      fail("reduce_scatter_single", group,
-           fmt::format("x {} needs a row count divisible by the group size {}", x.str(),
-                       group.size()));
+      raise(nn_site("reduce_scatter_single", group),
+            fmt::format("x {} needs a row count divisible by the group size {}", x.str(),
+                        group.size()));
     Shape shape = x.shape();
     shape[0] /= group.size();
     Tensor out = empty(shape, x.dtype(), x.device());
@@ -411,13 +414,13 @@ struct ReduceScatterVFn : Function<ReduceScatterVFn> {
   ReduceOp op;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     const Tensor& x = in[0];
-    if (x.dim() == 0) fail("reduce_scatter_v", group, "x is 0-d; it needs rows (dim 0)");
+    if (x.dim() == 0) raise(nn_site("reduce_scatter_v", group), "x is 0-d; it needs rows (dim 0)");
     if (static_cast<int>(splits.size()) != group.size())
-      fail("reduce_scatter_v", group,
-           fmt::format("input_splits has {} entries, expected {}", splits.size(), group.size()));
+      raise(nn_site("reduce_scatter_v", group),
+            fmt::format("input_splits has {} entries, expected {}", splits.size(), group.size()));
     Shape shape = x.shape();
     shape[0] = splits[static_cast<std::size_t>(group.rank())];
-    if (shape[0] < 0) fail("reduce_scatter_v", group, "negative split");
+    if (shape[0] < 0) raise(nn_site("reduce_scatter_v", group), "negative split");
     Tensor out = empty(shape, x.dtype(), x.device());
     dist::reduce_scatter_v(group, out, x, splits, op);
     forward_call = group.last_call();
@@ -442,12 +445,13 @@ struct AllToAllFn : Function<AllToAllFn> {
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     const auto n = static_cast<std::size_t>(group.size());
     if (in.size() != n)
-      fail("all_to_all", group, fmt::format("xs has {} tensors, expected {}", in.size(), n));
+      raise(nn_site("all_to_all", group),
+            fmt::format("xs has {} tensors, expected {}", in.size(), n));
     if (out_shapes.empty())
       for (const auto& t : in) out_shapes.push_back(t.shape());
     if (out_shapes.size() != n)
-      fail("all_to_all", group,
-           fmt::format("output_shapes has {} entries, expected {}", out_shapes.size(), n));
+      raise(nn_site("all_to_all", group),
+            fmt::format("output_shapes has {} entries, expected {}", out_shapes.size(), n));
     std::vector<Tensor> outs;
     for (const auto& s : out_shapes) outs.push_back(empty(s, in[0].dtype(), in[0].device()));
     dist::all_to_all(group, outs, in);
@@ -475,7 +479,7 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
   Shape in_shape;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     const Tensor& x = in[0];
-    if (x.dim() == 0) fail("all_to_all_single", group, "x is 0-d; it needs rows (dim 0)");
+    if (x.dim() == 0) raise(nn_site("all_to_all_single", group), "x is 0-d; it needs rows (dim 0)");
     in_shape = x.shape();
     // Empty output_splits: even splits, so the output has x's shape (which
     // already fits a tensor); no temporary splits vector or shape copy.
@@ -561,9 +565,8 @@ Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessG
                     GatherGrad grad) {
   check_defined("all_gather_v", group, x, "x");
   if (static_cast<int>(output_splits.size()) != group.size())
-    fail("all_gather_v", group,
-         fmt::format("output_splits has {} entries, expected {}", output_splits.size(),
-                     group.size()));
+    raise(nn_site("all_gather_v", group), fmt::format("output_splits has {} entries, expected {}",
+                                                      output_splits.size(), group.size()));
   return joined(AllGatherVFn{{}, group, output_splits, grad}.apply({x}), group)[0];
 }
 
@@ -576,10 +579,10 @@ std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group) 
 Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group) {
   check_root("scatter", group, src, "src");
   if (static_cast<int>(xs.size()) != group.size())
-    fail("scatter", group,
-         fmt::format("xs has {} tensors, expected {} on every rank (values are "
-                     "used on src only)",
-                     xs.size(), group.size()));
+    raise(nn_site("scatter", group),
+          fmt::format("xs has {} tensors, expected {} on every rank (values are "
+                      "used on src only)",
+                      xs.size(), group.size()));
   for (const auto& t : xs) check_defined("scatter", group, t, "xs[i]");
   return joined(ScatterFn{{}, group, src}.apply(xs), group)[0];
 }
@@ -623,15 +626,15 @@ Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group) {
 }
 
 Tensor cat_or_empty(const std::vector<Tensor>& rows, const Tensor& anchor, int64_t width) {
-  if (width < 0) throw InvalidArgument(fmt::format("cat_or_empty: negative width {}", width));
+  if (width < 0) raise("cat_or_empty", fmt::format("negative width {}", width));
   if (!rows.empty()) {
     for (std::size_t i = 0; i < rows.size(); ++i)
       if (!rows[i].defined() || rows[i].dim() != 2 || rows[i].size(1) != width)
-        throw InvalidArgument(
-            fmt::format("cat_or_empty: rows[{}] is {}, expected [n, {}]", i, rows[i].str(), width));
+        raise("cat_or_empty",
+              fmt::format("rows[{}] is {}, expected [n, {}]", i, rows[i].str(), width));
     return cat(rows);
   }
-  if (!anchor.defined()) throw InvalidArgument("cat_or_empty: no rows and an undefined anchor");
+  if (!anchor.defined()) raise("cat_or_empty", "no rows and an undefined anchor");
   return EmptyFromAnchorFn{{}, width}.apply({anchor})[0];
 }
 

@@ -12,8 +12,7 @@ namespace diffcomm {
 namespace {
 
 DType from_dl_dtype(const DLDataType& t) {
-  if (t.lanes != 1)
-    throw InvalidArgument(fmt::format("from_dlpack: vector lanes {} unsupported", t.lanes));
+  if (t.lanes != 1) raise("from_dlpack", fmt::format("vector lanes {} unsupported", t.lanes));
   if (t.code == kDLFloat && t.bits == 32) return DType::Float32;
   if (t.code == kDLFloat && t.bits == 64) return DType::Float64;
   if (t.code == kDLFloat && t.bits == 16) return DType::Float16;
@@ -21,8 +20,8 @@ DType from_dl_dtype(const DLDataType& t) {
   if (t.code == kDLInt && t.bits == 32) return DType::Int32;
   if (t.code == kDLInt && t.bits == 64) return DType::Int64;
   if (t.code == kDLUInt && t.bits == 8) return DType::UInt8;
-  throw InvalidArgument(
-      fmt::format("from_dlpack: unsupported dtype (code {}, bits {})", int(t.code), int(t.bits)));
+  raise("from_dlpack",
+        fmt::format("unsupported dtype (code {}, bits {})", int(t.code), int(t.bits)));
 }
 
 DLDataType to_dl_dtype(DType d) {
@@ -53,7 +52,7 @@ struct ExportCtx {
 }  // namespace
 
 Tensor from_dlpack(DLManagedTensor* managed) {
-  if (managed == nullptr) throw InvalidArgument("from_dlpack: null DLManagedTensor");
+  if (managed == nullptr) raise("from_dlpack", "null DLManagedTensor");
   const DLTensor& t = managed->dl_tensor;
   Device device;
   if (t.device.device_type == kDLCPU) {
@@ -61,34 +60,31 @@ Tensor from_dlpack(DLManagedTensor* managed) {
   } else if (t.device.device_type == kDLCUDA) {
     device = Device::cuda(t.device.device_id);
   } else {
-    throw InvalidArgument(fmt::format("from_dlpack: device type {} unsupported (CPU and CUDA only)",
-                                      int(t.device.device_type)));
+    raise("from_dlpack",
+          fmt::format("device type {} unsupported (CPU and CUDA only)", int(t.device.device_type)));
   }
   const DType dtype = from_dl_dtype(t.dtype);
   // Everything below reads t.shape[0..ndim) and sizes a view of t.data: an
   // ndim or shape no producer can have is refused before it is used.
   if (t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr))
-    throw InvalidArgument(
-        fmt::format("from_dlpack: ndim {} with shape {}", t.ndim, t.shape ? "set" : "null"));
+    raise("from_dlpack", fmt::format("ndim {} with shape {}", t.ndim, t.shape ? "set" : "null"));
   Shape shape(t.shape, t.shape + t.ndim);
   int64_t bytes = static_cast<int64_t>(element_size(dtype));
   for (int d = 0; d < t.ndim; ++d)
     if (shape[d] < 0 || __builtin_mul_overflow(bytes, shape[d], &bytes))
-      throw InvalidArgument(
-          fmt::format("from_dlpack: dim {} has size {} (shape must be "
-                      "non-negative, at most 2^63 bytes in all)",
-                      d, shape[d]));
-  if (t.data == nullptr && bytes > 0)
-    throw InvalidArgument("from_dlpack: null data for a non-empty tensor");
+      raise("from_dlpack", fmt::format("dim {} has size {} (shape must be "
+                                       "non-negative, at most 2^63 bytes in all)",
+                                       d, shape[d]));
+  if (t.data == nullptr && bytes > 0) raise("from_dlpack", "null data for a non-empty tensor");
   if (t.strides != nullptr) {
     // Accept only compact row-major strides (dims of size 1 may carry any stride).
     int64_t expected = 1;
     for (int d = t.ndim - 1; d >= 0; --d) {
       if (shape[d] != 1 && t.strides[d] != expected)
-        throw InvalidArgument(fmt::format(
-            "from_dlpack: non-contiguous tensor (dim {} has stride {}, expected {}); call "
-            ".contiguous() before exporting",
-            d, t.strides[d], expected));
+        raise("from_dlpack",
+              fmt::format("non-contiguous tensor (dim {} has stride {}, expected {}); call "
+                          ".contiguous() before exporting",
+                          d, t.strides[d], expected));
       expected *= shape[d];
     }
   }

@@ -37,10 +37,10 @@ DType parse_dtype(const std::string& name) {
   for (DType d : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16, DType::Int32,
                   DType::Int64, DType::UInt8})
     if (dtype_name(d) == name) return d;
-  throw InvalidArgument(fmt::format(
-      "parse_dtype: unknown dtype '{}' (expected float32, float64, bfloat16, float16, int32, "
-      "int64 or uint8)",
-      name));
+  raise("parse_dtype",
+        fmt::format("unknown dtype '{}' (expected float32, float64, bfloat16, float16, int32, "
+                    "int64 or uint8)",
+                    name));
 }
 
 bool is_floating(DType dtype) {
@@ -49,8 +49,7 @@ bool is_floating(DType dtype) {
 }
 
 void throw_dtype_mismatch(const char* where, DType expected, DType got) {
-  throw InvalidArgument(
-      fmt::format("{}: expected dtype {}, got {}", where, dtype_name(expected), dtype_name(got)));
+  raise(where, fmt::format("expected dtype {}, got {}", dtype_name(expected), dtype_name(got)));
 }
 
 uint16_t float16::from_float(float f) {
@@ -296,18 +295,16 @@ uint64_t checked_nbytes(const Shape& shape, DType dtype, const std::string& what
   uint64_t bytes = element_size(dtype);
   bool zero = false;
   for (int64_t d : shape) {
-    if (d < 0)
-      throw InvalidArgument(fmt::format("{}: negative dim in shape {}", what, shape_str(shape)));
+    if (d < 0) raise(what, fmt::format("negative dim in shape {}", shape_str(shape)));
     zero = zero || d == 0;
   }
   if (zero) return 0;
   for (int64_t d : shape) {
     const auto u = static_cast<uint64_t>(d);
     if (bytes > kMaxTensorBytes / u)
-      throw InvalidArgument(
-          fmt::format("{}: shape {} of {} needs more than {} bytes (2^48), the most one tensor "
-                      "may hold",
-                      what, shape_str(shape), dtype_name(dtype), kMaxTensorBytes));
+      raise(what, fmt::format("shape {} of {} needs more than {} bytes (2^48), the most one tensor "
+                              "may hold",
+                              shape_str(shape), dtype_name(dtype), kMaxTensorBytes));
     bytes *= u;
   }
   return bytes;
@@ -321,21 +318,19 @@ const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
 }
 }  // namespace
 
-void detail::throw_undefined_tensor() {
-  throw InvalidArgument("Tensor: use of an undefined tensor");
-}
+void detail::throw_undefined_tensor() { raise("Tensor", "use of an undefined tensor"); }
 
 void Tensor::throw_bad_dim(int64_t d) const {
-  throw InvalidArgument(fmt::format("Tensor::size: dim {} out of range for {}", d, str()));
+  raise("Tensor::size", fmt::format("dim {} out of range for {}", d, str()));
 }
 
 Tensor Tensor::row_view(int64_t start, int64_t length) const {
   const auto& impl = checked(impl_);
-  if (impl.shape.empty()) throw InvalidArgument("row_view: a 0-d tensor has no rows");
+  if (impl.shape.empty()) raise("row_view", "a 0-d tensor has no rows");
   const int64_t rows = impl.shape[0];
   if (start < 0 || length < 0 || start + length > rows)
-    throw InvalidArgument(fmt::format("row_view: rows [{}, {}) out of range for {} ({} rows)",
-                                      start, start + length, str(), rows));
+    raise("row_view", fmt::format("rows [{}, {}) out of range for {} ({} rows)", start,
+                                  start + length, str(), rows));
   auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
@@ -349,10 +344,10 @@ Tensor Tensor::row_view(int64_t start, int64_t length) const {
 Tensor Tensor::view_as_shape(Shape shape) const {
   const auto& impl = checked(impl_);
   for (int64_t d : shape)
-    if (d < 0) throw InvalidArgument(fmt::format("reshape: negative dim in {}", shape_str(shape)));
+    if (d < 0) raise("reshape", fmt::format("negative dim in {}", shape_str(shape)));
   if (shape_numel(shape) != numel())
-    throw InvalidArgument(fmt::format("reshape: cannot view {} as {} ({} vs {} elements)", str(),
-                                      shape_str(shape), numel(), shape_numel(shape)));
+    raise("reshape", fmt::format("cannot view {} as {} ({} vs {} elements)", str(),
+                                 shape_str(shape), numel(), shape_numel(shape)));
   auto v = new_impl();
   v->storage = impl.storage;
   v->dtype = impl.dtype;
@@ -401,8 +396,8 @@ Tensor& Tensor::fill_(double value) {
 Tensor& Tensor::copy_(const Tensor& src) {
   if (src.dtype() != dtype()) throw_dtype_mismatch("Tensor::copy_", dtype(), src.dtype());
   if (src.numel() != numel())
-    throw InvalidArgument(fmt::format("Tensor::copy_: {} elements into {} elements ({} <- {})",
-                                      src.numel(), numel(), str(), src.str()));
+    raise("Tensor::copy_", fmt::format("{} elements into {} elements ({} <- {})", src.numel(),
+                                       numel(), str(), src.str()));
   bump_version();
   if (nbytes() == 0 || src.data_ptr() == data_ptr()) return *this;
   if (device().is_cpu() && src.device().is_cpu())
@@ -414,7 +409,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 double Tensor::item() const {
   if (numel() != 1)
-    throw InvalidArgument(fmt::format("Tensor::item: needs 1 element, {} has {}", str(), numel()));
+    raise("Tensor::item", fmt::format("needs 1 element, {} has {}", str(), numel()));
   return to_vector()[0];
 }
 
@@ -484,7 +479,7 @@ Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device
 Tensor empty_like(const Tensor& t) { return empty(t.shape(), t.dtype(), t.device()); }
 
 Tensor arange(double start, double end, double step, DType dtype) {
-  if (step == 0.0) throw InvalidArgument("arange: step must be non-zero");
+  if (step == 0.0) raise("arange", "step must be non-zero");
   const double n = std::ceil((end - start) / step);
   const int64_t count = n > 0 ? static_cast<int64_t>(n) : 0;
   std::vector<double> v(static_cast<std::size_t>(count));
@@ -495,8 +490,8 @@ Tensor arange(double start, double end, double step, DType dtype) {
 
 Tensor from_vector(const std::vector<double>& values, const Shape& shape, DType dtype) {
   if (static_cast<int64_t>(values.size()) != shape_numel(shape))
-    throw InvalidArgument(fmt::format("from_vector: {} values for shape {} ({} elements)",
-                                      values.size(), shape_str(shape), shape_numel(shape)));
+    raise("from_vector", fmt::format("{} values for shape {} ({} elements)", values.size(),
+                                     shape_str(shape), shape_numel(shape)));
   Tensor t = empty(shape, dtype);
   dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

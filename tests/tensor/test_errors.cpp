@@ -111,6 +111,42 @@ TEST(ErrorFormat, ThrowErrorThrowsTheClassOfTheKind) {
   EXPECT_STREQ(error_kind_name(ErrorKind::Error), "Error");
 }
 
+// raise: the one way diffcomm throws. raise(op, detail) and raise(site,
+// detail) (a designated initializer naming only the parts set) build the
+// same message as the class's (site, detail) constructor; InvalidArgument
+// unless another class is named.
+TEST(ErrorFormat, RaiseThrowsTheClassAtTheSite) {
+  try {
+    raise("plan_exchange", "buckets 0 must be >= 1");
+    ADD_FAILURE() << "raise returned";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::InvalidArgument);
+    EXPECT_EQ(e.site().op, "plan_exchange");
+    EXPECT_FALSE(e.site().rank);
+    EXPECT_EQ(e.detail(), "buckets 0 must be >= 1");
+    EXPECT_EQ(std::string(e.what()), "plan_exchange: buckets 0 must be >= 1");
+  }
+  try {
+    raise<BackendError>({.op = "nccl::init_over_mpi", .rank = 3, .group_size = 4},
+                        std::string("no peer"));
+    ADD_FAILURE() << "raise returned";
+  } catch (const BackendError& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::BackendError);
+    EXPECT_EQ(e.site().op, "nccl::init_over_mpi");
+    EXPECT_EQ(e.site().rank, 3);
+    EXPECT_EQ(e.detail(), "no peer");
+    EXPECT_EQ(std::string(e.what()), "nccl::init_over_mpi (rank 3 of 4): no peer");
+  }
+  const std::string op = "route_features";
+  EXPECT_THROW(raise<Deadlock>(op, "d"), Deadlock);
+  try {
+    raise<Error>(std::string_view("diffcomm.sim"), "started twice");
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::Error);
+    EXPECT_EQ(std::string(e.what()), "diffcomm.sim: started twice");
+  }
+}
+
 // The funnel refuses an output of another dtype before any communication.
 TEST(TypedErrors, FunnelValidationNamesOpGroupBackendAndRank) {
   sim::World world = make_world(2);

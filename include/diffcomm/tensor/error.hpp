@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 namespace diffcomm {
 
@@ -36,16 +37,18 @@ inline constexpr std::size_t kErrorKindCount = 7;
 const char* error_kind_name(ErrorKind kind);
 
 /// Where an error was raised. Every part is optional; format_site() writes
-/// the parts that are set, in the fixed order of diffcomm's messages.
+/// the parts that are set, in the fixed order of diffcomm's messages. An
+/// aggregate whose parts all default to unset, so a designated initializer
+/// names only the parts it sets: ErrorSite{.op = "all_reduce", .rank = 3}.
 struct ErrorSite {
-  std::string op;                    ///< "all_reduce" (a composed step: the user's op); "" = unset
-  std::optional<uint64_t> call;      ///< the op's per-group call number
-  std::optional<std::string> group;  ///< group name
-  std::string backend;               ///< backend name ("sim", "mpi"); "" = unset
-  std::optional<int> rank;           ///< group-local rank
-  std::optional<int> group_size;     ///< written with rank: "rank R of N"
-  std::string step;                  ///< a composed call's transport step op; "" = unset
-  std::optional<int> global_rank;    ///< world rank, leading the message: "rank G: ..."
+  std::string op{};                ///< "all_reduce" (a composed step: the user's op); "" = unset
+  std::optional<uint64_t> call{};  ///< the op's per-group call number
+  std::optional<std::string> group{};  ///< group name
+  std::string backend{};               ///< backend name ("sim", "mpi"); "" = unset
+  std::optional<int> rank{};           ///< group-local rank
+  std::optional<int> group_size{};     ///< written with rank: "rank R of N"
+  std::string step{};                  ///< a composed call's transport step op; "" = unset
+  std::optional<int> global_rank{};    ///< world rank, leading the message: "rank G: ..."
 
   /// True when no part is set (the message is the detail alone).
   bool empty() const;
@@ -144,6 +147,23 @@ class BackendError : public Error {
 };
 
 #undef DIFFCOMM_ERROR_CONSTRUCTORS
+
+/// Throws E (InvalidArgument unless named) at `site` with `detail`: what()
+/// becomes format_error(site, detail), e.g. "plan_exchange: buckets 0 must be
+/// >= 1" for a site holding only its op, and site() / detail() return the two
+/// parts. The one way diffcomm raises its errors: no throw site writes an
+/// "op: " prefix by hand. Always throws.
+template <class E = InvalidArgument>
+[[noreturn]] void raise(ErrorSite site, std::string_view detail) {
+  static_assert(std::is_base_of_v<Error, E>, "raise throws diffcomm errors only");
+  throw E(std::move(site), detail);
+}
+
+/// raise<E>(ErrorSite{.op = op}, detail): what() is "op: detail".
+template <class E = InvalidArgument>
+[[noreturn]] void raise(std::string_view op, std::string_view detail) {
+  raise<E>(ErrorSite{.op = std::string(op)}, detail);
+}
 
 /// The one mapping from kind to class: calls f(std::type_identity<C>{}) with
 /// C the class of `kind` and returns its result. For code that must build

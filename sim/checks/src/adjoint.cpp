@@ -164,13 +164,12 @@ std::pair<double, double> adjoint_terms(const std::string& op, const dist::Proce
 AdjointReport check_adjoint(const std::string& op, int ranks, uint64_t seed, DType dtype) {
   const auto& ops = differentiable_ops();
   if (std::find(ops.begin(), ops.end(), op) == ops.end())
-    throw InvalidArgument(fmt::format("check_adjoint: unknown op '{}' (expected one of {})", op,
-                                      fmt::join(ops, ", ")));
+    raise("check_adjoint",
+          fmt::format("unknown op '{}' (expected one of {})", op, fmt::join(ops, ", ")));
   if (ranks < 1 || ranks > 4096)
-    throw InvalidArgument(fmt::format("check_adjoint: ranks {} outside 1..4096", ranks));
+    raise("check_adjoint", fmt::format("ranks {} outside 1..4096", ranks));
   if (!is_floating(dtype))
-    throw InvalidArgument(
-        fmt::format("check_adjoint: dtype {} is not floating point", dtype_name(dtype)));
+    raise("check_adjoint", fmt::format("dtype {} is not floating point", dtype_name(dtype)));
   const AdjointCase c = draw_adjoint_case(ranks, seed);
   AdjointReport rep;
   rep.op = op;

@@ -11,10 +11,6 @@
 namespace diffcomm::sim {
 namespace {
 
-[[noreturn]] void fail(const std::string& what) {
-  throw InvalidArgument("check_equivalence: " + what);
-}
-
 /// A gradient in float64 on the CPU.
 struct Dense {
   Shape shape;
@@ -22,7 +18,7 @@ struct Dense {
 };
 
 Dense dense(const Tensor& t, const std::string& who) {
-  if (!t.defined()) fail(who + ": the gradient is undefined (None)");
+  if (!t.defined()) raise("check_equivalence", who + ": the gradient is undefined (None)");
   const Tensor cpu = t.device().is_cpu() ? t : t.to(Device::cpu());
   return {cpu.shape(), cpu.to_vector()};
 }
@@ -83,12 +79,14 @@ int mesh_world(const MeshDims& mesh) {
   std::set<std::string> names;
   int world = 1;
   for (const MeshDim& d : mesh) {
-    if (d.name.empty()) fail("mesh " + mesh_str(mesh) + ": a dim has an empty name");
+    if (d.name.empty())
+      raise("check_equivalence", "mesh " + mesh_str(mesh) + ": a dim has an empty name");
     if (!names.insert(d.name).second)
-      fail(fmt::format("mesh {}: dim '{}' is named twice", mesh_str(mesh), d.name));
+      raise("check_equivalence",
+            fmt::format("mesh {}: dim '{}' is named twice", mesh_str(mesh), d.name));
     if (d.size < 1)
-      fail(fmt::format("mesh {}: dim '{}' has size {}, expected >= 1", mesh_str(mesh), d.name,
-                       d.size));
+      raise("check_equivalence", fmt::format("mesh {}: dim '{}' has size {}, expected >= 1",
+                                             mesh_str(mesh), d.name, d.size));
     world *= d.size;
   }
   return world;
@@ -97,7 +95,8 @@ int mesh_world(const MeshDims& mesh) {
 std::vector<int> mesh_coords(const MeshDims& mesh, int rank) {
   const int world = mesh_world(mesh);
   if (rank < 0 || rank >= world)
-    fail(fmt::format("rank {} is outside mesh {} of {} ranks", rank, mesh_str(mesh), world));
+    raise("check_equivalence",
+          fmt::format("rank {} is outside mesh {} of {} ranks", rank, mesh_str(mesh), world));
   std::vector<int> c(mesh.size());
   for (std::size_t i = mesh.size(); i-- > 0;) {
     c[i] = rank % mesh[i].size;
@@ -118,7 +117,8 @@ std::string Placement::str() const {
 std::map<std::string, Tensor> reference_gradients(const RankGrads& one_rank) {
   std::map<std::string, Tensor> out;
   for (const auto& [name, g] : one_rank) {
-    if (!g.grad.defined()) fail(who(name, 0) + " of the reference: the gradient is undefined");
+    if (!g.grad.defined())
+      raise("check_equivalence", who(name, 0) + " of the reference: the gradient is undefined");
     out[name] = g.grad;
   }
   return out;
@@ -132,27 +132,31 @@ void validate(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
               const std::map<std::string, Tensor>& reference) {
   const int world = mesh_world(mesh);
   if (static_cast<int>(per_rank.size()) != world)
-    fail(fmt::format("mesh {} has {} ranks, received gradients of {}", mesh_str(mesh), world,
-                     per_rank.size()));
+    raise("check_equivalence", fmt::format("mesh {} has {} ranks, received gradients of {}",
+                                           mesh_str(mesh), world, per_rank.size()));
   for (int r = 0; r < world; ++r) {
     const RankGrads& grads = per_rank[static_cast<std::size_t>(r)];
     for (const auto& [name, ref] : reference)
-      if (!grads.count(name)) fail(fmt::format("{}: missing (the reference has it)", who(name, r)));
+      if (!grads.count(name))
+        raise("check_equivalence", fmt::format("{}: missing (the reference has it)", who(name, r)));
     for (const auto& [name, g] : grads) {
       auto it = reference.find(name);
       if (it == reference.end())
-        fail(fmt::format("{}: not in the reference's parameters", who(name, r)));
+        raise("check_equivalence",
+              fmt::format("{}: not in the reference's parameters", who(name, r)));
       const Placement& p = g.placement;
       if (p.kind != Placement::Kind::Replicate && dim_index(mesh, p.mesh_dim) < 0)
-        fail(fmt::format("{}: placement {} names mesh dim '{}', mesh {} has no such dim",
-                         who(name, r), p.str(), p.mesh_dim, mesh_str(mesh)));
+        raise("check_equivalence",
+              fmt::format("{}: placement {} names mesh dim '{}', mesh {} has no such dim",
+                          who(name, r), p.str(), p.mesh_dim, mesh_str(mesh)));
       if (p.kind == Placement::Kind::Shard && (p.dim < 0 || p.dim >= it->second.dim()))
-        fail(fmt::format("{}: placement {}: dim {} is out of range for the reference's {} dims",
-                         who(name, r), p.str(), p.dim, it->second.dim()));
+        raise("check_equivalence",
+              fmt::format("{}: placement {}: dim {} is out of range for the reference's {} dims",
+                          who(name, r), p.str(), p.dim, it->second.dim()));
       const Placement& p0 = per_rank[0].at(name).placement;
       if (!(p == p0))
-        fail(fmt::format("{}: placement {}, expected {} (rank 0's)", who(name, r), p.str(),
-                         p0.str()));
+        raise("check_equivalence", fmt::format("{}: placement {}, expected {} (rank 0's)",
+                                               who(name, r), p.str(), p0.str()));
     }
   }
 }
@@ -174,8 +178,9 @@ std::vector<int> divergent_ranks(const MeshDims& mesh, const std::vector<RankGra
     const Dense a = dense(per_rank[static_cast<std::size_t>(r)].at(name).grad, who(name, r));
     const Dense b = dense(per_rank[static_cast<std::size_t>(base)].at(name).grad, who(name, base));
     if (a.shape != b.shape)
-      fail(fmt::format("{}: shape {}, expected {} (its replica rank {})", who(name, r),
-                       shape_str(a.shape), shape_str(b.shape), base));
+      raise("check_equivalence",
+            fmt::format("{}: shape {}, expected {} (its replica rank {})", who(name, r),
+                        shape_str(a.shape), shape_str(b.shape), base));
     if (rel_diff(a.v, b.v, scale_of(b.v)) > rtol) out.push_back(r);
   }
   return out;
@@ -184,8 +189,9 @@ std::vector<int> divergent_ranks(const MeshDims& mesh, const std::vector<RankGra
 void expect_shape(const Dense& d, const Shape& expected, const std::string& name, int rank,
                   const Placement& p) {
   if (d.shape != expected)
-    fail(fmt::format("{} ({}): shape {}, expected {} (the reference's)", who(name, rank), p.str(),
-                     shape_str(d.shape), shape_str(expected)));
+    raise("check_equivalence",
+          fmt::format("{} ({}): shape {}, expected {} (the reference's)", who(name, rank), p.str(),
+                      shape_str(d.shape), shape_str(expected)));
 }
 
 /// A reassembled gradient and, for Shard, each shard's [start, size) along dim.
@@ -232,10 +238,10 @@ std::vector<Dense> shard_tensors(const MeshDims& mesh, const std::vector<RankGra
     std::string sizes;
     for (std::size_t k = 0; k < parts.size(); ++k)
       sizes += fmt::format("{}rank {}: {}", k ? ", " : "", ranks[k], parts[k].shape[dim]);
-    fail(
-        fmt::format("parameter '{}' ({}): the shards' sizes along dim {} ({}) add up to {}, "
-                    "expected {} (the reference's {})",
-                    name, p.str(), p.dim, sizes, total, ref_shape[dim], shape_str(ref_shape)));
+    raise("check_equivalence",
+          fmt::format("parameter '{}' ({}): the shards' sizes along dim {} ({}) add up to {}, "
+                      "expected {} (the reference's {})",
+                      name, p.str(), p.dim, sizes, total, ref_shape[dim], shape_str(ref_shape)));
   }
   return parts;
 }

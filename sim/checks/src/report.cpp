@@ -117,8 +117,7 @@ std::vector<ep::Batch> step_batches(const ep::StepConfig& cfg,
 StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batch>& per_dp,
                            const StepRunOptions& options) {
   if (per_dp.size() != static_cast<std::size_t>(cfg.dp))
-    throw InvalidArgument(
-        fmt::format("run_step_report: {} micro-batches for dp = {}", per_dp.size(), cfg.dp));
+    raise("run_step_report", fmt::format("{} micro-batches for dp = {}", per_dp.size(), cfg.dp));
   StepReport rep;
   rep.config = cfg;
   rep.samples = per_dp.empty() ? 0 : static_cast<int>(per_dp[0].samples.size());
@@ -310,8 +309,7 @@ SweepReport run_sweep(const ep::StepConfig& cfg, const std::vector<ep::ImageSize
                       int samples, int images_per_sample, uint64_t first, uint64_t last,
                       const std::function<void(uint64_t, const StepReport&)>& on_seed,
                       const ep::VisionModel& model) {
-  if (last < first)
-    throw InvalidArgument(fmt::format("run_sweep: last seed {} < first seed {}", last, first));
+  if (last < first) raise("run_sweep", fmt::format("last seed {} < first seed {}", last, first));
   SweepReport out;
   out.first = first;
   out.last = last;

@@ -241,8 +241,7 @@ ReplayReport verdict_of(const Error& e, const Run& run) {
     deadlock_table(run, rep);
     return rep;
   }
-  throw InvalidArgument(
-      fmt::format("replay: the recorded calls cannot be replayed: {}", first_line(e.what())));
+  raise("replay", fmt::format("the recorded calls cannot be replayed: {}", first_line(e.what())));
 }
 }  // namespace
 

@@ -135,10 +135,10 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
     auto it = dry.find({c.group, r.group_rank});
     if (it == dry.end()) {
       if (r.group_rank < 0 || r.group_rank >= static_cast<int>(g.members.size()))
-        throw InvalidArgument(fmt::format(
-            "replay: the recorded calls cannot be replayed: a {} on group '{}' records group "
-            "rank {} of {}",
-            dist::op_name(r.op), g.name, r.group_rank, g.members.size()));
+        raise("replay",
+              fmt::format("the recorded calls cannot be replayed: a {} on group '{}' records group "
+                          "rank {} of {}",
+                          dist::op_name(r.op), g.name, r.group_rank, g.members.size()));
       auto backend = std::make_shared<DryBackend>(r.group_rank, g.members);
       it = dry.emplace(std::pair{c.group, r.group_rank},
                        Dry{backend, dist::ProcessGroup(backend, g.name, nullptr, recorder)})
@@ -149,9 +149,9 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
       descs.back() = it->second.backend->last;
     } catch (const InvalidArgument& e) {
       const std::string what = e.what();
-      throw InvalidArgument(fmt::format("replay: the recorded calls cannot be replayed: {}: {}",
-                                        recorded_by(table, descs.size() - 1),
-                                        what.substr(0, what.find('\n'))));
+      raise("replay",
+            fmt::format("the recorded calls cannot be replayed: {}: {}",
+                        recorded_by(table, descs.size() - 1), what.substr(0, what.find('\n'))));
     }
   }
   return descs;

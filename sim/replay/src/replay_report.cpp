@@ -18,18 +18,16 @@ using detail::rank_file;
 }  // namespace
 
 std::vector<dist::FlightDump> read_dumps(const std::string& dir) {
-  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
+  if (!fs::is_directory(dir)) raise(dir, "not a directory");
   const std::string first = rank_file(dir, 0);
   if (!fs::exists(first)) return read_torch_dumps(dir);
   std::vector<dist::FlightDump> dumps;
   dumps.push_back(dist::read_flight_dump(first));
   const int n = dumps[0].world_size;
-  if (n < 1 || n > 16384)
-    throw InvalidArgument(fmt::format("{}: world size {} outside 1..16384", first, n));
+  if (n < 1 || n > 16384) raise(first, fmt::format("world size {} outside 1..16384", n));
   for (int r = 1; r < n; ++r) {
     const std::string file = rank_file(dir, r);
-    if (!fs::exists(file))
-      throw InvalidArgument(fmt::format("{}: missing (the world has {} ranks)", file, n));
+    if (!fs::exists(file)) raise(file, fmt::format("missing (the world has {} ranks)", n));
     dumps.push_back(dist::read_flight_dump(file));
   }
   std::map<std::string, detail::SeenGroup> first_seen;

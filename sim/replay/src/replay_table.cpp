@@ -63,15 +63,14 @@ std::string rank_file(const std::string& dir, int rank) {
 
 void check_dump_header(int r, int rank, int world_size, int world0,
                        const std::vector<dist::DumpedGroup>& groups, const std::string& file) {
-  if (rank != r) throw InvalidArgument(fmt::format("{}: records rank {}", file, rank));
+  if (rank != r) raise(file, fmt::format("records rank {}", rank));
   if (world_size != world0)
-    throw InvalidArgument(
-        fmt::format("{}: world size {} but rank-0.json records {}", file, world_size, world0));
+    raise(file, fmt::format("world size {} but rank-0.json records {}", world_size, world0));
   for (const dist::DumpedGroup& g : groups)
     for (int m : g.group.members)
       if (m < 0 || m >= world_size)
-        throw InvalidArgument(fmt::format("{}: group '{}' has member {} outside the world of {}",
-                                          file, g.group.name, m, world_size));
+        raise(file, fmt::format("group '{}' has member {} outside the world of {}", g.group.name, m,
+                                world_size));
 }
 
 const SeenGroup* see_group(std::map<std::string, SeenGroup>& first_seen, const dist::DumpedGroup& g,
@@ -83,8 +82,7 @@ const SeenGroup* see_group(std::map<std::string, SeenGroup>& first_seen, const d
   const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
   if (twice != sorted.end()) {
     first_seen.erase(it);
-    throw InvalidArgument(
-        fmt::format("{}: group '{}' lists member {} twice", file, g.group.name, *twice));
+    raise(file, fmt::format("group '{}' lists member {} twice", g.group.name, *twice));
   }
   it->second.members = g.group.members;
   return nullptr;
@@ -93,9 +91,9 @@ const SeenGroup* see_group(std::map<std::string, SeenGroup>& first_seen, const d
 void check_same_members(const dist::DumpedGroup& g, const SeenGroup& seen,
                         const std::string& file) {
   if (g.group.members != seen.members)
-    throw InvalidArgument(fmt::format(
-        "{}: group '{}' has members [{}] but rank-{}.json records [{}]", file, g.group.name,
-        fmt::join(g.group.members, ","), seen.seen_rank, fmt::join(seen.members, ",")));
+    raise(file, fmt::format("group '{}' has members [{}] but rank-{}.json records [{}]",
+                            g.group.name, fmt::join(g.group.members, ","), seen.seen_rank,
+                            fmt::join(seen.members, ",")));
 }
 
 std::vector<uint32_t> Table::intern(const dist::CompactFlightDump& d,
@@ -117,8 +115,8 @@ std::vector<uint32_t> Table::intern(const dist::CompactFlightDump& d,
     if (gr >= tg.members.size() || tg.members[gr] != d.rank) {  // not as recorded: look
       const auto m = std::find(tg.members.begin(), tg.members.end(), d.rank);
       if (m == tg.members.end())
-        throw InvalidArgument(fmt::format("{}: group '{}': rank {} is not among its members", file,
-                                          g.group.name, d.rank));
+        raise(file,
+              fmt::format("group '{}': rank {} is not among its members", g.group.name, d.rank));
       gr = static_cast<std::size_t>(m - tg.members.begin());
     }
     tg.watermark[gr] = g.watermark;
@@ -130,8 +128,7 @@ std::vector<uint32_t> Table::intern(const dist::CompactFlightDump& d,
     const FlightRecord& c = d.calls[i];
     const auto g = group_index.find(c.group);
     if (g == group_index.end())
-      throw InvalidArgument(fmt::format("{}: calls[{}]: group '{}' is not among the dump's groups",
-                                        file, i, c.group));
+      raise(file, fmt::format("calls[{}]: group '{}' is not among the dump's groups", i, c.group));
     TableCall tc{c, g->second, is_p2p(c.op)};
     auto [it, fresh] =
         call_index.try_emplace(call_key(c.group, desc_of(c)), static_cast<uint32_t>(calls.size()));
@@ -149,8 +146,7 @@ void Table::fill(const dist::CompactFlightDump& d, const std::vector<uint32_t>& 
   out.reserve(d.rows.size());
   for (const dist::CompactFlightDump::Row& w : d.rows) {
     if (w.backward_call >= int64_t{UINT32_MAX})
-      throw InvalidArgument(
-          fmt::format("{}: backward call number {} too large", file, w.backward_call));
+      raise(file, fmt::format("backward call number {} too large", w.backward_call));
     out.push_back({global[w.call_index], static_cast<uint32_t>(w.backward_call + 1), w.seq});
   }
 }
@@ -200,8 +196,7 @@ void read_rest(const std::string& dir, Table& table, int world0,
     for (int r = next++; r < n; r = next++) {
       try {
         const std::string file = rank_file(dir, r);
-        if (!fs::exists(file))
-          throw InvalidArgument(fmt::format("{}: missing (the world has {} ranks)", file, n));
+        if (!fs::exists(file)) raise(file, fmt::format("missing (the world has {} ranks)", n));
         const dist::CompactFlightDump d =
             dist::parse_compact_flight_dump(dist::read_dump_file(file), file);
         check_dump_header(r, d.rank, d.world_size, world0, d.groups, file);
@@ -234,14 +229,13 @@ void read_rest(const std::string& dir, Table& table, int world0,
 
 Recording Recording::read(const std::string& dir) {
   namespace fs = std::filesystem;
-  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
+  if (!fs::is_directory(dir)) raise(dir, "not a directory");
   const std::string first = detail::rank_file(dir, 0);
   if (!fs::exists(first)) return of(read_torch_dumps(dir));
   const dist::CompactFlightDump d0 =
       dist::parse_compact_flight_dump(dist::read_dump_file(first), first);
   const int n = d0.world_size;
-  if (n < 1 || n > 16384)
-    throw InvalidArgument(fmt::format("{}: world size {} outside 1..16384", first, n));
+  if (n < 1 || n > 16384) raise(first, fmt::format("world size {} outside 1..16384", n));
   auto table = std::make_shared<detail::Table>(n);
   std::map<std::string, detail::SeenGroup> first_seen;
   detail::check_dump_header(0, d0.rank, d0.world_size, n, d0.groups, first);
@@ -257,7 +251,7 @@ Recording Recording::read(const std::string& dir) {
 }
 
 Recording Recording::of(const std::vector<dist::FlightDump>& dumps) {
-  if (dumps.empty()) throw InvalidArgument("replay: no dumps");
+  if (dumps.empty()) raise("replay", "no dumps");
   auto table = std::make_shared<detail::Table>(static_cast<int>(dumps.size()));
   for (std::size_t r = 0; r < dumps.size(); ++r) {
     dist::CompactFlightDump c = dist::compact(dumps[r]);

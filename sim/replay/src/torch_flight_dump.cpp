@@ -79,18 +79,17 @@ std::vector<int> ranks_of(const Json& v) {
 
 Json load(const std::string& path, int rank) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument(fmt::format("{}: cannot be opened", path));
+  if (!in) raise(path, "cannot be opened");
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string bytes = ss.str();
   Json j;
   const bool pickled = !bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80;
   if (!pickled && path.ends_with(".pkl"))
-    throw InvalidArgument(
-        bytes.empty() ? fmt::format("{}: empty (a torch dump .pkl is a pickle)", path)
-                      : fmt::format("{}: not a pickle of protocol 2 or later (its first byte is "
-                                    "0x{:02x}, not 0x80)",
-                                    path, static_cast<uint8_t>(bytes[0])));
+    raise(path, bytes.empty() ? std::string("empty (a torch dump .pkl is a pickle)")
+                              : fmt::format("not a pickle of protocol 2 or later (its first byte "
+                                            "is 0x{:02x}, not 0x80)",
+                                            static_cast<uint8_t>(bytes[0])));
   if (pickled) {
     j = detail::unpickle(bytes, path);
   } else {
@@ -98,15 +97,13 @@ Json load(const std::string& path, int rank) {
       j = Json::parse(bytes);
     } catch (const Json::parse_error& e) {
       // e.byte counts the characters read (1-based); the offset is 0-based.
-      throw InvalidArgument(
-          fmt::format("{}: JSON syntax error at offset {}", path, e.byte > 0 ? e.byte - 1 : 0));
+      raise(path, fmt::format("JSON syntax error at offset {}", e.byte > 0 ? e.byte - 1 : 0));
     }
   }
   if (!j.is_object() || !j.contains("entries") || !j.at("entries").is_array())
-    throw InvalidArgument(
-        fmt::format("{}: not a torch flight recorder dump (no entries list; "
-                    "rank {} from its name)",
-                    path, rank));
+    raise(path, fmt::format("not a torch flight recorder dump (no entries list; "
+                            "rank {} from its name)",
+                            rank));
   return j;
 }
 
@@ -120,16 +117,14 @@ std::vector<TorchFile> list_files(const std::string& dir) {
     const std::string n = f.path().filename().string();
     if (!f.is_regular_file() || !std::regex_match(n, m, name)) continue;
     if (!by_rank.empty() && m[1] != prefix)
-      throw InvalidArgument(
-          fmt::format("{}: dumps with two name prefixes, '{}' and '{}'", dir, prefix, m[1].str()));
+      raise(dir, fmt::format("dumps with two name prefixes, '{}' and '{}'", prefix, m[1].str()));
     prefix = m[1];
     by_rank[std::stoi(m[2])] = f.path().string();
   }
   if (by_rank.empty())
-    throw InvalidArgument(
-        fmt::format("{}: no flight recorder dumps (rank-<r>.json, or torch's "
-                    "<prefix><rank>)",
-                    dir));
+    raise(dir,
+          "no flight recorder dumps (rank-<r>.json, or torch's "
+          "<prefix><rank>)");
   std::vector<TorchFile> files;
   for (const auto& [r, path] : by_rank) files.push_back({path, r, load(path, r)});
   return files;
@@ -152,9 +147,8 @@ void check_no_gap(const std::vector<TorchFile>& files, int world, const std::str
   const std::string example = fs::path(files.front().path).filename().string();
   for (int r = 0; r < world; ++r)
     if (have.count(r) == 0)
-      throw InvalidArgument(
-          fmt::format("{}: no dump of rank {} (the world has {} ranks; found e.g. {})", dir, r,
-                      world, example));
+      raise(dir, fmt::format("no dump of rank {} (the world has {} ranks; found e.g. {})", r, world,
+                             example));
 }
 
 // Every group's members: the world, pg_config where it names the group,
@@ -196,8 +190,7 @@ DType dtype_of(const std::string& torch_name, const std::string& file, std::size
       {"Byte", DType::UInt8}};
   const auto it = names.find(torch_name);
   if (it == names.end())
-    throw InvalidArgument(fmt::format("{}: entry {}: torch dtype '{}' has no diffcomm dtype", file,
-                                      entry, torch_name));
+    raise(file, fmt::format("entry {}: torch dtype '{}' has no diffcomm dtype", entry, torch_name));
   return it->second;
 }
 
@@ -228,8 +221,7 @@ OpType op_of(const Json& e, const std::string& file, std::size_t entry) {
       {"recv", OpType::Recv}};
   const auto it = ops.find(op);
   if (it == ops.end())
-    throw InvalidArgument(
-        fmt::format("{}: entry {}: torch op '{}' has no diffcomm equivalent", file, entry, p));
+    raise(file, fmt::format("entry {}: torch op '{}' has no diffcomm equivalent", entry, p));
   if (it->second == OpType::AllToAllSingle && e.at("input_sizes").size() > 1)
     return OpType::AllToAll;
   return it->second;
@@ -324,8 +316,8 @@ FlightRecord record_of(const TorchFile& f, const Json& e, const Groups& groups,
   const std::vector<int>& m = groups.members.at(r.group);
   const auto at = std::find(m.begin(), m.end(), f.rank);
   if (at == m.end())
-    throw InvalidArgument(fmt::format("{}: entry {}: rank {} is not a member of group '{}'", f.path,
-                                      i, f.rank, r.group));
+    raise(f.path,
+          fmt::format("entry {}: rank {} is not a member of group '{}'", i, f.rank, r.group));
   r.group_rank = static_cast<int>(at - m.begin());
   r.group_size = static_cast<int>(m.size());
   r.op = op_of(e, f.path, i);
@@ -397,8 +389,8 @@ dist::FlightDump dump_of(const TorchFile& f, int world, const Groups& groups) {
     try {
       r = record_of(f, e, groups, completed, i);
     } catch (const Json::exception& x) {
-      throw InvalidArgument(fmt::format("{}: entry {}: a field is missing or of the wrong type: {}",
-                                        f.path, i, reason_of(x)));
+      raise(f.path,
+            fmt::format("entry {}: a field is missing or of the wrong type: {}", i, reason_of(x)));
     }
     if (const char* u = unknown_of(r.op)) note(d, u);
     if (groups.inferred.count(r.group) != 0)
@@ -422,8 +414,7 @@ std::vector<dist::FlightDump> dumps_of(const std::vector<TorchFile>& files,
                                        const std::string& dir) {
   const int world = world_size_of(files);
   if (world > kMaxRanks)
-    throw InvalidArgument(
-        fmt::format("{}: a pg_config names rank {} (at most {} ranks)", dir, world - 1, kMaxRanks));
+    raise(dir, fmt::format("a pg_config names rank {} (at most {} ranks)", world - 1, kMaxRanks));
   check_no_gap(files, world, dir);
   const Groups groups = groups_of(files, world);
   std::vector<dist::FlightDump> dumps;
@@ -431,8 +422,7 @@ std::vector<dist::FlightDump> dumps_of(const std::vector<TorchFile>& files,
     try {
       dumps.push_back(dump_of(f, world, groups));
     } catch (const Json::exception& e) {
-      throw InvalidArgument(
-          fmt::format("{}: a field is missing or of the wrong type: {}", f.path, reason_of(e)));
+      raise(f.path, fmt::format("a field is missing or of the wrong type: {}", reason_of(e)));
     }
   }
   return dumps;
@@ -448,16 +438,15 @@ bool is_torch_flight_dump(std::string_view bytes) {
 }
 
 std::vector<dist::FlightDump> read_torch_dumps(const std::string& dir) {
-  if (!fs::is_directory(dir)) throw InvalidArgument(fmt::format("{}: not a directory", dir));
+  if (!fs::is_directory(dir)) raise(dir, "not a directory");
   const std::vector<TorchFile> files = list_files(dir);
   try {
     return dumps_of(files, dir);
   } catch (const Json::exception& e) {  // in pg_config, pg_status or process_group
-    throw InvalidArgument(fmt::format(
-        "{}: a torch dump has a field missing or of the wrong type: {}", dir, reason_of(e)));
+    raise(dir,
+          fmt::format("a torch dump has a field missing or of the wrong type: {}", reason_of(e)));
   } catch (const std::logic_error& e) {  // std::stoll of a number out of range
-    throw InvalidArgument(
-        fmt::format("{}: a torch dump has a malformed number: {}", dir, e.what()));
+    raise(dir, fmt::format("a torch dump has a malformed number: {}", e.what()));
   }
 }
 

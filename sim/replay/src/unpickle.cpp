@@ -34,7 +34,9 @@ class Unpickler {
       const std::size_t at = pos_;
       const auto op = static_cast<uint8_t>(take(1)[0]);
       if (op == '.') {  // STOP
-        if (stack_.size() != 1) fail(at, "STOP with a stack of {} values", stack_.size());
+        if (stack_.size() != 1)
+          raise(file_, fmt::format("pickle STOP with a stack of {} values at offset {}",
+                                   stack_.size(), at));
         return stack_.back()->v;
       }
       step(op, at);
@@ -42,14 +44,10 @@ class Unpickler {
   }
 
  private:
-  template <typename... A>
-  [[noreturn]] void fail(std::size_t at, fmt::format_string<A...> f, A&&... a) const {
-    throw InvalidArgument(fmt::format("{}: pickle {} at offset {}", file_,
-                                      fmt::format(f, std::forward<A>(a)...), at));
-  }
-
   std::string_view take(std::size_t n) {
-    if (n > in_.size() - pos_) fail(in_.size(), "truncated (needs {} more bytes)", n);
+    if (n > in_.size() - pos_)
+      raise(file_,
+            fmt::format("pickle truncated (needs {} more bytes) at offset {}", n, in_.size()));
     const std::string_view s = in_.substr(pos_, n);
     pos_ += n;
     return s;
@@ -68,10 +66,13 @@ class Unpickler {
   // `parent` now holds a value of `child_depth`: its own depth follows.
   void nest(Item& parent, int child_depth, std::size_t at) const {
     parent.depth = std::max(parent.depth, child_depth + 1);
-    if (parent.depth > kMaxDepth) fail(at, "nests containers deeper than {}", kMaxDepth);
+    if (parent.depth > kMaxDepth)
+      raise(file_,
+            fmt::format("pickle nests containers deeper than {} at offset {}", kMaxDepth, at));
   }
   Node pop(std::size_t at) {
-    if (stack_.size() <= mark_floor()) fail(at, "pops an empty stack");
+    if (stack_.size() <= mark_floor())
+      raise(file_, fmt::format("pickle pops an empty stack at offset {}", at));
     Node n = std::move(stack_.back());
     stack_.pop_back();
     return n;
@@ -79,7 +80,7 @@ class Unpickler {
   std::size_t mark_floor() const { return marks_.empty() ? 0 : marks_.back(); }
   // The values above the last MARK, removed from the stack.
   std::vector<Node> since_mark(std::size_t at) {
-    if (marks_.empty()) fail(at, "needs a MARK");
+    if (marks_.empty()) raise(file_, fmt::format("pickle needs a MARK at offset {}", at));
     std::vector<Node> items(stack_.begin() + static_cast<std::ptrdiff_t>(marks_.back()),
                             stack_.end());
     stack_.resize(marks_.back());
@@ -87,32 +88,36 @@ class Unpickler {
     return items;
   }
   Item& top(std::size_t at) {
-    if (stack_.size() <= mark_floor()) fail(at, "needs a value on the stack");
+    if (stack_.size() <= mark_floor())
+      raise(file_, fmt::format("pickle needs a value on the stack at offset {}", at));
     return *stack_.back();
   }
   void set_item(Item& dict, const Json& key, Node& value, std::size_t at) {
-    if (!dict.v.is_object()) fail(at, "SETITEM on a non-dict");
+    if (!dict.v.is_object())
+      raise(file_, fmt::format("pickle SETITEM on a non-dict at offset {}", at));
     nest(dict, value->depth, at);
     if (key.is_string())
       dict.v[key.get<std::string>()] = value_of(value);
     else if (key.is_number_integer())
       dict.v[key.dump()] = value_of(value);
     else
-      fail(at, "dict key of type {}", key.type_name());
+      raise(file_, fmt::format("pickle dict key of type {} at offset {}", key.type_name(), at));
   }
   void append(Item& list, Node& value, std::size_t at) {
-    if (!list.v.is_array()) fail(at, "APPEND to a non-list");
+    if (!list.v.is_array())
+      raise(file_, fmt::format("pickle APPEND to a non-list at offset {}", at));
     nest(list, value->depth, at);
     list.v.push_back(value_of(value));
   }
   void memo_put(uint64_t i, std::size_t at) {
-    if (i > (1u << 24)) fail(at, "memo index {}", i);
+    if (i > (1u << 24)) raise(file_, fmt::format("pickle memo index {} at offset {}", i, at));
     if (memo_.size() <= i) memo_.resize(i + 1);
     memo_[i] = stack_.empty() ? nullptr : stack_.back();
-    if (!memo_[i]) fail(at, "memoizes an empty stack");
+    if (!memo_[i]) raise(file_, fmt::format("pickle memoizes an empty stack at offset {}", at));
   }
   void memo_get(uint64_t i, std::size_t at) {
-    if (i >= memo_.size() || !memo_[i]) fail(at, "reads memo {} never written", i);
+    if (i >= memo_.size() || !memo_[i])
+      raise(file_, fmt::format("pickle reads memo {} never written at offset {}", i, at));
     push(memo_[i]->v, memo_[i]->depth);
   }
   // A tuple of `items` (TUPLE, TUPLE1..3).
@@ -125,7 +130,8 @@ class Unpickler {
     push(std::move(t.v), t.depth);
   }
   void tuple_of(std::size_t n, std::size_t at) {
-    if (stack_.size() < mark_floor() + n) fail(at, "TUPLE{} on a short stack", n);
+    if (stack_.size() < mark_floor() + n)
+      raise(file_, fmt::format("pickle TUPLE{} on a short stack at offset {}", n, at));
     const auto first = stack_.end() - static_cast<std::ptrdiff_t>(n);
     std::vector<Node> items(first, stack_.end());
     stack_.erase(first, stack_.end());
@@ -133,7 +139,7 @@ class Unpickler {
   }
   // LONG1 / LONG4: little-endian two's complement of n bytes.
   void long_of(std::size_t n, std::size_t at) {
-    if (n > 8) fail(at, "integer of {} bytes", n);
+    if (n > 8) raise(file_, fmt::format("pickle integer of {} bytes at offset {}", n, at));
     const std::string_view s = take(n);
     uint64_t v = 0;
     for (std::size_t i = n; i-- > 0;) v = (v << 8) | static_cast<uint8_t>(s[i]);
@@ -203,7 +209,8 @@ void Unpickler::step(uint8_t op, std::size_t at) {
     }
     case 'u': {  // SETITEMS
       std::vector<Node> items = since_mark(at);
-      if (items.size() % 2 != 0) fail(at, "SETITEMS with an odd number of values");
+      if (items.size() % 2 != 0)
+        raise(file_, fmt::format("pickle SETITEMS with an odd number of values at offset {}", at));
       Item& dict = top(at);
       for (std::size_t i = 0; i < items.size(); i += 2)
         set_item(dict, items[i]->v, items[i + 1], at);
@@ -214,7 +221,10 @@ void Unpickler::step(uint8_t op, std::size_t at) {
     case 0x94: memo_put(memo_.size(), at); return;  // MEMOIZE
     case 'h': memo_get(uint_le(1), at); return;     // BINGET
     case 'j': memo_get(uint_le(4), at); return;     // LONG_BINGET
-    default: fail(at, "opcode 0x{:02x} is not one a flight recorder dump uses", op);
+    default:
+      raise(file_, fmt::format(
+                       "pickle opcode 0x{:02x} is not one a flight recorder dump uses at offset {}",
+                       op, at));
   }
 }
 }  // namespace

@@ -44,7 +44,7 @@ void RankChannel::abort(std::string why) {
 
 void RankChannel::wait_start() {
   if (finished_ || owner_.load() != std::thread::id{})
-    throw Error("diffcomm.sim: this rank already started (start() is called once per rank)");
+    raise<Error>("diffcomm.sim", "this rank already started (start() is called once per rank)");
   owner_ = std::this_thread::get_id();
   baton_.wait_for(kRank);
   if (aborted_) throw Error(abort_why_);
@@ -52,13 +52,13 @@ void RankChannel::wait_start() {
 
 void RankChannel::check_usable() const {
   if (done_ || finished_ || aborted_)
-    throw InvalidArgument(
-        "diffcomm.sim: this rank's simulated world has finished (a group from sim.run was used "
-        "after its rank function returned)");
+    raise("diffcomm.sim",
+          "this rank's simulated world has finished (a group from sim.run was used "
+          "after its rank function returned)");
   if (owner_.load() != std::this_thread::get_id())
-    throw InvalidArgument(
-        "diffcomm.sim: a rank's group was used from a thread that is not the rank's (each rank "
-        "of sim.run / ThreadedWorld calls diffcomm from its own thread only)");
+    raise("diffcomm.sim",
+          "a rank's group was used from a thread that is not the rank's (each rank "
+          "of sim.run / ThreadedWorld calls diffcomm from its own thread only)");
 }
 
 void RankChannel::call(const std::function<void()>& op) {

@@ -15,23 +15,23 @@ using dist::Call;
 
 void SimBackend::check_caller(const Call& call) const {
   const int owner = group_->members[static_cast<std::size_t>(slot_)];
+  // ErrorSite writes no global rank inside the parenthesis: the op carries it.
   if (!*running_)
-    throw InvalidArgument(fmt::format(
-        "{} on group '{}' (sim backend, global rank {}): this group handle belongs to a "
-        "sim::World run that has finished, or to a World that was destroyed; a handle lives "
-        "only for the run() whose rank function obtained it",
-        dist::op_name(call.op), call.group, owner));
+    raise(fmt::format("{} on group '{}' (sim backend, global rank {})", dist::op_name(call.op),
+                      call.group, owner),
+          "this group handle belongs to a sim::World run that has finished, or to a World that "
+          "was destroyed; a handle lives only for the run() whose rank function obtained it");
   const auto* props =
       static_cast<const FiberProps*>(boost::fibers::context::active()->get_properties());
   const int caller = props != nullptr ? props->rank : -1;
   if (caller != owner)
-    throw InvalidArgument(fmt::format(
-        "{} on group '{}' (sim backend): called from {}, but this handle is global rank {}'s "
-        "(group rank {} of {}); a group handle is per rank: every member calls through the "
-        "handle its own rank function obtained, and non-members cannot call",
-        dist::op_name(call.op), call.group,
-        caller >= 0 ? fmt::format("global rank {}", caller) : std::string("outside the ranks"),
-        owner, slot_, group_->members.size()));
+    raise({.op = dist::op_name(call.op), .group = std::string(call.group), .backend = "sim"},
+          fmt::format("called from {}, but this handle is global rank {}'s (group rank {} of {}); "
+                      "a group handle is per rank: every member calls through the handle its "
+                      "own rank function obtained, and non-members cannot call",
+                      caller >= 0 ? fmt::format("global rank {}", caller)
+                                  : std::string("outside the ranks"),
+                      owner, slot_, group_->members.size()));
 }
 
 std::shared_ptr<dist::Backend> SimBackend::split(Call& call, int, int) {

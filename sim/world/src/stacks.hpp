@@ -32,11 +32,12 @@ class Stacks {
         stacks_[r] = alloc_.allocate();
       } catch (const std::bad_alloc&) {
         release_unused();
-        throw BackendError(fmt::format(
-            "sim::World::run: cannot allocate the fiber stack of rank {} of {} ({} bytes each, "
-            "{:.1f} MiB for the world): out of memory or of memory mappings; use fewer ranks or "
-            "a smaller WorldOptions::stack_size (>= 16 KiB)",
-            r, ranks, size, static_cast<double>(size) * ranks / (1 << 20)));
+        raise<BackendError>(
+            "sim::World::run",
+            fmt::format("cannot allocate the fiber stack of rank {} of {} ({} bytes each, "
+                        "{:.1f} MiB for the world): out of memory or of memory mappings; use fewer "
+                        "ranks or a smaller WorldOptions::stack_size (>= 16 KiB)",
+                        r, ranks, size, static_cast<double>(size) * ranks / (1 << 20)));
       }
       taken_[r] = false;
     }

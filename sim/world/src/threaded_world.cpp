@@ -116,8 +116,7 @@ std::vector<std::string> ThreadedWorld::error_messages() const {
 
 dist::ProcessGroup ThreadedWorld::start(int rank) {
   if (rank < 0 || rank >= size())
-    throw InvalidArgument(
-        fmt::format("ThreadedWorld::start: rank {} outside [0, {})", rank, size()));
+    raise("ThreadedWorld::start", fmt::format("rank {} outside [0, {})", rank, size()));
   const auto slot = static_cast<std::size_t>(rank);
   auto& pin = state_->pins[slot];
   pin.pin(state_->cpu);
@@ -133,8 +132,7 @@ dist::ProcessGroup ThreadedWorld::start(int rank) {
 
 void ThreadedWorld::finish(int rank, std::string failure) {
   if (rank < 0 || rank >= size())
-    throw InvalidArgument(
-        fmt::format("ThreadedWorld::finish: rank {} outside [0, {})", rank, size()));
+    raise("ThreadedWorld::finish", fmt::format("rank {} outside [0, {})", rank, size()));
   {
     // As sim::World does when a rank function returns: its pending
     // differentiable collectives can never run (kept, they would hold their
@@ -150,7 +148,7 @@ void ThreadedWorld::finish(int rank, std::string failure) {
 void ThreadedWorld::run() {
   auto state = state_;
   if (state->ran.exchange(true))
-    throw InvalidArgument("ThreadedWorld::run: this world already ran (run() is called once)");
+    raise("ThreadedWorld::run", "this world already ran (run() is called once)");
   const detail::ScopedCpuPin pin(state->cpu);  // the world's thread shares the ranks' CPU
   // A rank's group holds its baton backend, which holds the state, which
   // holds the group: once the world ended, the state lets go of the groups

@@ -133,10 +133,10 @@ void World::write_trace(const std::string& path) const {
                         {"bytes_received", m.bytes_received}}}});
   });
   std::ofstream out(path);
-  if (!out) throw InvalidArgument(fmt::format("write_trace: cannot open '{}' for writing", path));
+  if (!out) raise("write_trace", fmt::format("cannot open '{}' for writing", path));
   out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump() << "\n";
   out.flush();  // a full disk (/dev/full) shows only here
-  if (!out) throw InvalidArgument(fmt::format("write_trace: cannot write '{}'", path));
+  if (!out) raise("write_trace", fmt::format("cannot write '{}'", path));
 }
 
 }  // namespace diffcomm::sim

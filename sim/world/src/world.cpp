@@ -41,25 +41,24 @@ double Rank::now_us() const {
 }
 
 void Rank::advance_us(double us) {
-  if (us < 0) throw InvalidArgument(fmt::format("advance_us: negative time {}", us));
+  if (us < 0) raise("advance_us", fmt::format("negative time {}", us));
   world_->impl_->ranks[static_cast<std::size_t>(rank_)].clock_us += us;
 }
 
 // ---------------------------------------------------------------- World
 World::World(WorldOptions options) : impl_(std::make_unique<Impl>()) {
   if (options.ranks < 1 || options.ranks > kMaxRanks)
-    throw InvalidArgument(
-        fmt::format("sim::World: ranks = {}, expected 1..{}", options.ranks, kMaxRanks));
+    raise("sim::World", fmt::format("ranks = {}, expected 1..{}", options.ranks, kMaxRanks));
   if (options.stack_size < 16 * 1024)
-    throw InvalidArgument(
-        fmt::format("sim::World: stack_size = {} bytes, expected >= 16384", options.stack_size));
+    raise("sim::World",
+          fmt::format("stack_size = {} bytes, expected >= 16384", options.stack_size));
   if (options.fault && (options.fault->rank < 0 || options.fault->rank >= options.ranks ||
                         options.fault->at_call < 1))
-    throw InvalidArgument(
-        fmt::format("sim::World: fault rank {} at call {} is invalid (rank in [0, {}), call >= 1)",
-                    options.fault->rank, options.fault->at_call, options.ranks));
+    raise("sim::World",
+          fmt::format("fault rank {} at call {} is invalid (rank in [0, {}), call >= 1)",
+                      options.fault->rank, options.fault->at_call, options.ranks));
   if (options.cost.bandwidth_gbps <= 0 || options.cost.alpha_us < 0)
-    throw InvalidArgument("sim::World: cost model needs alpha_us >= 0 and bandwidth_gbps > 0");
+    raise("sim::World", "cost model needs alpha_us >= 0 and bandwidth_gbps > 0");
   impl_->options = options;
 }
 
@@ -71,7 +70,7 @@ const WorldOptions& World::options() const { return impl_->options; }
 const std::vector<std::exception_ptr>& World::errors() const { return impl_->errors; }
 const dist::Stats& World::stats(int rank) const {
   if (rank < 0 || rank >= static_cast<int>(impl_->ranks.size()))
-    throw InvalidArgument(fmt::format("World::stats: rank {} out of range (run() first?)", rank));
+    raise("World::stats", fmt::format("rank {} out of range (run() first?)", rank));
   return *impl_->ranks[static_cast<std::size_t>(rank)].stats;
 }
 const std::vector<TraceEvent>& World::trace() const { return impl_->expanded_trace(); }
@@ -100,15 +99,15 @@ void claim_run(std::atomic<bool>& in_run) {
   // Inside a fiber (a rank function of this or another World) Boost.Fiber
   // would abort on the nested scheduler switch: refuse before touching it.
   if (!boost::fibers::context::active()->is_context(boost::fibers::type::main_context))
-    throw InvalidArgument(
-        "sim::World::run: called from inside a fiber (a rank function of a running World); "
-        "run() must be called from a plain thread, and one World runs one run() at a time");
+    raise("sim::World::run",
+          "called from inside a fiber (a rank function of a running World); "
+          "run() must be called from a plain thread, and one World runs one run() at a time");
   // Claimed before anything of the World is read: a second thread gets here
   // only while the first is inside run().
   if (in_run.exchange(true))
-    throw InvalidArgument(
-        "sim::World::run: this World is already running on another thread; one World runs one "
-        "run() at a time (give each thread its own World)");
+    raise("sim::World::run",
+          "this World is already running on another thread; one World runs one "
+          "run() at a time (give each thread its own World)");
 }
 
 // Per-rank generator seed: a SplitMix64 step over (seed, rank).

@@ -450,9 +450,7 @@ class MpiBackend final : public dist::Backend {
 void require_initialised(const char* what) {
   int init = 0;
   MPI_Initialized(&init);
-  if (!init)
-    throw BackendError(
-        fmt::format("{}: MPI is not initialised (create an mpi::Environment first)", what));
+  if (!init) raise<BackendError>(what, "MPI is not initialised (create an mpi::Environment first)");
 }
 
 }  // namespace
@@ -540,7 +538,7 @@ dist::ProcessGroup world(const dist::Options& options) {
 
 dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Options& options) {
   require_initialised("mpi::from_comm");
-  if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::from_comm: MPI_COMM_NULL");
+  if (comm == MPI_COMM_NULL) raise("mpi::from_comm", "MPI_COMM_NULL");
   auto recorder = make_recorder(options);
   auto backend = make_backend(comm, name, options);
   return dist::ProcessGroup(std::move(backend), std::move(name), nullptr, std::move(recorder));
@@ -549,7 +547,7 @@ dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Option
 int64_t max_count() { return g_max_count; }
 void set_max_count(int64_t count) {
   if (count < 1 || count > INT_MAX)
-    throw InvalidArgument(fmt::format("mpi::set_max_count: {} outside [1, INT_MAX]", count));
+    raise("mpi::set_max_count", fmt::format("{} outside [1, INT_MAX]", count));
   g_max_count = count;
 }
 

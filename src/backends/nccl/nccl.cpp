@@ -20,8 +20,8 @@ namespace {
 NcclBackend& backend_of(const dist::ProcessGroup& group, const char* what) {
   auto* b = dynamic_cast<NcclBackend*>(&dist::transport_of(group.backend()));
   if (b == nullptr)
-    throw InvalidArgument(fmt::format("nccl::{}: group '{}' runs on the {} backend, not nccl", what,
-                                      group.name(), group.backend().backend_name()));
+    raise(fmt::format("nccl::{}", what), fmt::format("group '{}' runs on the {} backend, not nccl",
+                                                     group.name(), group.backend().backend_name()));
   return *b;
 }
 
@@ -98,15 +98,15 @@ ncclUniqueId unique_id() {
 
 dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int device,
                              Options options, std::string name) {
-  if (nranks < 1) throw InvalidArgument(fmt::format("nccl::init_rank: nranks {} < 1", nranks));
+  if (nranks < 1) raise("nccl::init_rank", fmt::format("nranks {} < 1", nranks));
   if (rank < 0 || rank >= nranks)
-    throw InvalidArgument(fmt::format("nccl::init_rank: rank {} outside [0, {})", rank, nranks));
+    raise("nccl::init_rank", fmt::format("rank {} outside [0, {})", rank, nranks));
   validate_members(options.members, nranks, "nccl::init_rank");
   const int devices = device_count();
   if (device < 0 || device >= devices)
-    throw InvalidArgument(
-        fmt::format("nccl::init_rank: device {} outside [0, {}){}", device, devices,
-                    devices == 0 ? " (no CUDA device: " + device_status() + ")" : ""));
+    raise("nccl::init_rank",
+          fmt::format("device {} outside [0, {}){}", device, devices,
+                      devices == 0 ? " (no CUDA device: " + device_status() + ")" : ""));
   const std::string what =
       fmt::format("nccl::init_rank (rank {} of {}, cuda:{})", rank, nranks, device);
   const DeviceGuard guard(device);
@@ -123,7 +123,7 @@ dist::ProcessGroup init_rank(const ncclUniqueId& id, int nranks, int rank, int d
 
 dist::ProcessGroup from_comm(ncclComm_t comm, cudaStream_t stream, Options options,
                              std::string name) {
-  if (comm == nullptr) throw InvalidArgument("nccl::from_comm: null communicator");
+  if (comm == nullptr) raise("nccl::from_comm", "null communicator");
   int device = 0;
   DIFFCOMM_NCCL_PLAIN(ncclCommCuDevice(comm, &device), "nccl::from_comm");
   options.stream = stream;

@@ -25,8 +25,8 @@ NcclBackend::NcclBackend(ncclComm_t comm, bool owns_comm, std::shared_ptr<Stream
       opts_(std::move(options)),
       timeout_s_(opts_.resolved_timeout_s()) {
   if (opts_.deadline_every < 1)
-    throw InvalidArgument(
-        fmt::format("nccl: Options::deadline_every is {}; it must be >= 1", opts_.deadline_every));
+    raise("nccl",
+          fmt::format("Options::deadline_every is {}; it must be >= 1", opts_.deadline_every));
   DIFFCOMM_NCCL_PLAIN(ncclCommCount(comm_, &size_), "nccl: querying the communicator");
   DIFFCOMM_NCCL_PLAIN(ncclCommUserRank(comm_, &rank_), "nccl: querying the communicator");
   DIFFCOMM_NCCL_PLAIN(ncclCommCuDevice(comm_, &device_), "nccl: querying the communicator");
@@ -137,10 +137,10 @@ std::shared_ptr<dist::Backend> NcclBackend::split(Call& c, int color, int key) {
   }
   // From here `b` owns `sub` (destroyed with it).
   if (b->rank_ != my_pos || b->size_ != static_cast<int>(order.size()))
-    throw BackendError(fmt::format(
-        "{} [nccl]: ncclCommSplit made rank {} of {}, but the all-gathered (color, key) "
-        "table predicts rank {} of {}",
-        c.where(), b->rank_, b->size_, my_pos, order.size()));
+    raise<BackendError>(c.where() + " [nccl]",
+                        fmt::format("ncclCommSplit made rank {} of {}, but the all-gathered "
+                                    "(color, key) table predicts rank {} of {}",
+                                    b->rank_, b->size_, my_pos, order.size()));
   return b;
 }
 
@@ -162,9 +162,9 @@ void NcclBackend::synchronize() {
 
 void NcclBackend::abort_comm() {
   if (!owned_)
-    throw InvalidArgument(
-        "nccl::abort: the group's communicator is borrowed (from_comm); diffcomm never aborts "
-        "it: call ncclCommAbort yourself");
+    raise("nccl::abort",
+          "the group's communicator is borrowed (from_comm); diffcomm never aborts "
+          "it: call ncclCommAbort yourself");
   const DeviceGuard guard(device_);
   abort_owned();
 }
@@ -212,10 +212,9 @@ void NcclBackend::check_async(const Call* c) {
 
 void NcclBackend::begin(const Call& c) {
   if (aborted_)
-    throw BackendError(
-        fmt::format("{}: the communicator was aborted (timeout, asynchronous error or "
-                    "nccl::abort); create a new group",
-                    context(&c)));
+    raise<BackendError>(context(&c),
+                        "the communicator was aborted (timeout, asynchronous error or "
+                        "nccl::abort); create a new group");
   check_async(&c);
   check_in_flight(&c);
 }

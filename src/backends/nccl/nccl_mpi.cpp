@@ -20,8 +20,9 @@ void check_mpi(int rc, const char* what) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  throw BackendError(fmt::format("nccl::init_over_mpi: {} failed: {} (MPI code {})", what,
-                                 std::string(text, static_cast<std::size_t>(len)), rc));
+  raise<BackendError>("nccl::init_over_mpi",
+                      fmt::format("{} failed: {} (MPI code {})", what,
+                                  std::string(text, static_cast<std::size_t>(len)), rc));
 }
 
 }  // namespace
@@ -30,9 +31,9 @@ dist::ProcessGroup init_over_mpi(MPI_Comm comm, int device, Options options, std
   int initialised = 0;
   MPI_Initialized(&initialised);
   if (!initialised)
-    throw BackendError(
-        "nccl::init_over_mpi: MPI is not initialised (create an mpi::Environment first)");
-  if (comm == MPI_COMM_NULL) throw InvalidArgument("nccl::init_over_mpi: MPI_COMM_NULL");
+    raise<BackendError>("nccl::init_over_mpi",
+                        "MPI is not initialised (create an mpi::Environment first)");
+  if (comm == MPI_COMM_NULL) raise("nccl::init_over_mpi", "MPI_COMM_NULL");
   int rank = 0, size = 0, world_rank = 0;
   check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm, &size), "MPI_Comm_size");
@@ -73,11 +74,10 @@ dist::ProcessGroup init_over_mpi(MPI_Comm comm, int device, Options options, std
   int ready = problem.empty() ? 1 : 0, all_ready = 0;
   check_mpi(MPI_Allreduce(&ready, &all_ready, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
   if (!problem.empty())
-    throw BackendError(fmt::format("nccl::init_over_mpi (rank {} of {}): {}", rank, size, problem));
+    raise<BackendError>({.op = "nccl::init_over_mpi", .rank = rank, .group_size = size}, problem);
   if (!payload.ok || !all_ready)
-    throw BackendError(fmt::format(
-        "nccl::init_over_mpi (rank {} of {}): another rank could not take part (see its error)",
-        rank, size));
+    raise<BackendError>({.op = "nccl::init_over_mpi", .rank = rank, .group_size = size},
+                        "another rank could not take part (see its error)");
 
   options.members.assign(static_cast<std::size_t>(size), 0);
   check_mpi(MPI_Allgather(&world_rank, 1, MPI_INT, options.members.data(), 1, MPI_INT, comm),

@@ -302,10 +302,10 @@ void NcclBackend::all_to_all_single(Call& c) {
       return std::all_of(s.begin(), s.end(), [&](int64_t x) { return x == k; });
     };
     if (!even(c.input_splits) || !even(c.output_splits))
-      throw InvalidArgument(
-          fmt::format("{} [nccl]: the group promised even all_to_all_single splits "
-                      "(Options::even_all_to_all) but got input_splits {} and output_splits {}",
-                      c.where(), fmt::join(c.input_splits, ","), fmt::join(c.output_splits, ",")));
+      raise(c.where() + " [nccl]",
+            fmt::format("the group promised even all_to_all_single splits "
+                        "(Options::even_all_to_all) but got input_splits {} and output_splits {}",
+                        fmt::join(c.input_splits, ","), fmt::join(c.output_splits, ",")));
   }
   run(c, [&](Call& d) {
     const Tensor& in = d.inputs[0];

@@ -129,15 +129,13 @@ inline ncclDataType_t nccl_type(DType d) {
 inline void validate_members(const std::vector<int>& members, int nranks, const char* what) {
   if (members.empty()) return;
   if (static_cast<int>(members.size()) != nranks)
-    throw InvalidArgument(fmt::format("{}: options.members has {} entries for {} ranks", what,
-                                      members.size(), nranks));
+    raise(what, fmt::format("options.members has {} entries for {} ranks", members.size(), nranks));
   std::vector<int> sorted = members;
   std::sort(sorted.begin(), sorted.end());
   if (sorted.front() < 0)
-    throw InvalidArgument(
-        fmt::format("{}: options.members holds a negative rank {}", what, sorted.front()));
+    raise(what, fmt::format("options.members holds a negative rank {}", sorted.front()));
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-    throw InvalidArgument(fmt::format("{}: options.members lists a rank twice", what));
+    raise(what, "options.members lists a rank twice");
 }
 
 inline char* at(const Tensor& t, int64_t elements) {

@@ -12,8 +12,7 @@ namespace {
 int64_t checked_mul(int64_t a, int64_t b, const char* what) {
   int64_t r = 0;
   if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r))
-    throw InvalidArgument(
-        fmt::format("block layout: {} ({} x {}) is negative or overflows int64", what, a, b));
+    raise("block layout", fmt::format("{} ({} x {}) is negative or overflows int64", what, a, b));
   return r;
 }
 
@@ -36,8 +35,7 @@ BlockLayout BlockLayout::of(const SplitList& splits, int64_t unit) {
   for (std::size_t p = 0; p < l.n_; ++p) {
     const int64_t len = checked_mul(splits[p], unit, "a block");
     if (__builtin_add_overflow(l.offsets_[p], len, &l.offsets_[p + 1]))
-      throw InvalidArgument(
-          fmt::format("block layout: the offset of block {} overflows int64", p + 1));
+      raise("block layout", fmt::format("the offset of block {} overflows int64", p + 1));
   }
   return l;
 }

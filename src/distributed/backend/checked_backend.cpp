@@ -59,9 +59,9 @@ CallDesc from_envelope(const std::vector<int64_t>& w, OpType op, int peer) {
 CheckedBackend::CheckedBackend(std::shared_ptr<Backend> inner, std::shared_ptr<Backend> control,
                                Device control_device)
     : ForwardingBackend(std::move(inner)), control_(std::move(control)), device_(control_device) {
-  if (!control_) throw InvalidArgument("CheckedBackend: null backend");
+  if (!control_) raise("CheckedBackend", "null backend");
   if (control_->size() != size() || control_->rank() != rank())
-    throw InvalidArgument("CheckedBackend: control backend has other members than the data one");
+    raise("CheckedBackend", "control backend has other members than the data one");
 }
 
 void CheckedBackend::forward(Call& c) {

@@ -162,13 +162,13 @@ std::vector<int64_t> serialize(const CallDesc& c) {
 CallDesc deserialize(const int64_t* w, std::size_t n) {
   std::size_t at = 0;
   auto take = [&]() -> int64_t {
-    if (at >= n) throw InvalidArgument("deserialize: call description is truncated");
+    if (at >= n) raise("deserialize", "call description is truncated");
     return w[at++];
   };
   auto take_count = [&]() {
     const int64_t k = take();
     if (k < 0 || static_cast<std::size_t>(k) > n - at)
-      throw InvalidArgument(fmt::format("deserialize: bad list length {}", k));
+      raise("deserialize", fmt::format("bad list length {}", k));
     return static_cast<std::size_t>(k);
   };
   auto take_list = [&]() {
@@ -184,7 +184,7 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   CallDesc c;
   const int64_t op = take();
   if (op < 0 || op > static_cast<int64_t>(OpType::NewGroup))
-    throw InvalidArgument(fmt::format("deserialize: bad op {}", op));
+    raise("deserialize", fmt::format("bad op {}", op));
   c.op = static_cast<OpType>(op);
   c.seq = static_cast<uint64_t>(take());
   c.dtype = static_cast<DType>(take());
@@ -193,7 +193,7 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   const int64_t kind = take();
   const auto factor = std::bit_cast<double>(take());
   if (kind < 0 || kind > static_cast<int64_t>(ReduceOp::PremulSum))
-    throw InvalidArgument(fmt::format("deserialize: bad reduce op {}", kind));
+    raise("deserialize", fmt::format("bad reduce op {}", kind));
   c.reduce_op = kind == ReduceOp::PremulSum ? ReduceOp::premul_sum(factor)
                                             : ReduceOp(static_cast<ReduceOp::Kind>(kind));
   c.color = static_cast<int>(take());
@@ -207,7 +207,7 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   const int64_t backward_op = take();
   const auto backward_seq = static_cast<uint64_t>(take());
   if (backward_op > static_cast<int64_t>(OpType::NewGroup))
-    throw InvalidArgument(fmt::format("deserialize: bad forward op {}", backward_op));
+    raise("deserialize", fmt::format("bad forward op {}", backward_op));
   if (backward_op >= 0) c.backward_of = CallId{static_cast<OpType>(backward_op), backward_seq};
   return c;
 }

@@ -6,7 +6,7 @@
 namespace diffcomm::dist {
 
 ForwardingBackend::ForwardingBackend(std::shared_ptr<Backend> inner) : inner_(std::move(inner)) {
-  if (!inner_) throw InvalidArgument("ForwardingBackend: null inner backend");
+  if (!inner_) raise("ForwardingBackend", "null inner backend");
 }
 
 Backend& ForwardingBackend::transport() const { return transport_of(*inner_); }
@@ -17,7 +17,7 @@ std::shared_ptr<Backend> ForwardingBackend::split(Call& call, int color, int key
 }
 
 std::shared_ptr<Backend> ForwardingBackend::rewrap(std::shared_ptr<Backend> /*inner_split*/) {
-  throw Error("ForwardingBackend: a decorator must override rewrap() or split()");
+  raise<Error>("ForwardingBackend", "a decorator must override rewrap() or split()");
 }
 
 Backend& transport_of(Backend& backend) {

@@ -10,7 +10,7 @@ namespace diffcomm::dist {
 std::shared_ptr<Backend> stack_layers(std::shared_ptr<Backend> transport, const Options& options,
                                       const std::function<std::shared_ptr<Backend>()>& make_control,
                                       Device control_device) {
-  if (!transport) throw InvalidArgument("stack_layers: null transport");
+  if (!transport) raise("stack_layers", "null transport");
   std::shared_ptr<Backend> b = std::move(transport);
   if (!options.native_reduction) b = std::make_shared<ComposedReductions>(std::move(b));
   if (options.resolved_check())

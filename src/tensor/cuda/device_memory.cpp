@@ -46,8 +46,8 @@ std::shared_ptr<cuda::Allocator> DeviceMemory::allocator() const {
 void* DeviceMemory::allocate(std::size_t nbytes, int device, void* stream) {
   std::shared_ptr<cuda::Allocator> alloc = allocator();
   if (!alloc)
-    throw InvalidArgument(
-        fmt::format("cuda:{}: no CUDA allocator (this diffcomm was built without CUDA)", device));
+    raise(fmt::format("cuda:{}", device),
+          "no CUDA allocator (this diffcomm was built without CUDA)");
   const std::size_t n = nbytes == 0 ? 1 : nbytes;
   void* p = nullptr;
   {
@@ -55,8 +55,8 @@ void* DeviceMemory::allocate(std::size_t nbytes, int device, void* stream) {
     p = alloc->allocate(n, device, stream);
   }
   if (p == nullptr)
-    throw BackendError(fmt::format("cuda:{}: allocator '{}' returned null for {} bytes", device,
-                                   alloc->name(), n));
+    raise<BackendError>(fmt::format("cuda:{}", device),
+                        fmt::format("allocator '{}' returned null for {} bytes", alloc->name(), n));
   const std::lock_guard lock(mu_);
   Block& b = blocks_[reinterpret_cast<std::uintptr_t>(p)];
   b.nbytes = n;
@@ -160,7 +160,7 @@ void set_allocator(std::shared_ptr<Allocator> allocator) {
 
 std::shared_ptr<Allocator> allocator() {
   std::shared_ptr<Allocator> a = detail::device_memory().allocator();
-  if (!a) throw InvalidArgument("cuda::allocator: this diffcomm was built without CUDA");
+  if (!a) raise("cuda::allocator", "this diffcomm was built without CUDA");
   return a;
 }
 
@@ -171,8 +171,7 @@ void* current_stream(int device) {
 }
 
 void set_current_stream(int device, void* stream) {
-  if (device < 0)
-    throw InvalidArgument(fmt::format("cuda::set_current_stream: device {} < 0", device));
+  if (device < 0) raise("cuda::set_current_stream", fmt::format("device {} < 0", device));
   auto& v = detail::tl_current_streams;
   if (static_cast<std::size_t>(device) >= v.size()) v.resize(static_cast<std::size_t>(device) + 1);
   v[static_cast<std::size_t>(device)] = stream;

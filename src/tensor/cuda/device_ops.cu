@@ -358,22 +358,22 @@ void cuda_scale(const Tensor& out, const Tensor& x, double alpha) {
 
 void reduce_into_device(const Tensor& out, const std::vector<Tensor>& inputs, int op, double factor,
                         void* stream) {
-  if (inputs.empty()) throw InvalidArgument("reduce_into_device: no inputs");
+  if (inputs.empty()) raise("reduce_into_device", "no inputs");
   if (!out.device().is_cuda())
-    throw InvalidArgument("reduce_into_device: output " + out.str() + " is not a CUDA tensor");
+    raise("reduce_into_device", std::string("output ") + out.str() + " is not a CUDA tensor");
   for (const Tensor& t : inputs)
     if (t.dtype() != out.dtype() || t.numel() != out.numel() || t.device() != out.device())
-      throw InvalidArgument("reduce_into_device: input " + t.str() + " does not match output " +
-                            out.str());
+      raise("reduce_into_device",
+            std::string("input ") + t.str() + " does not match output " + out.str());
   if (op < static_cast<int>(rs::Op::Sum) || op > static_cast<int>(rs::Op::PremulSum))
-    throw InvalidArgument("reduce_into_device: unknown reduce op " + std::to_string(op));
+    raise("reduce_into_device", std::string("unknown reduce op ") + std::to_string(op));
   if ((op == static_cast<int>(rs::Op::Avg) || op == static_cast<int>(rs::Op::PremulSum)) &&
       !is_floating(out.dtype()))
-    throw InvalidArgument(std::string("reduce_into_device: ") +
-                          (op == static_cast<int>(rs::Op::Avg) ? "avg" : "premul_sum") +
-                          " is undefined for " + dtype_name(out.dtype()));
+    raise("reduce_into_device",
+          std::string(op == static_cast<int>(rs::Op::Avg) ? "avg" : "premul_sum") +
+              " is undefined for " + dtype_name(out.dtype()));
   if (inputs.size() > static_cast<std::size_t>(std::numeric_limits<int>::max()))
-    throw InvalidArgument("reduce_into_device: too many inputs");
+    raise("reduce_into_device", "too many inputs");
   const int64_t n = out.numel();
   if (n == 0) return;
   const int device = out.device().index;

@@ -9,10 +9,9 @@
 namespace diffcomm::detail {
 namespace {
 [[noreturn]] void no_cuda(const char* what) {
-  throw InvalidArgument(fmt::format(
-      "{}: this diffcomm was built without CUDA (DIFFCOMM_HAVE_CUDA is off); CUDA tensors are "
-      "unavailable",
-      what));
+  raise(what,
+        "this diffcomm was built without CUDA (DIFFCOMM_HAVE_CUDA is off); CUDA tensors are "
+        "unavailable");
 }
 
 // Never reached through diffcomm (no CUDA tensor can exist), but defined so
