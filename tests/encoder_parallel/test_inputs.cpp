@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <string>
@@ -30,6 +31,7 @@ namespace {
 
 using namespace ep_testing;  // NOLINT(google-build-using-namespace)
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 // ============================================================ issue 13: inputs
 // Expected token values come from the Python reference (transformers'
@@ -365,8 +367,17 @@ TEST(PlanValidation, RouteFeaturesAndStatsRefuseABadPlanOnEveryRank) {
                        rk.world(), ep::ReceiverGrad::Partial);
   }),
                InvalidArgument);
-  for (const auto& m : world.error_messages())
-    EXPECT_THAT(m, HasSubstr("route_features: ExchangePlan: items[0].item_id is 100"));
+  for (const std::exception_ptr& err : world.errors()) {
+    ASSERT_TRUE(err);
+    try {
+      std::rethrow_exception(err);
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.site().op, "route_features");
+      EXPECT_THAT(std::string(e.detail()), StartsWith("ExchangePlan: items[0].item_id is 100"));
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "expected InvalidArgument, got: " << e.what();
+    }
+  }
 }
 
 TEST(PlanValidation, UnpackRefusesOverflowingRowCounts) {

@@ -21,7 +21,9 @@ namespace {
 using dist::FlightDump;
 using dist::FlightRecord;
 using dist::OpType;
+using testing::EndsWith;
 using testing::HasSubstr;
+using testing::StartsWith;
 
 // A world of n ranks, everybody in group "world" (watermark 0).
 std::vector<FlightDump> world_of(int n) {
@@ -157,16 +159,19 @@ TEST(Replay, SubGroupsAreMadeWithTheirRecordedMembers) {
 
 // Both readers (read_dumps, and Recording::read, which reads two files at a
 // time without expanding entries) refuse bad input with the same line.
-void expect_refused(const std::string& dir, const std::string& line) {
+// Both readers refuse `dir` with one line raised at `file` (the error's
+// site), its detail starting with `detail`.
+void expect_refused(const std::string& dir, const std::string& file, const std::string& detail) {
   for (int reader = 0; reader < 2; ++reader) {
     try {
       if (reader == 0)
         (void)read_dumps(dir);
       else
         (void)Recording::read(dir);
-      ADD_FAILURE() << "no error from reader " << reader << ", expected " << line;
+      ADD_FAILURE() << "no error from reader " << reader << ", expected " << file << ": " << detail;
     } catch (const InvalidArgument& e) {
-      EXPECT_THAT(e.what(), HasSubstr(line)) << "reader " << reader;
+      EXPECT_THAT(e.site().op, EndsWith(file)) << "reader " << reader;
+      EXPECT_THAT(std::string(e.detail()), StartsWith(detail)) << "reader " << reader;
       EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
     }
   }
@@ -180,21 +185,21 @@ TEST(ReadDumps, MissingRankFileIsOneLineNamingIt) {
   for (auto& f : d) add(d, f.rank, OpType::Barrier, 0);
   (void)dist::write_flight_dump(d[0], dir);
   (void)dist::write_flight_dump(d[2], dir);
-  expect_refused(dir, "rank-1.json: missing (the world has 3 ranks)");
+  expect_refused(dir, "rank-1.json", "missing (the world has 3 ranks)");
   (void)dist::write_flight_dump(d[1], dir);
   EXPECT_EQ(read_dumps(dir).size(), 3u);
   EXPECT_EQ(replay(Recording::read(dir)).verdict, Verdict::Ok);
   d[1].groups[0].group.members = {0, 2, 1};
   (void)dist::write_flight_dump(d[1], dir);
-  expect_refused(dir,
-                 "rank-1.json: group 'world' has members [0,2,1] but rank-0.json records [0,1,2]");
+  expect_refused(dir, "rank-1.json",
+                 "group 'world' has members [0,2,1] but rank-0.json records [0,1,2]");
   d[0].groups[0].group.members = {0, 1, 1};
   (void)dist::write_flight_dump(d[0], dir);
-  expect_refused(dir, "rank-0.json: group 'world' lists member 1 twice");
+  expect_refused(dir, "rank-0.json", "group 'world' lists member 1 twice");
   std::ofstream(dir + "/rank-1.json") << "{\"format\": \"diffcomm-flight";
   d[0].groups[0].group.members = {0, 1, 2};
   (void)dist::write_flight_dump(d[0], dir);
-  expect_refused(dir, "rank-1.json: byte offset 27: truncated");
+  expect_refused(dir, "rank-1.json", "byte offset 27: truncated");
   std::filesystem::remove_all(dir);
 }
 
@@ -213,10 +218,9 @@ TEST(ReadDumps, CallNumbersOutOfOrderAreRefusedNamingTheEntry) {
     add(d, 0, OpType::Send, 0);  // send/recv are numbered apart
     d[0].entries.back().root = 1;
     for (const auto& f : d) (void)dist::write_flight_dump(f, dir);
-    expect_refused(dir, order[0] == 2 ? "rank-0.json: entry 1: all_reduce #1 on group 'world' "
-                                        "comes after #2 there"
-                                      : "rank-0.json: entry 1: all_reduce #0 on group 'world' "
-                                        "comes after #0 there");
+    expect_refused(dir, "rank-0.json",
+                   order[0] == 2 ? "entry 1: all_reduce #1 on group 'world' comes after #2 there"
+                                 : "entry 1: all_reduce #0 on group 'world' comes after #0 there");
   }
   auto d = world_of(2);  // gaps are not refused: a replay resumes at the recorded number
   for (int r = 0; r < 2; ++r)
