@@ -283,4 +283,16 @@ if(DIFFCOMM_BUILD_TESTS)
     # It installs into and builds under the build tree: keep it out of the
     # way of a concurrent copy of itself.
     RESOURCE_LOCK diffcomm_install_consumer)
+  # diffcomm as an add_subdirectory of another project (tests/subproject): configured with the
+  # test and tool packages hidden from find_package.
+  add_test(NAME subproject_configure
+    COMMAND ${CMAKE_COMMAND} -S ${PROJECT_SOURCE_DIR}/tests/subproject
+      -B ${PROJECT_BINARY_DIR}/subproject -G ${CMAKE_GENERATOR}
+      -D DIFFCOMM_SOURCE_DIR=${PROJECT_SOURCE_DIR}
+      -D CMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER}
+      -D DIFFCOMM_ENABLE_CUDA=OFF
+      -D CMAKE_DISABLE_FIND_PACKAGE_GTest=ON -D CMAKE_DISABLE_FIND_PACKAGE_rapidcheck=ON
+      -D CMAKE_DISABLE_FIND_PACKAGE_benchmark=ON -D CMAKE_DISABLE_FIND_PACKAGE_CLI11=ON)
+  set_tests_properties(subproject_configure PROPERTIES LABELS unit TIMEOUT 300
+    PASS_REGULAR_EXPRESSION "no test or tool dependency")
 endif()

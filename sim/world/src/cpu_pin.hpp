@@ -2,8 +2,10 @@
 // Pinning the calling thread to one CPU and undoing it: the threads of a
 // ThreadedWorld share one CPU (CpuPlacement::OneCpu, threaded_world.hpp).
 // Linux only (sched_getcpu, pthread_setaffinity_np); elsewhere nothing is
-// pinned.
+// pinned (and no Linux type is named outside the guards).
+#if defined(__linux__)
 #include <sched.h>
+#endif
 
 namespace diffcomm::sim::detail {
 
@@ -23,7 +25,9 @@ class CpuPin {
 
  private:
   bool pinned_ = false;
-  cpu_set_t saved_{};
+#if defined(__linux__)
+  cpu_set_t saved_{};  // the CPU set before pin()
+#endif
 };
 
 /// A CpuPin for one scope of the calling thread.
