@@ -177,12 +177,6 @@ std::string default_image_sizes_path() {
   return "";
 }
 
-int64_t required_seq_multiple(const DecoderMesh& mesh) {
-  int64_t m = mesh.layout == CpLayout::Zigzag ? 2 * mesh.cp : mesh.cp;
-  if (mesh.sp) m *= mesh.tp;
-  return m;
-}
-
 std::vector<Batch> build_batches(const std::vector<ImageSize>& images, int dp,
                                  const BatchOptions& o) {
   constexpr int64_t kMaxOption = int64_t{1} << 40;

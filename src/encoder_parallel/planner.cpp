@@ -91,12 +91,19 @@ std::string cp_layout_name(CpLayout layout) {
   return layout == CpLayout::Contiguous ? "contiguous" : "zigzag";
 }
 
+int64_t required_seq_multiple(const DecoderMesh& mesh) {
+  int64_t m = mesh.layout == CpLayout::Zigzag ? 2 * mesh.cp : mesh.cp;
+  if (mesh.sp) m *= mesh.tp;
+  return m;
+}
+
 std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const DecoderMesh& mesh,
                                                       int cp_rank, int tp_rank) {
   if (mesh.cp < 1 || mesh.tp < 1 || cp_rank < 0 || cp_rank >= mesh.cp || tp_rank < 0 ||
       tp_rank >= mesh.tp)
     raise("owned_ranges", fmt::format("rank (cp {}, tp {}) outside mesh cp {} tp {}", cp_rank,
                                       tp_rank, mesh.cp, mesh.tp));
+  if (seq_len < 0) raise("owned_ranges", fmt::format("sequence length {} is negative", seq_len));
   const int64_t cp = mesh.cp;
   std::vector<std::pair<int64_t, int64_t>> local;
   if (mesh.layout == CpLayout::Contiguous) {
@@ -116,6 +123,14 @@ std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const Dec
     local.push_back({(2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk});
   }
   if (!mesh.sp || mesh.tp == 1) return local;
+  // Zigzag with SP: 2*cp*tp (required_seq_multiple). Splitting a CP rank's
+  // two chunks over tp would also work for some shorter lengths (S = 6 on
+  // cp 3, tp 2), but the contract, the batch builders and Megatron's rule
+  // are 2*cp*tp; one rule, checked here.
+  if (mesh.layout == CpLayout::Zigzag && seq_len % required_seq_multiple(mesh) != 0)
+    raise("owned_ranges",
+          fmt::format("sequence length {} is not divisible by 2*cp*tp = {} (zigzag CP with SP)",
+                      seq_len, required_seq_multiple(mesh)));
   int64_t local_len = 0;
   for (auto& r : local) local_len += r.second - r.first;
   if (local_len % mesh.tp != 0)

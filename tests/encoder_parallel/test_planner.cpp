@@ -4,6 +4,7 @@
 //
 // Every expected value below is worked out by hand in the comment next to it,
 // never taken from the code under test (fixtures.hpp: the shared inputs).
+#include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -471,6 +472,66 @@ TEST(ShardLayout, RowsAndTokens) {
   EXPECT_EQ(l1.rows(), 6);
   EXPECT_EQ(l1.row_of(0, 5), 3);
   EXPECT_EQ(l1.row_of(1, 2), 5);
+}
+
+// One contract for sequence lengths (issue 52 item 6): on every mesh up to cp 4 x tp 4 (both
+// layouts, with and without SP) and every length 0..2*4*4*2, owned_ranges on every rank and
+// plan_exchange accept exactly the multiples of required_seq_multiple, and what they accept is
+// owned exactly: each token by one CP rank (and, with SP, by one TP rank of it), in order of the
+// layout. 2 * 4 * 4 * 2 * 65 = 4160 (mesh, length) cases.
+TEST(SequenceLengthContract, OwnedRangesPlanExchangeAndRequiredMultipleAgree) {
+  int cases = 0, accepted = 0;
+  for (int cp = 1; cp <= 4; ++cp)
+    for (int tp = 1; tp <= 4; ++tp)
+      for (bool sp : {false, true})
+        for (auto layout : {ep::CpLayout::Contiguous, ep::CpLayout::Zigzag})
+          for (int64_t len = 0; len <= 2 * 4 * 4 * 2; ++len) {
+            const ep::DecoderMesh mesh = mesh_of(cp, tp, sp, layout);
+            const bool valid = len % ep::required_seq_multiple(mesh) == 0;
+            const std::string where = fmt::format("cp {} tp {} sp {} {} S = {}", cp, tp, sp,
+                                                  ep::cp_layout_name(layout), len);
+            ++cases;
+            std::vector<int> owners(static_cast<std::size_t>(len), 0);
+            int refused_ranks = 0;
+            for (int c = 0; c < cp; ++c)
+              for (int t = 0; t < tp; ++t) {
+                try {
+                  for (const auto& [b, e] : ep::owned_ranges(len, mesh, c, t)) {
+                    ASSERT_LE(0, b) << where;
+                    ASSERT_LE(e, len) << where;
+                    // Without SP every TP rank holds its CP rank's tokens: count tp rank 0's.
+                    if (sp || t == 0)
+                      for (int64_t i = b; i < e; ++i) ++owners[static_cast<std::size_t>(i)];
+                  }
+                } catch (const InvalidArgument& e) {
+                  EXPECT_EQ(e.site().op, "owned_ranges") << where;
+                  ++refused_ranks;
+                }
+              }
+            EXPECT_EQ(refused_ranks, valid ? 0 : cp * tp) << where;
+            if (valid) {
+              for (std::size_t i = 0; i < owners.size(); ++i)
+                ASSERT_EQ(owners[i], 1) << where << ", token " << i;
+            }
+            ep::Batch batch;
+            batch.samples.push_back({len, {}});
+            const int64_t exchange = mesh.exchange_size();
+            bool planned = true;
+            try {
+              (void)ep::plan_exchange(batch, mesh, encoder_layout(static_cast<int>(exchange), 1));
+            } catch (const InvalidArgument&) {
+              planned = false;
+            }
+            EXPECT_EQ(planned, valid) << where;
+            accepted += valid ? 1 : 0;
+          }
+  EXPECT_EQ(cases, 4160);
+  EXPECT_GT(accepted, 0);
+  // The case the contract and the code used to disagree on: S = 6 on zigzag cp 3, tp 2 with SP.
+  EXPECT_EQ(ep::required_seq_multiple(mesh_of(3, 2, true, ep::CpLayout::Zigzag)), 12);
+  EXPECT_THROW(ep::owned_ranges(6, mesh_of(3, 2, true, ep::CpLayout::Zigzag), 0, 0),
+               InvalidArgument);
+  EXPECT_THROW(ep::owned_ranges(-4, mesh_of(2, 1, false), 0, 0), InvalidArgument);
 }
 
 }  // namespace

@@ -50,10 +50,6 @@ std::vector<ImageSize> load_image_sizes(const std::string& path);
 /// Empty if none exists.
 std::string default_image_sizes_path();
 
-/// Sequence lengths must be multiples of this for the decoder mesh:
-/// cp (contiguous) or 2*cp (zigzag), times tp with SP.
-int64_t required_seq_multiple(const DecoderMesh& mesh);
-
 struct BatchOptions {
   int samples = 4;            ///< samples per micro-batch
   int images_per_sample = 2;  ///< images in each sample (0 allowed)

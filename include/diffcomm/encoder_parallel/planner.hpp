@@ -65,9 +65,16 @@ struct EncoderLayout {
   int encoder_cp = 1;
 };
 
+/// The one rule for sequence lengths on a decoder mesh: a sample's length must
+/// be a multiple of cp (contiguous CP) or 2*cp (zigzag CP), times tp with SP
+/// (Megatron's rule for CP with SP). owned_ranges and plan_exchange refuse
+/// exactly the lengths that are not; batch builders pad to it.
+int64_t required_seq_multiple(const DecoderMesh& mesh);
+
 /// Token ranges [begin, end) of one sample owned by (cp_rank, tp_rank), in
-/// the rank's local order. Throws InvalidArgument when seq_len is not
-/// divisible by the layout (cp, 2*cp for zigzag, times tp with SP).
+/// the rank's local order. Throws InvalidArgument when seq_len is negative or
+/// not a multiple of required_seq_multiple(mesh), or the rank is outside the
+/// mesh.
 std::vector<std::pair<int64_t, int64_t>> owned_ranges(int64_t seq_len, const DecoderMesh& mesh,
                                                       int cp_rank, int tp_rank);
 
