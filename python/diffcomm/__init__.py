@@ -6,8 +6,9 @@ Submodules:
   diffcomm.encoder_parallel  the planner, token rules and exchange on diffcomm tensors
   diffcomm.nn                the differentiable collectives on diffcomm tensors
 
-Errors: every exception diffcomm raises derives from diffcomm.Error
-(InvalidArgument, CollectiveMismatch, Deadlock, RankFailure, Timeout, BackendError).
+Errors: every exception diffcomm raises derives from diffcomm.Error, a RuntimeError
+(InvalidArgument, also a ValueError; CollectiveMismatch; Deadlock; RankFailure; Timeout, also a
+TimeoutError; BackendError).
 """
 from . import _core
 from ._core import (

@@ -133,25 +133,51 @@ namespace {
 // holds a reference to each class for the life of the process.
 std::array<PyObject*, dc::kErrorKindCount> error_classes{};
 
-// A new exception class m.<name> (module-qualified, as nb::exception names them).
-PyObject* new_error_class(nb::module_& m, const char* name, PyObject* base) {
+// A new exception class m.<name> (module-qualified, as nb::exception names
+// them) deriving from `bases` (a class, or a tuple of classes).
+PyObject* new_error_class(nb::module_& m, const char* name, PyObject* bases) {
   const std::string qualified = nb::cast<std::string>(m.attr("__name__")) + "." + name;
-  PyObject* cls = PyErr_NewException(qualified.c_str(), base, nullptr);
+  PyObject* cls = PyErr_NewException(qualified.c_str(), bases, nullptr);
   if (cls == nullptr) throw nb::python_error();
   m.attr(name) = nb::handle(cls);
   return cls;
 }
 
+// The Python builtin a kind also derives from, so that Python's own except
+// clauses catch it: InvalidArgument is a ValueError, Timeout a TimeoutError;
+// nullptr for the others.
+PyObject* builtin_of(dc::ErrorKind k) {
+  switch (k) {
+    case dc::ErrorKind::InvalidArgument: return PyExc_ValueError;
+    case dc::ErrorKind::Timeout: return PyExc_TimeoutError;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
+// diffcomm.Error derives from RuntimeError, as torch.distributed's errors do
+// (DistError is a RuntimeError): `except RuntimeError` catches every
+// diffcomm error, and torch's own `except torch.distributed.DistError` does
+// not, since deriving from it would make `import diffcomm` import torch
+// (docs/python.md).
 void bind_errors(nb::module_& m) {
   auto kind = [](dc::ErrorKind k) { return static_cast<std::size_t>(k); };
-  PyObject* base = new_error_class(m, dc::error_kind_name(dc::ErrorKind::Error), PyExc_Exception);
+  PyObject* base =
+      new_error_class(m, dc::error_kind_name(dc::ErrorKind::Error), PyExc_RuntimeError);
   error_classes[kind(dc::ErrorKind::Error)] = base;
   for (dc::ErrorKind k :
        {dc::ErrorKind::InvalidArgument, dc::ErrorKind::CollectiveMismatch, dc::ErrorKind::Deadlock,
-        dc::ErrorKind::RankFailure, dc::ErrorKind::Timeout, dc::ErrorKind::BackendError})
-    error_classes[kind(k)] = new_error_class(m, dc::error_kind_name(k), base);
+        dc::ErrorKind::RankFailure, dc::ErrorKind::Timeout, dc::ErrorKind::BackendError}) {
+    PyObject* bases = base;
+    nb::object pair;
+    if (PyObject* builtin = builtin_of(k)) {
+      pair = nb::steal(PyTuple_Pack(2, base, builtin));
+      if (!pair.is_valid()) throw nb::python_error();
+      bases = pair.ptr();
+    }
+    error_classes[kind(k)] = new_error_class(m, dc::error_kind_name(k), bases);
+  }
   // One translator: the class of the error's kind, its message unchanged.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

@@ -72,3 +72,23 @@ def test_import_diffcomm_reaches_every_submodule_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ERR module 'diffcomm' has no attribute 'nosuch'" in out.stdout
+
+
+def test_errors_are_runtime_errors_and_python_builtins_catch_theirs():
+    """diffcomm.Error is a RuntimeError (as torch.distributed's errors); InvalidArgument is also a
+    ValueError and Timeout a TimeoutError, so Python's own except clauses catch them."""
+    assert issubclass(diffcomm.Error, RuntimeError)
+    for cls in (diffcomm.InvalidArgument, diffcomm.CollectiveMismatch, diffcomm.Deadlock,
+                diffcomm.RankFailure, diffcomm.Timeout, diffcomm.BackendError):
+        assert issubclass(cls, diffcomm.Error) and issubclass(cls, RuntimeError), cls
+    assert issubclass(diffcomm.InvalidArgument, ValueError)
+    assert issubclass(diffcomm.Timeout, TimeoutError)
+    assert not issubclass(diffcomm.Deadlock, (ValueError, TimeoutError))
+    with pytest.raises(ValueError, match="unknown reduce op 'median'") as info:
+        diffcomm.ReduceOp("median")  # raised in C++, translated by the binding
+    assert type(info.value) is diffcomm.InvalidArgument
+    assert "unknown reduce op 'median'" in str(info.value)
+    try:
+        raise diffcomm.Timeout("all_reduce #3 on group 'world': timed out after 5 s")
+    except TimeoutError as e:
+        assert str(e) == "all_reduce #3 on group 'world': timed out after 5 s"

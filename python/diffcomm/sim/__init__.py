@@ -84,7 +84,8 @@ class StepReport(dict):
 
 def default_images_path() -> str:
     """The MS COCO 2017 val image sizes shipped with the package (CC BY 4.0)."""
-    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "image_sizes.csv")
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "share", "diffcomm", "data",
+                        "coco_val2017", "image_sizes.csv")
     if os.path.exists(here):
         return here
     path = _ep.default_image_sizes_path()
