@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -118,6 +119,18 @@ const CLI::Validator kFaultSpec(
     },
     "rank:R:at:K", "Fault");
 
+// A finite number: CLI::Range alone lets "nan" through (every comparison with
+// NaN is false), which switched --memory-limit's guard off.
+const CLI::Validator kFinite(
+    [](std::string& v) {
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      return end != v.c_str() && *end == '\0' && std::isfinite(x)
+                 ? std::string{}
+                 : "Value " + v + " is not a finite number";
+    },
+    "NUMBER", "Finite");
+
 // A path option given as "": without this check an empty value reads as
 // "not given" (--images "" used the shipped sizes, --trace "" wrote nothing).
 CLI::Validator non_empty_path(const std::string& hint) {
@@ -176,6 +189,7 @@ void add_step_options(CLI::App& app, StepArgs& a) {
   app.add_flag("--json", a.json, "print one JSON object instead of the report");
   app.add_option("--memory-limit", a.memory_limit_gib,
                  "GiB the step's estimate may reach before it is refused (default 4)")
+      ->check(kFinite)
       ->check(CLI::Range(0.001, 1.0e6));
   app.add_option("--receiver-grad", a.receiver_grad,
                  "exchange gradient convention: auto (the mesh's), partial or replicated-over-tp; "

@@ -161,6 +161,14 @@ def test_tensors_diffcomm_cannot_read_as_they_are_refused_by_name():
                 op(neg, "max")
         with pytest.raises(diffcomm.InvalidArgument, match="has no memory"):
             dt.all_reduce(torch._efficientzerotensor(3))
+        # A meta tensor has no data: named, not torch's bare BufferError ("Cannot pack tensors
+        # on meta"), on the fast path and through the autograd bridge.
+        for meta in (torch.empty(3, device="meta"),
+                     torch.empty(3, device="meta", requires_grad=True)):
+            with pytest.raises(diffcomm.InvalidArgument,
+                               match=re.escape(f"diffcomm.torch.all_reduce {where}: ") +
+                               "the tensor is on the meta device and has no data"):
+                dt.all_reduce(meta)
         with pytest.raises(diffcomm.InvalidArgument) as e:
             dt.all_reduce_(torch.ones(2, dtype=torch.int16))
         assert where in str(e.value) and "dtype int16" in str(e.value)

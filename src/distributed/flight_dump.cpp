@@ -256,6 +256,16 @@ std::string write_flight_dump(const FlightDump& dump, const std::string& dir) {
 }
 
 std::string read_dump_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  // A dump is a regular file. Anything else is refused before it is opened:
+  // opening a FIFO blocks until a writer comes (replay hung), and a directory
+  // opens but has no size (its -1 became a 2^64-byte buffer: std::bad_alloc).
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (!ec && fs::exists(st) && !fs::is_regular_file(st))
+    raise(path, fs::is_directory(st) ? "is a directory, not a dump file"
+                                     : "is not a regular file (a FIFO, socket or device), not a "
+                                       "dump file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) raise(path, "cannot open");
   // One read into a buffer of the file's size (a stream copy moved every

@@ -141,8 +141,14 @@ std::vector<ImageSize> parse_image_sizes(std::string_view text, const std::strin
 
 std::vector<ImageSize> load_image_sizes(const std::string& path) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
+  const auto st = std::filesystem::status(path, ec);
+  if (std::filesystem::is_directory(st))
     raise("load_image_sizes", fmt::format("'{}' is a directory, not a CSV file", path));
+  // Opening a FIFO (or a socket) blocks until a writer comes: refused before
+  // it is opened. A character device is read up to the cap below.
+  if (std::filesystem::is_fifo(st) || std::filesystem::is_socket(st))
+    raise("load_image_sizes",
+          fmt::format("'{}' is a FIFO or socket, not a CSV file (it would block)", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) raise("load_image_sizes", fmt::format("cannot open '{}'", path));
   // Read in chunks up to a cap, so a path that never ends (/dev/zero, a

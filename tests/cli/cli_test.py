@@ -836,9 +836,28 @@ def command_line_edges(cli):
     bad(["step", "--memory-limit", "0.001"], "raise --memory-limit")
     bad(["step", "--memory-limit", 0], "--memory-limit")
     bad(["step", "--memory-limit", -4], "--memory-limit")
+    # NaN and infinities are no limit: refused (NaN passed the range check and disabled the guard).
+    for value in ("nan", "NaN", "inf", "-inf"):
+        bad(["step", "--memory-limit", value, "--hidden", 1048576], "--memory-limit")
     bad(["step", "--trace", "/dev/full"], "--trace")
     bad(["foo"], "unknown subcommand 'foo'")
     bad(["step", "--images", "/tmp"], "is a directory")
+    # A FIFO is refused before it is opened (opening one waits for a writer: the step hung);
+    # the same for a replay whose rank file is a FIFO or a directory (a directory was
+    # std::bad_alloc). Each within the command's TIMEOUT_S, never a hang.
+    fifo = cli.path("sizes.fifo")
+    if not os.path.exists(fifo):
+        os.mkfifo(fifo)
+    bad(["step", "--images", fifo], "is a FIFO or socket")
+    bad(["tokens", "--images", fifo], "is a FIFO or socket")
+    for kind in ("fifo", "dir"):
+        dumps = cli.path(f"dumps_{kind}")
+        os.makedirs(dumps, exist_ok=True)
+        rank0 = os.path.join(dumps, "rank-0.json")
+        if not os.path.exists(rank0):
+            os.mkfifo(rank0) if kind == "fifo" else os.makedirs(rank0)
+        bad(["replay", dumps], "rank-0.json: is not a regular file" if kind == "fifo"
+            else "rank-0.json: is a directory")
     bad(["step", "--fault", "rank:1"], "--fault")
     bad(["step", "--fault", "rank:99999999999:at:1"], "--fault")
     bad(["step", "--fault", "rank:0:at:0"], "--fault")

@@ -505,6 +505,22 @@ TEST(FlightRecorderOptions, SizeFromEnvironmentDefault2000) {
   EXPECT_THROW((void)dist::Options{}.resolved_flight_recorder_size(), InvalidArgument);
   ::setenv("DIFFCOMM_FR_SIZE", "ten", 1);
   EXPECT_THROW((void)dist::Options{}.resolved_flight_recorder_size(), InvalidArgument);
+  // Too large to allocate: named, before any ring is allocated (was std::bad_alloc).
+  for (const char* huge : {"1000000000000", "1000001", "99999999999999999999999"}) {
+    ::setenv("DIFFCOMM_FR_SIZE", huge, 1);
+    try {
+      (void)dist::Options{}.resolved_flight_recorder_size();
+      ADD_FAILURE() << huge << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("DIFFCOMM_FR_SIZE"));
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("from 1 to 1000000"));
+    }
+  }
+  ::setenv("DIFFCOMM_FR_SIZE", "1000000", 1);
+  EXPECT_EQ(dist::Options{}.resolved_flight_recorder_size(), 1000000u);
+  dist::Options too_many;
+  too_many.flight_recorder_size = dist::Options::kMaxFlightRecorderSize + 1;
+  EXPECT_THROW((void)too_many.resolved_flight_recorder_size(), InvalidArgument);
   ::unsetenv("DIFFCOMM_FR_SIZE");
   ::setenv("DIFFCOMM_FR_DUMP_DIR", "/tmp/x", 1);
   EXPECT_EQ(dist::Options{}.resolved_flight_recorder_dump_dir(), "/tmp/x");

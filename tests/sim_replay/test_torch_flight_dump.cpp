@@ -59,6 +59,42 @@ TEST(Unpickle, AMemoizedValueReadTwiceKeepsItsContent) {
             nlohmann::json::parse(R"({"p": ["shared", "shared"], "q": ["shared"]})"));
 }
 
+TEST(Unpickle, AMemoBombIsRefusedWithinItsBudget) {
+  // L = []; then 40 times: L = [L, L] through BINGET of the memoised L (9 bytes a round): 366
+  // bytes asking for 2^40 values, which the JSON tree would have copied out (issue 52: a 626-byte
+  // pickle grew to 2 GB and std::bad_alloc). Refused once the copies pass the budget.
+  std::string hex = "80025d7100";  // PROTO 2, EMPTY_LIST, BINPUT 0
+  for (int round = 0; round < 40; ++round)
+    hex +=
+        "5d28680068006571"
+        "00";   // ](h0 h0 e q0
+  hex += "2e";  // STOP
+  const std::string bytes = from_hex(hex);
+  ASSERT_EQ(bytes.size(), 5u + 40u * 9u + 1u);
+  try {
+    detail::unpickle(bytes, "bomb.pkl");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(e.site().op, "bomb.pkl");
+    EXPECT_THAT(std::string(e.detail()), HasSubstr("memo reads copy more than 8388608 values"));
+  }
+  // A string read from the memo over and over counts its bytes: 4 KiB read 2^17 times.
+  std::string shex =
+      "80025d7100"
+      "5800100000";  // ..., BINUNICODE of 4096 bytes
+  for (int i = 0; i < 4096; ++i) shex += "73";
+  shex += "710128";  // BINPUT 1, MARK
+  for (int i = 0; i < (1 << 17); ++i) shex += "6801";
+  shex += "652e";
+  const std::string strings = from_hex(shex);
+  try {
+    detail::unpickle(strings, "strings.pkl");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(std::string(e.detail()), HasSubstr("268435456 bytes"));
+  }
+}
+
 TEST(Unpickle, TruncatedStreamNamesTheFileAndOffset) {
   const std::string bytes = from_hex(kProto2).substr(0, 40);
   try {

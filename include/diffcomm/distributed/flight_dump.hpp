@@ -120,7 +120,9 @@ FlightDump expand(const CompactFlightDump& dump);
 /// temporary file renamed into place, so a reader never sees half a file;
 /// returns the path. Throws InvalidArgument when it cannot be written.
 std::string write_flight_dump(const FlightDump& dump, const std::string& dir);
-/// Reads the whole file (a file that cannot be opened: InvalidArgument naming it).
+/// Reads the whole file. Throws InvalidArgument naming it when it is not a
+/// regular file (a directory, a FIFO: never opened, never waited on) or
+/// cannot be opened or read.
 std::string read_dump_file(const std::string& path);
 /// Reads and parses one dump file (errors as parse_flight_dump).
 FlightDump read_flight_dump(const std::string& path);

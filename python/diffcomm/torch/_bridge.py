@@ -22,6 +22,10 @@ from ._args import op_site
 
 _NEGATED_VIEW = ("diffcomm.torch: the tensor is a lazily negated view (is_neg()); call "
                  ".resolve_neg() first")
+# torch's to_dlpack says "Cannot pack tensors on meta" (a BufferError in torch 2, a RuntimeError
+# in 1.13); this says what to do.
+_META = ("the tensor is on the meta device and has no data to communicate: materialise it "
+         "first (e.g. module.to_empty(device=...))")
 
 
 def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
@@ -33,6 +37,8 @@ def to_diffcomm(t: torch.Tensor, requires_grad: bool = False) -> _core.Tensor:
     # (A conjugated view is complex, which diffcomm refuses by dtype.)
     if t.is_neg():  # DLPack would export the memory without the sign
         raise InvalidArgument(_NEGATED_VIEW)
+    if t.is_meta:
+        raise InvalidArgument(_META)
     # A capsule from torch.utils.dlpack, not the __dlpack__ protocol: 0.3-1 us
     # instead of 2-3 us per tensor (bench/RESULTS.md, the bridge's pieces).
     return _core.from_dlpack(_to_dlpack(t.detach() if t.requires_grad else t), requires_grad)
@@ -118,7 +124,8 @@ def _torch_peers(saved: Sequence[_core.Tensor],
 
 def refused(e: Exception, op: str, group: Optional[_core.ProcessGroup]) -> InvalidArgument:
     """A refused input's error (to_diffcomm's, or torch's own to_dlpack
-    RuntimeError) naming the op, and the rank and group when it has one."""
+    RuntimeError or BufferError) naming the op, and the rank and group when it
+    has one."""
     where = op_site(op, group) if group is not None else f"diffcomm.torch.{op}"
     return InvalidArgument(f"{where}: {e}")
 
@@ -128,7 +135,7 @@ def _borrow(xs: Sequence[torch.Tensor], needs: Sequence[bool], op: str,
     """to_diffcomm of every input, errors named (see refused)."""
     try:
         return [to_diffcomm(x, bool(n)) for x, n in zip(xs, needs)]
-    except (InvalidArgument, RuntimeError) as e:
+    except (InvalidArgument, RuntimeError, BufferError) as e:
         raise refused(e, op, group) from None
 
 
@@ -180,7 +187,7 @@ def apply_one(run: Callable[[_core.Tensor], _core.Tensor], x: torch.Tensor, *, o
             and not x.is_neg():
         try:
             t = _core.from_dlpack(_to_dlpack(x.detach() if x.requires_grad else x))
-        except (InvalidArgument, RuntimeError) as e:
-            raise refused(e, op, group) from None
+        except (InvalidArgument, RuntimeError, BufferError) as e:
+            raise refused(InvalidArgument(_META) if x.is_meta else e, op, group) from None
         return _from_dlpack(_core.to_dlpack(run(t)))
     return apply(lambda i: [run(i[0])], x, op=op, group=group)[0]

@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <utility>
 
@@ -78,11 +77,7 @@ std::vector<int> ranks_of(const Json& v) {
 }
 
 Json load(const std::string& path, int rank) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) raise(path, "cannot be opened");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string bytes = ss.str();
+  const std::string bytes = dist::read_dump_file(path);  // regular files only
   Json j;
   const bool pickled = !bytes.empty() && static_cast<uint8_t>(bytes[0]) == 0x80;
   if (!pickled && path.ends_with(".pkl"))

@@ -15,15 +15,25 @@
 namespace diffcomm::sim::detail {
 namespace {
 using Json = nlohmann::json;
-// A value and how deeply containers nest in it, shared: the memo sees later
-// appends. The depth is bounded so that no recursion over the value later
-// (copy, compare, print) can exhaust the stack.
+// A value, how deeply containers nest in it and how much of it there is
+// (values, and bytes of strings), shared: the memo sees later appends. The
+// depth is bounded so that no recursion over the value later (copy, compare,
+// print) can exhaust the stack. The result is a tree (JSON), so every memo
+// read copies the memoised value: a few hundred bytes of pickle that read a
+// memoised list twice into a new one, again and again, ask for 2^34 values.
+// Those copies are counted against a budget instead (kMaxCopied*).
 struct Item {
   Json v;
   int depth = 0;
+  std::size_t values = 1;  // JSON values in v, v included
+  std::size_t bytes = 0;   // bytes of the strings in v
 };
 using Node = std::shared_ptr<Item>;
 constexpr int kMaxDepth = 64;
+// What all memo reads of one pickle may copy: a real flight recorder dump
+// (2000 entries with their frames) reads a few hundred thousand values.
+constexpr std::size_t kMaxCopiedValues = std::size_t{1} << 23;
+constexpr std::size_t kMaxCopiedBytes = std::size_t{256} << 20;
 
 class Unpickler {
  public:
@@ -60,12 +70,15 @@ class Unpickler {
   }
   // A value leaving the stack: moved out unless the memo shares it.
   static Json value_of(Node& n) { return n.use_count() == 1 ? std::move(n->v) : Json(n->v); }
-  void push(Json v, int depth = 0) {
-    stack_.push_back(std::make_shared<Item>(Item{std::move(v), depth}));
+  void push(Json v, int depth = 0, std::size_t values = 1, std::size_t bytes = 0) {
+    stack_.push_back(std::make_shared<Item>(Item{std::move(v), depth, values, bytes}));
   }
-  // `parent` now holds a value of `child_depth`: its own depth follows.
-  void nest(Item& parent, int child_depth, std::size_t at) const {
-    parent.depth = std::max(parent.depth, child_depth + 1);
+  void push_string(std::string_view s) { push(std::string(s), 0, 1, s.size()); }
+  // `parent` now holds `child`: its depth and size follow.
+  void nest(Item& parent, const Item& child, std::size_t at) const {
+    parent.depth = std::max(parent.depth, child.depth + 1);
+    parent.values += child.values;
+    parent.bytes += child.bytes;
     if (parent.depth > kMaxDepth)
       raise(file_,
             fmt::format("pickle nests containers deeper than {} at offset {}", kMaxDepth, at));
@@ -95,7 +108,7 @@ class Unpickler {
   void set_item(Item& dict, const Json& key, Node& value, std::size_t at) {
     if (!dict.v.is_object())
       raise(file_, fmt::format("pickle SETITEM on a non-dict at offset {}", at));
-    nest(dict, value->depth, at);
+    nest(dict, *value, at);
     if (key.is_string())
       dict.v[key.get<std::string>()] = value_of(value);
     else if (key.is_number_integer())
@@ -106,7 +119,7 @@ class Unpickler {
   void append(Item& list, Node& value, std::size_t at) {
     if (!list.v.is_array())
       raise(file_, fmt::format("pickle APPEND to a non-list at offset {}", at));
-    nest(list, value->depth, at);
+    nest(list, *value, at);
     list.v.push_back(value_of(value));
   }
   void memo_put(uint64_t i, std::size_t at) {
@@ -118,16 +131,23 @@ class Unpickler {
   void memo_get(uint64_t i, std::size_t at) {
     if (i >= memo_.size() || !memo_[i])
       raise(file_, fmt::format("pickle reads memo {} never written at offset {}", i, at));
-    push(memo_[i]->v, memo_[i]->depth);
+    const Item& m = *memo_[i];
+    copied_values_ += m.values;
+    copied_bytes_ += m.bytes;
+    if (copied_values_ > kMaxCopiedValues || copied_bytes_ > kMaxCopiedBytes)
+      raise(file_, fmt::format("pickle memo reads copy more than {} values or {} bytes at offset "
+                               "{} (a flight recorder dump needs far fewer; a memo bomb?)",
+                               kMaxCopiedValues, kMaxCopiedBytes, at));
+    push(m.v, m.depth, m.values, m.bytes);
   }
   // A tuple of `items` (TUPLE, TUPLE1..3).
   void push_tuple(std::vector<Node> items, std::size_t at) {
-    Item t{Json::array(), 0};
+    Item t{Json::array(), 0, 1, 0};
     for (Node& n : items) {
-      nest(t, n->depth, at);
+      nest(t, *n, at);
       t.v.push_back(value_of(n));
     }
-    push(std::move(t.v), t.depth);
+    push(std::move(t.v), t.depth, t.values, t.bytes);
   }
   void tuple_of(std::size_t n, std::size_t at) {
     if (stack_.size() < mark_floor() + n)
@@ -154,6 +174,8 @@ class Unpickler {
   std::vector<Node> stack_;
   std::vector<std::size_t> marks_;
   std::vector<Node> memo_;
+  std::size_t copied_values_ = 0;  // by memo reads, against kMaxCopiedValues
+  std::size_t copied_bytes_ = 0;   // against kMaxCopiedBytes
 };
 
 void Unpickler::step(uint8_t op, std::size_t at) {
@@ -181,16 +203,16 @@ void Unpickler::step(uint8_t op, std::size_t at) {
       push(d);
       return;
     }
-    case 0x8c: push(std::string(take(uint_le(1)))); return;  // SHORT_BINUNICODE
-    case 'X': push(std::string(take(uint_le(4)))); return;   // BINUNICODE
-    case 0x8d: push(std::string(take(uint_le(8)))); return;  // BINUNICODE8
-    case 'C': push(std::string(take(uint_le(1)))); return;   // SHORT_BINBYTES
-    case 'B': push(std::string(take(uint_le(4)))); return;   // BINBYTES
-    case 0x85: tuple_of(1, at); return;                      // TUPLE1
-    case 0x86: tuple_of(2, at); return;                      // TUPLE2
-    case 0x87: tuple_of(3, at); return;                      // TUPLE3
-    case 't': push_tuple(since_mark(at), at); return;        // TUPLE
-    case 'a': {                                              // APPEND
+    case 0x8c: push_string(take(uint_le(1))); return;  // SHORT_BINUNICODE
+    case 'X': push_string(take(uint_le(4))); return;   // BINUNICODE
+    case 0x8d: push_string(take(uint_le(8))); return;  // BINUNICODE8
+    case 'C': push_string(take(uint_le(1))); return;   // SHORT_BINBYTES
+    case 'B': push_string(take(uint_le(4))); return;   // BINBYTES
+    case 0x85: tuple_of(1, at); return;                // TUPLE1
+    case 0x86: tuple_of(2, at); return;                // TUPLE2
+    case 0x87: tuple_of(3, at); return;                // TUPLE3
+    case 't': push_tuple(since_mark(at), at); return;  // TUPLE
+    case 'a': {                                        // APPEND
       Node v = pop(at);
       append(top(at), v, at);
       return;

@@ -25,13 +25,14 @@ struct Options {
   bool native_reduction = false;
   /// Seconds any call (world creation included) may wait for its peers
   /// before raising Timeout. Unset: the environment variable DIFFCOMM_TIMEOUT
-  /// (seconds), else 600. Must be finite and > 0 (NaN, inf, 0 and negative
-  /// values raise InvalidArgument where the group is created): every wait
-  /// has a deadline.
+  /// (seconds), else 600. Must be finite, > 0 and at most kMaxTimeoutS (NaN,
+  /// inf, 0, negative and larger values raise InvalidArgument where the group
+  /// is created): every wait has a deadline, one every transport can keep.
   std::optional<double> timeout_s;
   /// Entries of each rank's flight recorder ring (FlightRecorder). Unset:
   /// the environment variable DIFFCOMM_FR_SIZE, else 2000 (torch's default).
-  /// Must be >= 1 (InvalidArgument where the group is created).
+  /// Must be in [1, kMaxFlightRecorderSize] (InvalidArgument where the group
+  /// is created).
   std::optional<std::size_t> flight_recorder_size;
   /// Directory where every rank writes its flight recorder as
   /// DIR/rank-<global rank>.json when a call raises Timeout,
@@ -41,12 +42,22 @@ struct Options {
 
   /// check, resolved as documented above.
   bool resolved_check() const;
-  /// timeout_s, resolved as documented above. Throws InvalidArgument for a
-  /// value that is not a finite number of seconds > 0.
+  /// timeout_s, resolved as documented above. Throws InvalidArgument naming
+  /// the option or variable for a value that is not a finite number of seconds
+  /// in (0, kMaxTimeoutS].
   double resolved_timeout_s() const;
   /// flight_recorder_size, resolved as documented above. Throws
-  /// InvalidArgument for 0 or a DIFFCOMM_FR_SIZE that is not a count.
+  /// InvalidArgument naming the option or variable for 0, more than
+  /// kMaxFlightRecorderSize, or a DIFFCOMM_FR_SIZE that is not a count.
   std::size_t resolved_flight_recorder_size() const;
+
+  /// The longest deadline, 10^6 s (11.6 days): in milliseconds it fits a
+  /// 32-bit int, the narrowest a transport takes (torch's gloo failed every
+  /// call at once with 1e10 s and hung with 1e11 s).
+  static constexpr double kMaxTimeoutS = 1e6;
+  /// The largest flight recorder ring, 10^6 entries: the ring is allocated
+  /// when the group is created (10^12 entries ended in std::bad_alloc there).
+  static constexpr std::size_t kMaxFlightRecorderSize = 1'000'000;
   /// flight_recorder_dump_dir, resolved as documented above ("" = no dumps).
   std::string resolved_flight_recorder_dump_dir() const;
 };
