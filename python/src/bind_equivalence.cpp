@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include <nanobind/stl/tuple.h>
+
 #include "bind.hpp"
 #include "diffcomm/sim/equivalence.hpp"
 
@@ -57,6 +59,18 @@ void bind_placement(nb::module_& s) {
       .def_ro("dim", &Placement::dim)
       .def_ro("mesh_dim", &Placement::mesh_dim)
       .def("__eq__", [](const Placement& a, const Placement& b) { return a == b; })
+      // A value: pickled by its fields (a rank process's step returns it).
+      .def("__getstate__",
+           [](const Placement& p) {
+             return std::make_tuple(static_cast<int>(p.kind), p.dim, p.mesh_dim);
+           })
+      .def("__setstate__",
+           [](Placement& p, const std::tuple<int, int64_t, std::string>& s) {
+             const int kind = std::get<0>(s);
+             if (kind < 0 || kind > static_cast<int>(Placement::Kind::Partial))
+               throw dc::InvalidArgument("unpickling a Placement: kind " + std::to_string(kind));
+             new (&p) Placement{static_cast<Placement::Kind>(kind), std::get<1>(s), std::get<2>(s)};
+           })
       .def("__repr__", &Placement::str);
 }
 

@@ -9,6 +9,7 @@
 #include "bind.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
 #include "diffcomm/sim/adjoint.hpp"
+#include "diffcomm/sim/rank_process.hpp"
 #include "diffcomm/sim/report.hpp"
 #include "diffcomm/sim/step_options.hpp"
 #include "diffcomm/sim/threaded_world.hpp"
@@ -16,6 +17,37 @@
 #include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm_python {
+
+// ---------------------------------------------------------------- ranks as processes
+namespace {
+void bind_rank_process(nb::module_& s) {
+  s.def(
+      "serve_rank_process",
+      [](const dc::sim::ThreadedWorld& w, int rank, const dc::dist::ProcessGroup& g, int socket_fd,
+         int memory_fd) {
+        dc::sim::RankProcessEnd end;
+        {
+          nb::gil_scoped_release unlocked;
+          end = dc::sim::serve_rank_process(w, rank, g, socket_fd, memory_fd);
+        }
+        return nb::make_tuple(end.reported, end.failure,
+                              nb::bytes(end.payload.data(), end.payload.size()));
+      },
+      "world"_a, "rank"_a, "group"_a, "socket_fd"_a, "memory_fd"_a,
+      "World side of a rank process (sim/rank_process.hpp): (reported, failure, payload).");
+  s.def("connect_rank_process", &dc::sim::connect_rank_process, "socket_fd"_a, "memory_fd"_a,
+        release(), "Rank process side: waits for the start, returns the rank's world group.");
+  s.def(
+      "finish_rank_process",
+      [](int socket_fd, const std::string& failure, nb::bytes payload) {
+        std::string bytes(payload.c_str(), payload.size());
+        nb::gil_scoped_release unlocked;
+        return dc::sim::finish_rank_process(socket_fd, failure, bytes);
+      },
+      "socket_fd"_a, "failure"_a, "payload"_a,
+      "Rank process side: reports the end of the rank function; False if the world has gone.");
+}
+}  // namespace
 
 // ---------------------------------------------------------------- sim
 void bind_sim(nb::module_& m) {
@@ -128,6 +160,7 @@ void bind_sim(nb::module_& m) {
           [](const dc::sim::ThreadedWorld& w, const std::string& p) { w.world().write_trace(p); },
           "path"_a)
       .def("trace_len", [](const dc::sim::ThreadedWorld& w) { return w.world().trace().size(); });
+  bind_rank_process(s);
 }
 
 }  // namespace diffcomm_python

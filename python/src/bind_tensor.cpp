@@ -217,6 +217,30 @@ void bind_tensor(nb::module_& m) {
                    })
       .def("detach", &Tensor::detach)
       .def("tolist", &Tensor::to_vector, "Values as a flat list of floats (row-major).")
+      // Pickled as its values (a CPU tensor's bytes, shape, dtype and
+      // requires_grad), not its graph or grad, as torch pickles a leaf: what
+      // a rank process's fn returns to diffcomm.sim.run's caller.
+      .def("__getstate__",
+           [](const Tensor& t) {
+             if (!t.device().is_cpu())
+               throw dc::InvalidArgument("pickling a diffcomm.Tensor on " + t.device().str() +
+                                         ": only CPU tensors pickle");
+             return nb::make_tuple(nb::bytes(static_cast<const char*>(t.data_ptr()), t.nbytes()),
+                                   std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+                                   dc::dtype_name(t.dtype()), t.requires_grad());
+           })
+      .def("__setstate__",
+           [](Tensor& t, const std::tuple<nb::bytes, std::vector<int64_t>, std::string, bool>& s) {
+             const auto& [bytes, shape, dtype, requires_grad] = s;
+             Tensor made = dc::empty(dc::Shape(shape.begin(), shape.end()), dc::parse_dtype(dtype));
+             if (bytes.size() != made.nbytes())
+               throw dc::InvalidArgument(
+                   "unpickling a diffcomm.Tensor: " + std::to_string(bytes.size()) + " bytes for " +
+                   std::to_string(made.nbytes()));
+             if (made.nbytes() > 0) std::memcpy(made.data_ptr(), bytes.c_str(), made.nbytes());
+             if (requires_grad) made.set_requires_grad(true);
+             new (&t) Tensor(std::move(made));
+           })
       .def("__repr__", [](const Tensor& t) { return "diffcomm.Tensor(" + t.str() + ")"; });
 
   m.def("from_dlpack", &tensor_from_dlpack, "array"_a, "requires_grad"_a = false,

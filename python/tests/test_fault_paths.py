@@ -77,7 +77,7 @@ def test_rank_threads_beyond_the_address_space_raise_backend_error():
         limit_to(256)
         threading.stack_size(8 * 2**20)
         try:
-            sim.run(4096, lambda rank, group: None)
+            sim.run(4096, lambda rank, group: None, isolation="thread")
             print("RAN")
         except diffcomm.BackendError as e:
             print("BACKEND", e)
@@ -100,7 +100,7 @@ def test_fiber_stacks_beyond_the_address_space_raise_backend_error():
             limit_to(16)
         sim_run._start_rank_threads = start_then_limit
         try:
-            sim.run(1024, lambda rank, group: None)
+            sim.run(1024, lambda rank, group: None, isolation="thread")
             print("RAN")
         except diffcomm.BackendError as e:
             print("BACKEND", e)

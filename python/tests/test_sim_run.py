@@ -248,7 +248,8 @@ def _interleaving(seed):
             log.append((rank, k))
             dt.all_reduce(torch.ones(1), group=g if k % 2 else None)
 
-    r = sim.run(5, fn, seed=seed)
+    # Threads: the ranks append to one log (rank processes would each fill their own copy).
+    r = sim.run(5, fn, seed=seed, isolation="thread")
     return r.trace_hash, tuple(log)
 
 
@@ -333,19 +334,23 @@ def test_cost_per_collective(capsys):
 
 
 # ------------------------------------------------ Ctrl-C
-@pytest.mark.parametrize("scenario,alive", [("busy", 0), ("collective", 0), ("sleeping", 4)])
-def test_ctrl_c_interrupts_run(scenario, alive):
+@pytest.mark.parametrize("scenario,isolation,alive", [
+    ("busy", "thread", 0), ("collective", "thread", 0), ("sleeping", "thread", 4),
+    ("busy", "process", 0), ("collective", "process", 0), ("sleeping", "process", 0)])
+def test_ctrl_c_interrupts_run(scenario, isolation, alive):
     # SIGINT once the ranks run: run() raises KeyboardInterrupt and every rank
-    # thread ends; a rank sleeping outside diffcomm (no exception reaches
+    # ends. A rank thread sleeping outside diffcomm (no exception reaches
     # time.sleep) holds the baton, so run() raises after its grace period
-    # (2 s here) and leaves the four rank threads behind (daemons).
+    # (2 s here) and leaves the four rank threads behind (daemons); a rank
+    # process gets SIGINT itself, so its sleep ends at once. No rank process
+    # and no payload memfd is left after an interrupt.
     program = os.path.join(os.path.dirname(__file__), "programs", "sim_interrupt.py")
     # SIG_DFL in the child: Python installs its KeyboardInterrupt handler only
     # when SIGINT is not ignored at start, and ignored signals survive exec (a
     # job started in the background by a non-interactive shell ignores SIGINT;
     # a CI run launched that way failed here).
-    proc = subprocess.Popen([sys.executable, program, scenario], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([sys.executable, program, scenario, isolation],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline() == "READY\n"
@@ -356,8 +361,9 @@ def test_ctrl_c_interrupts_run(scenario, alive):
         proc.kill()
     line = [x for x in out.splitlines() if x.startswith("INTERRUPTED")]
     assert line, out
-    _, seconds, threads = line[0].split()
+    _, seconds, threads, children, memfds = line[0].split()
     assert int(threads) == alive, out
+    assert (int(children), int(memfds)) == (0, 0), out
     assert float(seconds) < (5 if alive else 3), out
     assert proc.returncode == 0, out
 

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import importlib
 import math
+import mmap
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -240,7 +241,13 @@ class SimProcessGroup(dist.ProcessGroup):
         """c10d's name of the group, which the functional collectives resolve
         groups by; a Python group's C++ name is not set (as in torch's threaded
         group), so it comes from this rank's c10d state."""
-        return _c10d._world.pg_names[self]
+        name = _c10d._world.pg_names.get(self)
+        if name is not None:
+            self._c10d_name = name
+            return name
+        # destroy_process_group(group) drops the name before it asks for it
+        # (to unregister it): the name the group had.
+        return getattr(self, "_c10d_name", "")
 
     def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
         return BACKEND
@@ -340,7 +347,12 @@ class SimProcessGroup(dist.ProcessGroup):
                        opts: Any = None) -> "dist.Work":
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
         for out, xs in zip(outputs, inputs):
-            _into(out, _nn.reduce_scatter([_dc(x) for x in xs], self._group, op))
+            sizes = [x.numel() for x in xs]
+            if all(n == sizes[0] for n in sizes):
+                _into(out, _nn.reduce_scatter([_dc(x) for x in xs], self._group, op))
+            else:  # uneven (gloo runs it): one flat reduce_scatter_v, blocks by entry
+                flat = torch.cat([x.detach().reshape(-1) for x in xs])
+                _into(out, _nn.reduce_scatter_v(_dc(flat), sizes, self._group, op))
         return _done(outputs)
 
     @_as_torch_call("reduce_scatter_tensor")
@@ -478,7 +490,15 @@ def _new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
     names = ("group_size", "group_rank", "global_ranks_in_group", "backend")
     bound = dict(zip(names, args), **kwargs)
     ranks = bound.get("global_ranks_in_group") or []
-    if world is not None and ranks and BACKEND in str(bound.get("backend", "")).lower():
+    if world is not None and ranks:
+        # Every group of a simulated world is simulated: one asked for with
+        # another backend (megatron-core makes gloo groups for its CPU-side
+        # calls) would wait for its peers in a store rendezvous, outside the
+        # world's view, where one rank at a time never completes it.
+        if len(args) > 3:
+            args = args[:3] + (BACKEND,) + args[4:]
+        else:
+            kwargs["backend"] = BACKEND
         sub = world.new_group(sorted(ranks))
         if sub is not None:
             _local.pending[tuple(sorted(ranks))] = sub
@@ -545,13 +565,7 @@ def _uninstall() -> None:
 def installed() -> Iterator[None]:
     """The backend and the per-thread c10d state, for the duration of one run."""
     require_torch()
-    if _c10d._is_barrier_after_init() == 1:
-        # A store-based barrier blocks the rank holding the baton, outside the
-        # world's view: the other ranks could never arrive (a hang, not a report).
-        raise _core.InvalidArgument(
-            "diffcomm.sim.run(torch_distributed=True): unset TORCH_DIST_INIT_BARRIER (=1 makes "
-            "init_process_group/new_group wait in a store barrier, which the simulated world, "
-            "one rank at a time, can never complete)")
+    _check_barrier_env()
     _install()
     try:
         yield
@@ -590,11 +604,86 @@ def rank_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any],
         _local.c10d_world = None
 
 
+class SharedCalls:
+    """The run's table of each rank's torch.distributed call in progress, in
+    memory the rank processes share (an anonymous shared mapping made before
+    the fork), so a Deadlock report lists every rank's call in process
+    isolation too. A dict's get / setitem / pop, by global rank."""
+
+    SLOT = 512  # bytes per rank: a length, then the text (cut to fit)
+
+    def __init__(self, world_size: int):
+        self._n = world_size
+        self._map = mmap.mmap(-1, max(1, world_size) * self.SLOT)
+
+    def __setitem__(self, rank: int, text: str) -> None:
+        data = text.encode()[:self.SLOT - 2]
+        at = rank * self.SLOT
+        self._map[at + 2:at + 2 + len(data)] = data
+        self._map[at:at + 2] = len(data).to_bytes(2, "little")
+
+    def get(self, rank: int, default: str) -> str:
+        at = rank * self.SLOT
+        n = int.from_bytes(self._map[at:at + 2], "little") if 0 <= rank < self._n else 0
+        return self._map[at + 2:at + 2 + n].decode(errors="replace") if n else default
+
+    def pop(self, rank: int, default: Any = None) -> Any:
+        if 0 <= rank < self._n:
+            self._map[rank * self.SLOT:rank * self.SLOT + 2] = b"\0\0"
+        return default
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def process_session(rank: int, group: "_core.ProcessGroup", fn: Callable[[], Any],
+                    torch_calls: SharedCalls) -> Any:
+    """In a rank process (isolation="process"): torch.distributed as under a
+    launcher, with this process's own c10d state (no per-thread stand-ins):
+    the backend registered, the new_group hook set (diffcomm's new_group is
+    a collective of the parent group), then init_process_group, fn,
+    destroy_process_group."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    if "helper" not in _saved:
+        _saved["helper"] = _c10d._new_process_group_helper
+        _c10d._new_process_group_helper = _new_process_group_helper
+    _local.world_group = group
+    _local.torch_calls = torch_calls
+    _local.pending = {}
+    _local.made = []
+    dist.init_process_group(BACKEND, rank=rank, world_size=group.size(), store=dist.HashStore())
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_barrier_env() -> None:
+    if _c10d._is_barrier_after_init() == 1:
+        # A store-based barrier blocks the rank holding the baton, outside the
+        # world's view: the other ranks could never arrive (a hang, not a report).
+        raise _core.InvalidArgument(
+            "diffcomm.sim.run(torch_distributed=True): unset TORCH_DIST_INIT_BARRIER (=1 makes "
+            "init_process_group/new_group wait in a store barrier, which the simulated world, "
+            "one rank at a time, can never complete)")
+
+
 def run(sim_run: Callable[[Callable[[int, Any], Any]], Any],
-        fn: Callable[[int, "_core.ProcessGroup"], Any]) -> Any:
+        fn: Callable[[int, "_core.ProcessGroup"], Any], isolation: str = "thread",
+        world_size: int = 0) -> Any:
     """``sim.run(..., torch_distributed=True)``: ``sim_run(body)`` is the plain
     run with the caller's options; every rank's body is fn inside a torch.distributed
-    session on its simulated world."""
+    session on its simulated world (a process session in isolation="process")."""
+    if isolation == "process":
+        require_torch()
+        _check_barrier_env()
+        calls = SharedCalls(world_size)
+        try:
+            return sim_run(lambda rank, group: process_session(
+                rank, group, lambda: fn(rank, group), calls))
+        finally:
+            calls.close()
     torch_calls: Dict[int, str] = {}
     with installed():
         return sim_run(lambda rank, group: rank_session(rank, group, lambda: fn(rank, group),

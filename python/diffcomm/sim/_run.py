@@ -3,6 +3,7 @@ turns (the engine is the C++ sim::ThreadedWorld); see the package's docstring.""
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -12,8 +13,10 @@ from .. import _context, _core, _participation
 class RunResult:
     """What ``run`` returns: per-rank return values and the world's record."""
 
-    def __init__(self, world: "_core.sim.ThreadedWorld", results: List[Any]):
+    def __init__(self, world: "_core.sim.ThreadedWorld", results: List[Any],
+                 rank_stats: Optional[List[Dict[str, Any]]] = None):
         self._world = world
+        self._rank_stats = rank_stats
         #: fn's return value on every rank, by rank.
         self.results = results
         #: Hash of the interleaving (calls in completion order with their
@@ -24,6 +27,11 @@ class RunResult:
 
     def stats(self, rank: int) -> Dict[str, Any]:
         """Calls and bytes of one rank: {'total': {...}, 'entries': [...]}."""
+        if self._rank_stats is not None:  # isolation="process": counted in the rank's process
+            if not 0 <= rank < len(self._rank_stats):
+                raise _core.InvalidArgument(
+                    f"RunResult.stats: rank {rank} outside [0, {len(self._rank_stats)})")
+            return self._rank_stats[rank]
         return self._world.stats(rank)
 
     def write_trace(self, path: str) -> None:
@@ -89,7 +97,7 @@ def _interrupt(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread]
 
 
 def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
-           in_fn: List[bool], grace_s: float) -> None:
+           on_interrupt: Callable[[List[bool]], None]) -> None:
     """Runs the world on a driver thread while this (the calling, usually the
     main) thread waits in short slices, so that Ctrl-C reaches Python: the
     signal handler runs only between bytecodes, never while a thread sits in
@@ -121,7 +129,7 @@ def _drive(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread],
         while not done.acquire(timeout=0.05):
             pass
     except KeyboardInterrupt:
-        _interrupt(world, threads, in_fn, finished, grace_s)
+        on_interrupt(finished)
         raise
     for t in threads:
         t.join()
@@ -169,6 +177,8 @@ def run(
     fault: Optional[Tuple[int, int]] = None,
     trace: bool = True,
     torch_distributed: bool = False,
+    isolation: Optional[str] = None,
+    cuda: Optional[str] = None,
     one_cpu: bool = True,
     interrupt_grace_s: float = INTERRUPT_GRACE_S,
 ) -> RunResult:
@@ -180,30 +190,50 @@ def run(
     rank fail at its k-th diffcomm call (the others get ``RankFailure``; a
     ``Deadlock`` instead if that rank catches its error and returns).
 
+    ``isolation``: ``"process"`` (the default where the platform has fork and
+    memfd, i.e. Linux) runs every rank in its own OS process forked from the
+    caller, so module globals, torch's RNG, hooks, the environment and
+    torch.distributed's state are per rank, as under torchrun. ``fn`` and what
+    it reads are inherited (no pickling, no re-import); its return value, or
+    its exception (with ``.rank_traceback``, the rank's traceback text), comes
+    back by pickle. A rank process that dies (a signal, ``os._exit``, out of
+    memory) is a ``RankFailure`` naming the rank and how it died; no process
+    or memfd outlives ``run``. ``"thread"`` runs every rank on a thread of the
+    caller: faster, for code that keeps no process-wide state (every rank then
+    shares module globals and torch's default generator). Both give the same
+    interleaving, trace hash and reports for the same seed (docs/python.md).
+
+    ``cuda="cpu"`` (process isolation only): in every rank process,
+    ``torch.cuda`` calls and ``device="cuda"`` land on the CPU, so trainer code
+    that hard-codes CUDA runs unmodified (diffcomm/sim/_cuda_on_cpu.py lists
+    what is covered). Default None: torch.cuda untouched.
+
     Ctrl-C (SIGINT) interrupts the run: the rank running its own code gets
     KeyboardInterrupt, the world ends the others as it does for any failing
-    rank (RankFailure), and ``run`` raises KeyboardInterrupt. A rank blocked
-    outside diffcomm (``time.sleep``, ``input()``) holds the baton where no
-    exception reaches it: ``run`` raises after ``interrupt_grace_s`` seconds
-    (default ``INTERRUPT_GRACE_S``, 5), leaving the rank threads (daemons)
-    behind.
+    rank (RankFailure), and ``run`` raises KeyboardInterrupt. A thread rank
+    blocked outside diffcomm (``time.sleep``, ``input()``) holds the baton
+    where no exception reaches it: ``run`` raises after ``interrupt_grace_s``
+    seconds (default ``INTERRUPT_GRACE_S``, 5), leaving the rank threads
+    (daemons) behind; rank processes still running then are killed.
 
-    ``torch_distributed=True`` (torch >= 2): in every rank thread,
-    torch.distributed is initialised with the c10d backend ``"diffcomm_sim"``
-    (default group = this simulated world) before fn runs and destroyed after,
-    so unmodified torch.distributed code runs with the guarantees above.
+    ``torch_distributed=True`` (torch >= 2): in every rank, torch.distributed
+    is initialised with the c10d backend ``"diffcomm_sim"`` (default group =
+    this simulated world) before fn runs and destroyed after, so unmodified
+    torch.distributed code runs with the guarantees above.
 
-    ``one_cpu=True`` (default): the world's thread and the rank threads are
-    pinned to one CPU (the one ``run`` was called on) while the world runs,
-    and get their CPU sets back after: only one of them runs at a time, and
-    a hand-over between threads on one CPU is a context switch, not a
-    wake-up on another core (about 4x cheaper per collective at world 8;
-    docs/python.md). Threads that torch or OpenMP first start inside ``fn``
+    ``one_cpu=True`` (default): the world's thread and the ranks (threads or
+    processes) are pinned to one CPU (the one ``run`` was called on) while
+    the world runs, and get their CPU sets back after: only one of them runs
+    at a time, and a hand-over between them on one CPU is a context switch,
+    not a wake-up on another core (about 4x cheaper per collective at world
+    8; docs/python.md). Threads that torch or OpenMP first start inside ``fn``
     inherit the pinning. ``one_cpu=False`` leaves placement to the OS.
 
     Before any rank runs: TypeError for a world_size, seed or fault that is
     not an int (fault: a pair of ints), InvalidArgument for world_size outside
-    1..MAX_RANKS, a seed outside 0..2**64-1, or a fault outside the world.
+    1..MAX_RANKS, a seed outside 0..2**64-1, a fault outside the world, an
+    unknown isolation or cuda, or isolation="process" where the platform has
+    no fork/memfd.
 
     Returns a RunResult. If any rank raised, re-raises the first failure in
     the world's (deterministic) order, with ``.rank`` (the rank that raised
@@ -211,13 +241,18 @@ def run(
     diffcomm errors keep their class (CollectiveMismatch, Deadlock, ...).
     """
     _check_run_arguments(world_size, seed, fault, interrupt_grace_s)
+    isolation = _resolve_isolation(isolation, cuda)
     if torch_distributed:  # the c10d backend: diffcomm/sim/_c10d_backend.py
         from . import _c10d_backend  # noqa: PLC0415 (torch >= 2 only: imported on request)
 
-        return _c10d_backend.run(lambda body: run(world_size, body, seed=seed, schedule=schedule,
-                                              fault=fault, trace=trace, one_cpu=one_cpu,
-                                              interrupt_grace_s=interrupt_grace_s), fn)
+        return _c10d_backend.run(
+            lambda body: run(world_size, body, seed=seed, schedule=schedule, fault=fault,
+                             trace=trace, isolation=isolation, cuda=cuda, one_cpu=one_cpu,
+                             interrupt_grace_s=interrupt_grace_s),
+            fn, isolation, world_size)
     world = _core.sim.ThreadedWorld(world_size, seed, schedule, fault, trace, one_cpu)
+    if isolation == "process":
+        return _run_processes(world, world_size, fn, cuda, one_cpu, interrupt_grace_s)
     results: List[Any] = [None] * world_size
     errors: List[Optional[BaseException]] = [None] * world_size
     order: List[int] = []
@@ -254,11 +289,62 @@ def run(
         for r in range(world_size)
     ]
     _start_rank_threads(world, threads)
-    _drive(world, threads, in_fn, interrupt_grace_s)
+    _drive(world, threads,
+           lambda finished: _interrupt(world, threads, in_fn, finished, interrupt_grace_s))
+    _raise_first(order, errors)
+    return RunResult(world, results)
+
+
+def _raise_first(order: List[int], errors: List[Optional[BaseException]]) -> None:
+    """Raises the first failure in the world's order, with .rank and .rank_errors."""
     if order:
         first = errors[order[0]]
         assert first is not None
         first.rank = order[0]  # type: ignore[attr-defined]
         first.rank_errors = errors  # type: ignore[attr-defined]
         raise first
-    return RunResult(world, results)
+
+
+ISOLATIONS = ("process", "thread")
+
+
+def _resolve_isolation(isolation: Optional[str], cuda: Optional[str]) -> str:
+    """isolation=None: "process" where the platform runs rank processes, else "thread"."""
+    from . import _processes  # noqa: PLC0415
+
+    if isolation is None:
+        isolation = "process" if _processes.available() else "thread"
+    if isolation not in ISOLATIONS:
+        raise _core.InvalidArgument(
+            f"sim.run: isolation={isolation!r}, expected 'process' or 'thread'")
+    if isolation == "process" and not _processes.available():
+        raise _core.InvalidArgument(
+            f"sim.run: isolation='process' needs fork and memfd (Linux); this is "
+            f"{sys.platform}: use isolation='thread'")
+    if cuda not in (None, "cpu"):
+        raise _core.InvalidArgument(f"sim.run: cuda={cuda!r}, expected None or 'cpu'")
+    if cuda == "cpu" and isolation != "process":
+        raise _core.InvalidArgument(
+            "sim.run: cuda='cpu' patches torch.cuda in each rank process: it needs "
+            "isolation='process' (threads would share, and leak, the patch)")
+    return isolation
+
+
+def _run_processes(world: "_core.sim.ThreadedWorld", world_size: int,
+                   fn: Callable[[int, Any], Any], cuda: Optional[str], one_cpu: bool,
+                   grace_s: float) -> RunResult:
+    """isolation="process" (diffcomm/sim/_processes.py)."""
+    from . import _processes  # noqa: PLC0415
+
+    if cuda == "cpu":
+        from . import _cuda_on_cpu  # noqa: PLC0415 (torch only: imported on request)
+
+        fn = _cuda_on_cpu.wrap(fn)
+    job = _processes.ProcessRun(world, world_size, fn)
+    job.start(one_cpu)
+    try:
+        _drive(world, job.threads, lambda finished: job.interrupt(finished, grace_s))
+    finally:
+        job.cleanup(grace_s)
+    _raise_first(job.order, job.errors)
+    return RunResult(world, job.results, job.stats)

@@ -82,6 +82,12 @@ double World::sim_time_us() const {
   return t;
 }
 
+double World::rank_time_us(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(impl_->ranks.size()))
+    raise("World::rank_time_us", fmt::format("rank {} outside [0, {})", rank, impl_->ranks.size()));
+  return impl_->ranks[static_cast<std::size_t>(rank)].clock_us;
+}
+
 const std::string& World::injected_fault() const { return impl_->injected_fault; }
 
 std::vector<std::string> World::error_messages() const {

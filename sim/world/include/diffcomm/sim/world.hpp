@@ -203,6 +203,9 @@ class World {
   void write_trace(const std::string& path) const;
   /// Largest rank clock at the end of the last run, microseconds.
   double sim_time_us() const;
+  /// Rank `rank`'s clock now (during a run: where its fiber stands),
+  /// microseconds. Throws InvalidArgument for a rank outside the world.
+  double rank_time_us(int rank) const;
 
   struct Impl;
 
