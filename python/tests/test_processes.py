@@ -221,3 +221,24 @@ def test_diffcomm_errors_survive_pickling():
     for cls in (diffcomm.Deadlock, diffcomm.RankFailure, diffcomm.InvalidArgument):
         e = pickle.loads(pickle.dumps(cls("x")))
         assert type(e) is cls and str(e) == "x"
+
+
+def test_rank_processes_compute_after_the_caller_used_openmp():
+    # The caller's OpenMP threads (torch's and MKL's CPU kernels) do not exist
+    # in a forked rank process; a rank that used them would wait forever. Rank
+    # processes compute with one thread. In a subprocess with a deadline: a
+    # regression is a failure here, not a hung suite.
+    import subprocess
+    import sys
+
+    program = (
+        "import torch, diffcomm.sim as sim\n"
+        "torch.set_num_threads(2)\n"
+        "a = torch.randn(512, 512, dtype=torch.float64)\n"
+        "(a @ a).sum()\n"
+        "res = sim.run(2, lambda r, g: float((a @ a).sum()), isolation='process')\n"
+        "ref = float((a @ a).sum())  # with 2 threads: another summation order\n"
+        "print('OK', res.results[0] == res.results[1], abs(res.results[0] - ref) < 1e-9 * abs(ref))\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "OK True True", out.stdout + out.stderr

@@ -97,8 +97,21 @@ def _encode_end(rank: int, group: Any, value: Any, error: Optional[BaseException
     return pickle.dumps(("error", exc_bytes, type(error).__name__, str(error), text, stats))
 
 
+def _one_compute_thread() -> None:
+    """OpenMP (GNU libgomp, under torch's and MKL's CPU kernels) cannot run in
+    a process forked after the caller's OpenMP threads started: the child
+    inherits a thread pool whose threads do not exist, and its first parallel
+    region waits for them forever. With one thread no pool is used. (Ranks
+    run one at a time anyway.)"""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def _rank_main(rank: int, fn: Callable[[int, Any], Any], me: _Rank, cpu: int) -> int:
     """The rank process: waits for the world's start, runs fn, reports."""
+    _one_compute_thread()
     if cpu >= 0:
         os.sched_setaffinity(0, {cpu})  # one runs at a time: a hand-over stays on one CPU
     try:
