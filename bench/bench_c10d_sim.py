@@ -53,8 +53,9 @@ def work(op, iters):
 
 
 def diffcomm_sim(op, iters):
+    # Rank threads, as recorded in RESULTS.md (rank processes: bench_sim_processes.py).
     res = sim.run(WORLD, lambda rank, group: work(op, iters), seed=1, trace=False,
-                  torch_distributed=True)
+                  torch_distributed=True, isolation="thread")
     return max(res.results)
 
 
@@ -82,7 +83,7 @@ def diffcomm_raw(op, iters):
         group.barrier()
         return (time.perf_counter() - t0) / iters
 
-    return max(sim.run(WORLD, fn, seed=1, trace=False).results)
+    return max(sim.run(WORLD, fn, seed=1, trace=False, isolation="thread").results)
 
 
 def threaded_pg(op, iters):

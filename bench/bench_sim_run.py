@@ -56,7 +56,7 @@ def main() -> None:
 
     def run(fn, one_cpu):
         t = time.perf_counter()
-        sim.run(8, fn, trace=False, one_cpu=one_cpu)
+        sim.run(8, fn, trace=False, one_cpu=one_cpu, isolation="thread")
         return (time.perf_counter() - t) / calls * 1e6
 
     res = {k: [] for k in ("barrier/one_cpu", "barrier/os", "all_reduce/one_cpu",

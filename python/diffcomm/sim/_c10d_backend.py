@@ -415,6 +415,40 @@ def _split_rows(flat: "_core.Tensor", sizes: Sequence[int]) -> List["_core.Tenso
 
 
 # ------------------------------------------------- per-rank c10d world state
+class _RankTable(dict):
+    """One rank thread's group-keyed c10d table (``pg_map``, ``pg_group_ranks``),
+    which names the one way a rank thread reaches a group it never made: state
+    shared between rank threads (megatron-core keeps its groups in module
+    globals, so every rank thread reads the groups the last one stored). Raised
+    instead of torch's "not initialized in the world group map"."""
+
+    def __contains__(self, group: object) -> bool:
+        found = super().__contains__(group)
+        if not found:
+            _refuse_foreign(group)
+        return found
+
+    def get(self, group: Any, default: Any = None) -> Any:
+        if not super().__contains__(group):
+            _refuse_foreign(group)
+        return super().get(group, default)
+
+
+def _refuse_foreign(group: object) -> None:
+    """InvalidArgument when `group` is a SimProcessGroup another rank thread made."""
+    world = getattr(_local, "world_group", None)
+    if not isinstance(group, SimProcessGroup) or world is None or group._group is None:
+        return
+    me, owner = world.global_rank(world.rank()), group._members[group._group_rank]
+    if me != owner:
+        raise _core.InvalidArgument(
+            f"diffcomm_sim: rank {me}'s thread uses the process group of global ranks "
+            f"{group._members} that rank {owner}'s thread made: rank threads share module "
+            f"globals (a library that keeps its groups in globals, as megatron-core's "
+            f"parallel_state does, hands every rank the last rank's groups); run with "
+            f"isolation='process' (the default), where each rank has its own")
+
+
 class _RankWorld(_c10d._World):
     """One rank's c10d state. torch's ``_World`` keeps most of its fields in
     module globals (``_pg_map``, ``_pg_names``, ``_group_count``, ...) even
@@ -427,7 +461,8 @@ class _RankWorld(_c10d._World):
     def __init__(self) -> None:
         super().__init__()
         self._rank_state: Dict[str, Any] = {
-            "pg_map": {}, "pg_names": {}, "pg_group_ranks": {}, "pg_backend_config": {},
+            "pg_map": _RankTable(), "pg_names": {}, "pg_group_ranks": _RankTable(),
+            "pg_backend_config": {},
             "tags_to_pg": {}, "pg_to_tag": {}}
         self._rank_group_count = 0
 
