@@ -242,3 +242,26 @@ def test_rank_processes_compute_after_the_caller_used_openmp():
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.strip() == "OK True True", out.stdout + out.stderr
+
+
+def test_cuda_on_cpu_survives_importing_torch_dynamo_and_megatron_inside_fn():
+    # torch._dynamo, imported after the patch (megatron-core imports it),
+    # refuses one function object under two torch.cuda names. In a subprocess:
+    # this suite's own process has imported torch._dynamo already.
+    import subprocess
+    import sys
+
+    if int(torch.__version__.split(".")[0]) < 2:
+        pytest.skip("cuda='cpu' needs torch >= 2 (torch.distributed's rank processes)")
+    program = (
+        "import sys, torch, diffcomm.sim as sim\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "def fn(r, g):\n"
+        "    import torch._dynamo\n"
+        "    return torch.cuda.is_available(), torch.empty(2, device='cuda').device.type, \\\n"
+        "        torch.ones(2).cuda().device.type, torch.cuda.current_device()\n"
+        "print(sim.run(2, fn, cuda='cpu').results)\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "[(True, 'cpu', 'cpu', 0), (True, 'cpu', 'cpu', 0)]", \
+        out.stdout + out.stderr

@@ -153,12 +153,18 @@ class _Event:
 _STREAM = _Stream()
 
 
-def _nothing(*_: Any, **__: Any) -> None:
-    return None
+def _nothing() -> Callable[..., None]:
+    """A new do-nothing function (one object per patched name: torch._dynamo,
+    imported later, refuses one function object under two torch.cuda names)."""
+    def nothing(*_: Any, **__: Any) -> None:
+        return None
+    return nothing
 
 
-def _zero(*_: Any, **__: Any) -> int:
-    return 0
+def _zero() -> Callable[..., int]:
+    def zero(*_: Any, **__: Any) -> int:
+        return 0
+    return zero
 
 
 def _cpu_rng_state(device: Any = "cuda") -> torch.Tensor:
@@ -172,22 +178,22 @@ def _set_cpu_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
 def _stand_ins() -> Dict[str, Any]:
     """torch.cuda's attributes as they read in a rank process with cuda='cpu'."""
     return {
-        "is_available": lambda: True, "is_initialized": lambda: True, "init": _nothing,
-        "_lazy_init": _nothing, "device_count": lambda: 1, "current_device": lambda: 0,
-        "set_device": _nothing, "synchronize": _nothing, "empty_cache": _nothing,
+        "is_available": lambda: True, "is_initialized": lambda: True, "init": _nothing(),
+        "_lazy_init": _nothing(), "device_count": lambda: 1, "current_device": lambda: 0,
+        "set_device": _nothing(), "synchronize": _nothing(), "empty_cache": _nothing(),
         "device": lambda *_a, **_k: contextlib.nullcontext(),
         "Stream": _Stream, "Event": _Event, "current_stream": lambda *_a, **_k: _STREAM,
         "default_stream": lambda *_a, **_k: _STREAM, "stream": lambda s=None: contextlib.nullcontext(s),
-        "set_stream": _nothing,
+        "set_stream": _nothing(),
         "manual_seed": lambda seed: torch.manual_seed(seed) and None,
         "manual_seed_all": lambda seed: torch.manual_seed(seed) and None,
         "seed": lambda: torch.seed() and None, "seed_all": lambda: torch.seed() and None,
-        "initial_seed": torch.initial_seed,
+        "initial_seed": lambda: torch.initial_seed(),
         "get_rng_state": _cpu_rng_state, "set_rng_state": _set_cpu_rng_state,
         "get_rng_state_all": lambda: [torch.get_rng_state()],
         "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
-        "memory_allocated": _zero, "max_memory_allocated": _zero, "memory_reserved": _zero,
-        "max_memory_reserved": _zero, "reset_peak_memory_stats": _nothing,
+        "memory_allocated": _zero(), "max_memory_allocated": _zero(), "memory_reserved": _zero(),
+        "max_memory_reserved": _zero(), "reset_peak_memory_stats": _nothing(),
         "get_device_name": lambda *_a: "cpu (diffcomm.sim cuda='cpu')",
         "get_device_capability": lambda *_a: (9, 0),
     }
@@ -202,7 +208,7 @@ def install() -> None:
     nvtx = getattr(torch.cuda, "nvtx", None)
     if nvtx is not None:
         for name in ("range_push", "range_pop", "mark"):
-            setattr(nvtx, name, _nothing)
+            setattr(nvtx, name, _nothing())
         nvtx.range = lambda *_a, **_k: contextlib.nullcontext()
 
 
