@@ -21,6 +21,7 @@ Run with PyPI torch and megatron-core (scripts/test-python's venv):
   build/python-venv-pypi/bin/python bench/bench_sim_processes.py collectives --world 8 --gloo
 """
 import argparse
+import importlib
 import os
 import socket
 import statistics
@@ -90,14 +91,18 @@ def megatron_step(tp, steps=3):
 
 
 def pss_mib():
+    """This process's proportional set size and its private pages, MiB
+    (pages shared with the caller count 1/sharers in PSS)."""
+    out = {}
     try:
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 1024
+                key = line.split(":")[0]
+                if key in ("Pss", "Private_Dirty", "Private_Clean"):
+                    out[key] = int(line.split()[1]) / 1024
     except OSError:
-        pass
-    return float("nan")
+        return float("nan"), float("nan")
+    return out.get("Pss", float("nan")), out.get("Private_Dirty", 0) + out.get("Private_Clean", 0)
 
 
 # ------------------------------------------------------------ runners
@@ -166,14 +171,15 @@ def megatron(a):
     for _ in range(a.reps):
         res = in_sim(a.world, "process", body, cuda="cpu")
         runs["process"].append(max(t for t, _ in res))
-        pss.append(statistics.median(m for _, m in res))
+        pss.append(statistics.median(m[0] for _, m in res))
+        private = statistics.median(m[1] for _, m in res)
         runs["gloo"].append(max(t for t, _ in in_gloo(a.world, body, cuda=True)))
     ratios = [p / g for p, g in zip(runs["process"], runs["gloo"])]
     for k, v in runs.items():
         print(f"  {k:8s} {statistics.median(v) * 1e3:8.1f} ms per step")
     print(f"  process/gloo paired median {statistics.median(ratios):.2f} "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}); rank process PSS median "
-          f"{statistics.median(pss):.0f} MiB")
+          f"{statistics.median(pss):.0f} MiB, of it private {private:.0f} MiB")
 
 
 def scale(a):
@@ -188,11 +194,13 @@ def scale(a):
             print(f"world {world:5d}: failed: {type(e).__name__}: {str(e)[:200]}")
             break
         wall = time.perf_counter() - t0
-        pss = [m for _, m in res]
+        pss = [m[0] for _, m in res]
+        private = [m[1] for _, m in res]
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         print(f"world {world:5d}: run {wall:6.1f} s, step {max(t for t, _ in res):6.2f} s, "
-              f"PSS per rank median {statistics.median(pss):6.1f} MiB (max {max(pss):6.1f}), "
-              f"sum {sum(pss) / 1024:5.2f} GiB; largest rank RSS {peak:.0f} MiB", flush=True)
+              f"per rank PSS median {statistics.median(pss):6.1f} MiB, private median "
+              f"{statistics.median(private):6.1f} MiB (max {max(private):6.1f}), ranks' PSS sum "
+              f"{sum(pss) / 1024:5.2f} GiB; largest rank RSS {peak:.0f} MiB", flush=True)
         world *= 2
 
 
@@ -206,6 +214,8 @@ def main():
     p.add_argument("--max-world", type=int, default=512)
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.command != "collectives":
+        importlib.import_module("megatron.core.tensor_parallel")  # once, shared by the forks
     {"collectives": collectives, "megatron": megatron, "scale": scale}[a.command](a)
 
 

@@ -265,3 +265,23 @@ def test_cuda_on_cpu_survives_importing_torch_dynamo_and_megatron_inside_fn():
                          timeout=120)
     assert out.stdout.strip() == "[(True, 'cpu', 'cpu', 0), (True, 'cpu', 'cpu', 0)]", \
         out.stdout + out.stderr
+
+
+def test_running_out_of_file_descriptors_is_a_backend_error():
+    # Each rank process takes a socket and a memfd in the caller. In a
+    # subprocess whose descriptor limit cannot hold 64 ranks.
+    import subprocess
+    import sys
+
+    program = (
+        "import resource, diffcomm, diffcomm.sim as sim\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "try:\n"
+        "    sim.run(64, lambda r, g: None, isolation='process')\n"
+        "except diffcomm.BackendError as e:\n"
+        "    print('BACKEND', e)\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                         timeout=120)
+    assert "BACKEND diffcomm.sim.run: cannot make the socket and memfd of rank" in out.stdout, \
+        out.stdout + out.stderr
+    assert "ulimit -n" in out.stdout

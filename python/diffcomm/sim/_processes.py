@@ -178,7 +178,15 @@ class ProcessRun:
     def start(self, one_cpu: bool) -> None:
         """Forks every rank process, then starts the threads that serve them
         (forking before any thread of the run exists)."""
-        self.ranks = [_Rank(r) for r in range(self.n)]
+        try:
+            for r in range(self.n):
+                self.ranks.append(_Rank(r))
+        except OSError as e:  # out of file descriptors (ulimit -n) or memory
+            self.cleanup(0.0)
+            raise _core.BackendError(
+                f"diffcomm.sim.run: cannot make the socket and memfd of rank {len(self.ranks)} of "
+                f"{self.n} ({e}); each rank process takes 2 file descriptors in the caller: raise "
+                f"ulimit -n, use fewer ranks, or isolation='thread'") from e
         cpu = self.world.cpu() if one_cpu else -1
         for stream in (sys.stdout, sys.stderr):  # not written twice by the children
             stream.flush()
