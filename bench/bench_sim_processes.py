@@ -34,29 +34,13 @@ import torch.multiprocessing as mp
 
 import diffcomm.sim as sim
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_c10d_sim  # noqa: E402
+
 
 # ------------------------------------------------------------ programs
-def collective_work(op, iters):
-    """Seconds per call of `op` between barriers (each rank's view)."""
-    n = dist.get_world_size()
-    if op == "all_reduce_8B":
-        x = torch.ones(1, dtype=torch.float64)
-
-        def call():
-            dist.all_reduce(x)
-    else:
-        x = torch.ones(16384, dtype=torch.float32)
-        y = torch.empty_like(x)
-        assert 16384 % n == 0
-
-        def call():
-            dist.all_to_all_single(y, x)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    dist.barrier()
-    return (time.perf_counter() - t0) / iters
+# The per-rank program of bench_c10d_sim.py: seconds per call of op between barriers.
+collective_work = bench_c10d_sim.work
 
 
 S, B, H, F = 64, 4, 256, 1024

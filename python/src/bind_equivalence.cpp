@@ -2,13 +2,12 @@
 // (sim/equivalence.hpp). diffcomm.sim.check_equivalence runs the step and
 // calls check_mesh here once per mesh.
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/tuple.h>
 
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <nanobind/stl/tuple.h>
 
 #include "bind.hpp"
 #include "diffcomm/sim/equivalence.hpp"
