@@ -1,7 +1,10 @@
 """The seeded simulated world from Python.
 
 ``run(world_size, fn, seed=...)`` runs ``fn(rank, group)`` once per rank, each
-rank on its own OS thread, with the guarantees of the C++ ``sim::World``:
+rank in its own OS process (``isolation="process"``, the default on Linux:
+globals, RNG and torch.distributed state per rank, as under torchrun) or on its
+own OS thread (``isolation="thread"``), with the guarantees of the C++
+``sim::World``:
 
 * exactly one rank runs at a time (a seeded baton; the GIL is released while a
   rank waits), so the same seed gives the same interleaving
