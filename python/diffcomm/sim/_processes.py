@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 from .. import _context, _core, _participation
@@ -135,7 +136,12 @@ def _rank_main(rank: int, fn: Callable[[int, Any], Any], me: _Rank, cpu: int) ->
 
 def _fork_rank(rank: int, fn: Callable[[int, Any], Any], ranks: List[_Rank], cpu: int) -> int:
     """Forks rank `rank`'s process; returns its pid (never returns in the child)."""
-    pid = os.fork()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns on fork from a process with threads (torch's
+        # OpenMP pool, the caller's own): the child is handled for that
+        # (_one_compute_thread; the world's threads start after the forks).
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid != 0:
         return pid
     code = 71
