@@ -119,6 +119,20 @@ def test_scatter_and_reduce_scatters(n):
         assert rst == n * r + n * (n - 1) / 2                         # sum_s (r + s)
 
 
+@needs_torch2
+@pytest.mark.parametrize("n", [3, 4])
+def test_uneven_reduce_scatter(n):
+    # Output s has s + 1 elements (gloo runs this; each rank's list has the
+    # same sizes): rank s gets sum over ranks r of (10 r + i), i < s + 1.
+    def fn(r):
+        out = torch.zeros(r + 1)
+        dist.reduce_scatter(out, [torch.arange(float(s + 1)) + 10.0 * r for s in range(n)])
+        return out.tolist()
+
+    for s, out in enumerate(run(n, fn).results):
+        assert out == [n * i + 10.0 * n * (n - 1) / 2 for i in range(s + 1)]
+
+
 def _a2a_split(i, j):
     """Rows rank i sends to rank j: uneven, with zeros."""
     return (i + 2 * j) % 3
