@@ -244,3 +244,16 @@ def test_a_rank_process_killed_mid_collective_is_a_rank_failure():
         run(4, fn)
     assert info.value.rank == 3
     assert all(isinstance(e, diffcomm.RankFailure) for e in info.value.rank_errors)
+
+
+def test_the_readme_example():
+    # README.md, "Test your torch.distributed code": its code block as written.
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## Test your torch.distributed code"):]
+    start = section.index("```python\n") + 10
+    code = section[start:section.index("\n```", start)]
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own code)
+    assert [t.tolist() for t in scope["out"]] == [[6.0, 6.0]] * 4 + [[22.0, 22.0]] * 4
