@@ -8,6 +8,8 @@ import os
 import pickle
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -42,6 +44,12 @@ def _memfds() -> int:
         except OSError:
             pass
     return n
+
+
+def _python(program):
+    """Runs program in a fresh interpreter, with a deadline (a hang fails the test)."""
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
 
 
 def _mixed(rank, group):
@@ -228,9 +236,6 @@ def test_rank_processes_compute_after_the_caller_used_openmp():
     # in a forked rank process; a rank that used them would wait forever. Rank
     # processes compute with one thread. In a subprocess with a deadline: a
     # regression is a failure here, not a hung suite.
-    import subprocess
-    import sys
-
     program = (
         "import torch, diffcomm.sim as sim\n"
         "torch.set_num_threads(2)\n"
@@ -239,8 +244,7 @@ def test_rank_processes_compute_after_the_caller_used_openmp():
         "res = sim.run(2, lambda r, g: float((a @ a).sum()), isolation='process')\n"
         "ref = float((a @ a).sum())  # with 2 threads: another summation order\n"
         "print('OK', res.results[0] == res.results[1], abs(res.results[0] - ref) < 1e-9 * abs(ref))\n")
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                         timeout=120)
+    out = _python(program)
     assert out.stdout.strip() == "OK True True", out.stdout + out.stderr
 
 
@@ -248,9 +252,6 @@ def test_cuda_on_cpu_survives_importing_torch_dynamo_and_megatron_inside_fn():
     # torch._dynamo, imported after the patch (megatron-core imports it),
     # refuses one function object under two torch.cuda names. In a subprocess:
     # this suite's own process has imported torch._dynamo already.
-    import subprocess
-    import sys
-
     if int(torch.__version__.split(".")[0]) < 2:
         pytest.skip("cuda='cpu' needs torch >= 2 (torch.distributed's rank processes)")
     program = (
@@ -261,8 +262,7 @@ def test_cuda_on_cpu_survives_importing_torch_dynamo_and_megatron_inside_fn():
         "    return torch.cuda.is_available(), torch.empty(2, device='cuda').device.type, \\\n"
         "        torch.ones(2).cuda().device.type, torch.cuda.current_device()\n"
         "print(sim.run(2, fn, cuda='cpu').results)\n")
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                         timeout=120)
+    out = _python(program)
     assert out.stdout.strip() == "[(True, 'cpu', 'cpu', 0), (True, 'cpu', 'cpu', 0)]", \
         out.stdout + out.stderr
 
@@ -270,9 +270,6 @@ def test_cuda_on_cpu_survives_importing_torch_dynamo_and_megatron_inside_fn():
 def test_running_out_of_file_descriptors_is_a_backend_error():
     # Each rank process takes a socket and a memfd in the caller. In a
     # subprocess whose descriptor limit cannot hold 64 ranks.
-    import subprocess
-    import sys
-
     program = (
         "import resource, diffcomm, diffcomm.sim as sim\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
@@ -280,8 +277,7 @@ def test_running_out_of_file_descriptors_is_a_backend_error():
         "    sim.run(64, lambda r, g: None, isolation='process')\n"
         "except diffcomm.BackendError as e:\n"
         "    print('BACKEND', e)\n")
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                         timeout=120)
+    out = _python(program)
     assert "BACKEND diffcomm.sim.run: cannot make the socket and memfd of rank" in out.stdout, \
         out.stdout + out.stderr
     assert "ulimit -n" in out.stdout
