@@ -2,9 +2,12 @@
 // (sim/equivalence.hpp). diffcomm.sim.check_equivalence runs the step and
 // calls check_mesh here once per mesh.
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,7 +21,9 @@ namespace {
 using dc::sim::MeshDims;
 using dc::sim::Placement;
 using Dims = std::vector<std::pair<std::string, int>>;
-using PyRankGrads = std::map<std::string, std::pair<Tensor, Placement>>;
+/// {name: (gradient or None, placement, inner placements)}.
+using PyRankGrads =
+    std::map<std::string, std::tuple<std::optional<Tensor>, Placement, std::vector<Placement>>>;
 
 MeshDims mesh_dims(const Dims& dims) {
   MeshDims out;
@@ -35,7 +40,8 @@ Dims dims_of(const MeshDims& mesh) {
 std::vector<dc::sim::RankGrads> rank_grads(const std::vector<PyRankGrads>& per_rank) {
   std::vector<dc::sim::RankGrads> out(per_rank.size());
   for (std::size_t r = 0; r < per_rank.size(); ++r)
-    for (const auto& [name, g] : per_rank[r]) out[r][name] = {g.first, g.second};
+    for (const auto& [name, g] : per_rank[r])
+      out[r][name] = {std::get<0>(g).value_or(Tensor()), std::get<1>(g), std::get<2>(g)};
   return out;
 }
 
@@ -78,6 +84,10 @@ void bind_findings(nb::module_& s) {
   nb::class_<ParamFinding>(s, "ParamFinding", "What the check found for one parameter.")
       .def_ro("name", &ParamFinding::name)
       .def_ro("placement", &ParamFinding::placement)
+      .def_ro("inner", &ParamFinding::inner)
+      .def_prop_ro(
+          "placement_str",
+          [](const ParamFinding& f) { return dc::sim::placement_str(f.placement, f.inner); })
       .def_ro("ok", &ParamFinding::ok)
       .def_ro("max_rel_error", &ParamFinding::max_rel_error)
       .def_ro("divergent_ranks", &ParamFinding::divergent_ranks)
@@ -87,7 +97,8 @@ void bind_findings(nb::module_& s) {
       .def_ro("factor_residual", &ParamFinding::factor_residual)
       .def_ro("factor_fits", &ParamFinding::factor_fits)
       .def_ro("expressions", &ParamFinding::expressions)
-      .def_ro("differing_shards", &ParamFinding::differing_shards);
+      .def_ro("differing_shards", &ParamFinding::differing_shards)
+      .def_ro("missing_ranks", &ParamFinding::missing_ranks);
   using dc::sim::MeshFindings;
   nb::class_<MeshFindings>(s, "MeshFindings", "The findings of one mesh, parameters by name.")
       .def_prop_ro("mesh", [](const MeshFindings& m) { return dims_of(m.mesh); })
@@ -111,7 +122,8 @@ void bind_equivalence(nb::module_& m) {
                                    {rtol, factor_rtol});
       },
       "mesh"_a, "per_rank"_a, "reference"_a, "rtol"_a, "factor_rtol"_a, release(),
-      "sim::check_mesh: per_rank[r] = {name: (tensor, placement)}; InvalidArgument on bad input.");
+      "sim::check_mesh: per_rank[r] = {name: (tensor or None, placement, inner placements)}; "
+      "InvalidArgument on bad input.");
 }
 
 }  // namespace diffcomm_python

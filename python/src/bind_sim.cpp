@@ -88,7 +88,7 @@ void bind_sim(nb::module_& m) {
   s.def(
       "step",
       [](const StepOptions& options, std::optional<std::pair<int, int>> fault,
-         const std::string& trace) {
+         const std::string& trace, bool equivalence) {
         const StepOptions o = options.resolved();
         const auto cfg = o.config();
         const auto per_dp = dc::sim::step_batches(cfg, ep::load_image_sizes(o.images), o.batch,
@@ -96,11 +96,12 @@ void bind_sim(nb::module_& m) {
         dc::sim::StepRunOptions run;
         if (fault) run.fault = dc::sim::Fault{fault->first, fault->second};
         run.trace_path = trace;
+        run.equivalence = equivalence;
         const auto rep = dc::sim::run_step_report(cfg, per_dp, run);
         return std::make_tuple(dc::sim::to_json(rep), dc::sim::to_text(rep), rep.exit_code());
       },
-      "options"_a, "fault"_a, "trace"_a, release(),
-      "(json, text, exit code) of `diffcomm-sim step`.");
+      "options"_a, "fault"_a, "trace"_a, "equivalence"_a = false, release(),
+      "(json, text, exit code) of `diffcomm-sim step` (--equivalence with equivalence).");
   s.def(
       "sweep",
       [](const StepOptions& options, uint64_t first, uint64_t last) {

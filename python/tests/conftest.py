@@ -3,3 +3,19 @@ import sys
 
 # examples/python holds the encoder-parallel step the tests and examples share.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def readme_code():
+    """readme_code(heading): the first ```python block under README.md's
+    `## heading`, as written (tests run the README's examples verbatim)."""
+    def code(heading):
+        readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+        with open(readme, encoding="utf-8") as f:
+            text = f.read()
+        section = text[text.index(f"## {heading}"):]
+        start = section.index("```python\n") + 10
+        return compile(section[start:section.index("\n```", start)], "README.md", "exec")
+    return code

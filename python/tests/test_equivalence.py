@@ -215,3 +215,31 @@ def test_readme_example():
     lines = r.stdout.splitlines()
     assert lines[2:] == ["w: grad = 2.000 x reference = dp on mesh {dp: 2, tp: 3}",
                          "w: grad = 4.000 x reference = dp on mesh {dp: 4, tp: 2}"], r.stdout
+
+
+def test_nested_placement_list_and_missing_gradient():
+    # DATA's rows cut by dp, then each dp piece by tp: [Shard(0, dp), Shard(0, tp)].
+    def step(rank, mesh, seed):
+        dp, tp = mesh.size("dp"), mesh.size("tp")
+        k = mesh.coordinate("dp") * tp + mesh.coordinate("tp")
+        rows = DATA[k * 8 // (dp * tp):(k + 1) * 8 // (dp * tp)].clone()
+        missing = None if mesh.coordinate("tp") == 1 else COLUMN_SUMS.clone()
+        return {"rows": (rows, [dsim.Shard(0, "dp"), dsim.Replicate(), dsim.Shard(0, "tp")]),
+                "m": (missing, dsim.Replicate())}
+
+    report = dsim.check_equivalence(step, [{"dp": 2, "tp": 2}])
+    rows, m = report.finding(0, "rows"), report.finding(0, "m")
+    assert rows.ok and rows.placement_str == "[Shard(0, dp), Shard(0, tp)]", str(report)
+    assert m.missing_ranks == [1, 3] and not m.ok
+
+
+def test_step_equivalence_judges_the_decoder_input_shards():
+    rep = dsim.step(ranks=8, cp=2, tp=2, sp=True, cp_layout="zigzag", equivalence=True)
+    assert rep.passed, rep.text
+    params = {p["name"]: p for p in rep["equivalence"]["params"]}
+    assert params["decoder.input"]["placement"] == "[Shard(0, dp), Partial(cp), Partial(tp)]"
+    assert params["decoder.input"]["ok"] and params["encoder.w"]["ok"]
+    bad = dsim.step(ranks=4, tp=4, receiver_grad="partial", equivalence=True)
+    assert bad.exit_code == 1
+    assert "encoder.w: grad = 4.000 x reference = tp on mesh {dp: 1, cp: 1, tp: 4}" in bad.text
+    assert "equivalence" not in dsim.step(ranks=2, tp=2)

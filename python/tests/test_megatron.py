@@ -11,10 +11,14 @@ the difference process isolation makes.
 Skipped, with the reason, where megatron-core cannot be imported
 (scripts/test-python installs it into the PyPI-torch venv).
 """
+import functools
 import os
 import signal
+import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 if int(torch.__version__.split(".")[0]) < 2:
@@ -246,14 +250,70 @@ def test_a_rank_process_killed_mid_collective_is_a_rank_failure():
     assert all(isinstance(e, diffcomm.RankFailure) for e in info.value.rank_errors)
 
 
-def test_the_readme_example():
+def test_the_readme_example(readme_code):
     # README.md, "Test your torch.distributed code": its code block as written.
-    readme = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
-    with open(readme, encoding="utf-8") as f:
-        text = f.read()
-    section = text[text.index("## Test your torch.distributed code"):]
-    start = section.index("```python\n") + 10
-    code = section[start:section.index("\n```", start)]
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own code)
+    exec(readme_code("Test your torch.distributed code"), scope)  # noqa: S102
     assert [t.tolist() for t in scope["out"]] == [[6.0, 6.0]] * 4 + [[22.0, 22.0]] * 4
+
+
+# ------------------------------------------------------------ the oracle on Megatron steps
+# examples/python/equivalence/megatron_steps.py: a Megatron block as users
+# write it, returned as a module; placements read from Megatron's attributes.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python",
+                                "equivalence"))
+from megatron_steps import megatron_step  # noqa: E402
+
+megatron_meshes = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4, 8])).filter(
+    lambda m: m[0] * m[1] <= 8)
+
+
+def _judge(meshes, seed=0, **kw):
+    return sim.check_equivalence(functools.partial(megatron_step, **kw), meshes, seed=seed,
+                                 torch_distributed=True, cuda="cpu")
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(megatron_meshes, st.integers(0, 2**16), st.booleans())
+def test_megatron_block_equals_one_rank(mesh, seed, sequence_parallel):
+    dp, tp = mesh
+    report = _judge([{"dp": dp, "tp": tp}], seed, sequence_parallel=sequence_parallel)
+    assert report.ok and max(f.max_rel_error for f in report.meshes[0].params) <= 1e-12, \
+        str(report)
+    placements = {f.name: f.placement_str for f in report.meshes[0].params}
+    sp = sequence_parallel and tp > 1  # the step runs without SP at tp 1 (the reference too)
+    assert placements == {"pre.weight": "Partial(tp)" if sp else "Replicate()",
+                          "col.weight": "Shard(0, tp)", "row.weight": "Shard(1, tp)"}
+
+
+def test_row_parallel_that_forgets_its_all_reduce_is_flagged():
+    report = _judge([{"dp": 2, "tp": 2}])
+    bad = _judge([{"dp": 2, "tp": 2}], bug="row_forgets_all_reduce")
+    assert report.ok and not bad.ok
+    for name in ("pre.weight", "col.weight", "row.weight"):
+        f = bad.finding(0, name)
+        assert not f.ok and not f.factor_fits, str(bad)
+
+
+def test_loss_averaged_over_tp_is_one_over_tp():
+    report = _judge([{"dp": 1, "tp": 4}, {"dp": 2, "tp": 4}], bug="loss_averaged_over_tp")
+    for i in (0, 1):
+        for f in report.meshes[i].params:
+            assert f.factor == pytest.approx(0.25, rel=1e-12) and f.expressions == ["1/tp"]
+
+
+def test_megatron_5337_non_contiguous_reduce_is_flagged_and_its_fix_passes():
+    # NVIDIA/Megatron-LM#5337: _reduce all-reduces input_.contiguous() and
+    # returns input_; the replicated layer before the column-parallel one
+    # keeps each TP rank's own partial gradient.
+    bad = _judge([{"dp": 2, "tp": 2}, {"dp": 1, "tp": 4}], bug="transposed_copy")
+    assert not bad.ok
+    assert [f.name for m in bad.meshes for f in m.params if not f.ok] == ["pre.weight"] * 2
+    assert bad.finding(0, "pre.weight").divergent_ranks == [1, 3]  # tp rank 1 of each dp
+    assert bad.finding(1, "pre.weight").divergent_ranks == [1, 2, 3]
+    assert ("pre.weight: replicas differ (Replicate()): ranks 1, 3 disagree with their first "
+            "replica on mesh {dp: 2, tp: 2}") in str(bad)
+    fixed = _judge([{"dp": 2, "tp": 2}, {"dp": 1, "tp": 4}], bug="transposed_copy",
+                   fix_5337=True)
+    assert fixed.ok, str(fixed)

@@ -626,9 +626,12 @@ def step_equivalence_names_the_factor(cli):
     expect("-> FAILED" in r.out, r.describe())
     eq = cli.json(*args, rc=FAILED)["equivalence"]
     expect(eq["ok"] is False and eq["mesh"] == {"dp": 2, "cp": 1, "tp": 4}, f"{eq}")
-    p = eq["params"][0]
-    expect(p["name"] == "encoder.w" and p["placement"] == "Replicate()" and p["ok"] is False,
-           f"{p}")
+    params = {q["name"]: q for q in eq["params"]}
+    p = params["encoder.w"]
+    expect(p["placement"] == "Replicate()" and p["ok"] is False, f"{p}")
+    # The decoder input's shards (the forward) are judged too, and match.
+    d = params["decoder.input"]
+    expect(d["placement"] == "[Shard(0, dp), Partial(cp)]" and d["ok"], f"{d}")
     expect(abs(p["factor"] - 4.0) < 1e-9 and p["factor_fits"] and p["expressions"] == ["tp"],
            f"{p}")
     expect(abs(p["max_rel_error"] - 3.0) < 1e-9 and p["divergent_ranks"] == [], f"{p}")
@@ -640,8 +643,14 @@ def step_equivalence_names_the_factor(cli):
     # The mesh's own convention passes; without --equivalence there is no object.
     eq = cli.json("step", "--ranks", 8, "--dp", 2, "--tp", 4, "--equivalence", rc=PASSED)
     eq = eq["equivalence"]
-    expect(eq["ok"] is True and eq["params"][0]["factor"] is None, f"{eq}")
-    expect(eq["params"][0]["max_rel_error"] <= 1e-12, f"{eq}")
+    expect(eq["ok"] is True and all(p["factor"] is None for p in eq["params"]), f"{eq}")
+    expect(all(p["max_rel_error"] <= 1e-12 for p in eq["params"]), f"{eq}")
+    # CP (both layouts) and TP with SP: the decoder input's shards reassemble.
+    for layout in ("contiguous", "zigzag"):
+        eq = cli.json("step", "--ranks", 8, "--cp", 2, "--tp", 2, "--sp", "--cp-layout", layout,
+                      "--equivalence", rc=PASSED)["equivalence"]
+        d = {q["name"]: q for q in eq["params"]}["decoder.input"]
+        expect(eq["ok"] and d["placement"] == "[Shard(0, dp), Partial(cp), Partial(tp)]", f"{eq}")
     expect("equivalence" not in cli.json("step", "--ranks", 2, "--tp", 2, rc=PASSED),
            "the equivalence object only with --equivalence")
 

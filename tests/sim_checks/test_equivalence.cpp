@@ -194,6 +194,94 @@ TEST(Equivalence, ZeroReferenceAndReportOfSeveralMeshes) {
   EXPECT_FALSE(report.meshes[1].params[0].factor_fits);
 }
 
+/// Parameter "w" on every rank with a nested placement.
+std::vector<RankGrads> nested_of(const std::vector<Tensor>& grads, const Placement& outer,
+                                 const std::vector<Placement>& inner) {
+  std::vector<RankGrads> out;
+  for (const Tensor& g : grads) out.push_back({{"w", {g, outer, inner}}});
+  return out;
+}
+
+TEST(Equivalence, NestedShardCutsEachOuterShardAgain) {
+  // DTensor [Shard(0), Shard(0)] on {dp: 2, tp: 2}: rows 0..3 of the
+  // reference; dp cuts [0, 1] | [2, 3], tp cuts each again: rank r holds row r.
+  const Tensor r = t({0, 1, 2, 3});
+  const auto ok = nested_of({t({0}), t({1}), t({2}), t({3})}, Placement::shard(0, "dp"),
+                            {Placement::shard(0, "tp")});
+  const auto m = check_mesh(kDpTp22, ok, ref_w(r));
+  EXPECT_TRUE(m.ok()) << m.str();
+  // Row 2 lost on rank 2 (dp 1, tp 0): the outer shard dp = 1 differs.
+  const auto lost = nested_of({t({0}), t({1}), t({0}), t({3})}, Placement::shard(0, "dp"),
+                              {Placement::shard(0, "tp")});
+  const auto f = check_mesh(kDpTp22, lost, ref_w(r)).params.at(0);
+  EXPECT_FALSE(f.ok);
+  EXPECT_EQ(f.differing_shards, (std::vector<int>{1}));
+  EXPECT_EQ(f.str(kDpTp22),
+            "w: shards dp=1 of [Shard(0, dp), Shard(0, tp)] differ from the reference, the "
+            "others match (max rel error 0.667) on mesh {dp: 2, tp: 2}");
+}
+
+TEST(Equivalence, NestedShardAndPartialAndReplicasOfAThirdDim) {
+  // [Shard(1, dp), Partial(tp)] on {dp: 2, pp: 2, tp: 2} (pp replicates):
+  // reference [[1, 2]]; dp 0 holds column 0 as tp halves 0.25 + 0.75, dp 1
+  // column 1 as 1.5 + 0.5. Rank = dp*4 + pp*2 + tp.
+  const MeshDims mesh{{"dp", 2}, {"pp", 2}, {"tp", 2}};
+  const Tensor r = t({1, 2}, {1, 2});
+  std::vector<Tensor> g;
+  for (int rank = 0; rank < 8; ++rank) {
+    const int dp = rank / 4, tp = rank % 2;
+    const double v = dp == 0 ? (tp == 0 ? 0.25 : 0.75) : (tp == 0 ? 1.5 : 0.5);
+    g.push_back(t({v}, {1, 1}));
+  }
+  auto grads = nested_of(g, Placement::shard(1, "dp"), {Placement::partial("tp")});
+  EXPECT_TRUE(check_mesh(mesh, grads, ref_w(r)).ok());
+  // A replica over pp (rank 7: dp 1, pp 1, tp 1) differs: named alone, not its tp peer.
+  grads[7]["w"].grad = t({9}, {1, 1});
+  const auto f = check_mesh(mesh, grads, ref_w(r)).params.at(0);
+  EXPECT_FALSE(f.ok);
+  EXPECT_EQ(f.divergent_ranks, (std::vector<int>{7}));
+  // Every rank doubled: a factor of 2 = dp, pp or tp (a tie).
+  auto doubled = nested_of(g, Placement::shard(1, "dp"), {Placement::partial("tp")});
+  for (auto& rg : doubled) rg["w"].grad = t({2 * rg["w"].grad.to_vector()[0]}, {1, 1});
+  const auto d = check_mesh(mesh, doubled, ref_w(r)).params.at(0);
+  EXPECT_TRUE(d.factor_fits);
+  EXPECT_EQ(d.expressions, (std::vector<std::string>{"dp", "pp", "tp"}));
+}
+
+TEST(Equivalence, MissingGradientIsAFindingNamingTheRanks) {
+  auto grads = ranks_of({t({1, 2}), t({1, 2})}, Placement::replicate());
+  grads[1]["w"].grad = Tensor();
+  const MeshDims dp2{{"dp", 2}};
+  const auto f = check_mesh(dp2, grads, ref_w(t({1, 2}))).params.at(0);
+  EXPECT_FALSE(f.ok);
+  EXPECT_EQ(f.missing_ranks, (std::vector<int>{1}));
+  EXPECT_EQ(f.str(dp2),
+            "w: no gradient (None) on ranks 1 of mesh {dp: 2}; the reference has one (backward "
+            "did not reach the parameter there)");
+}
+
+TEST(Equivalence, BadNestedPlacementsNamed) {
+  const auto r = ref_w(t({1, 2, 3, 4}));
+  const std::vector<Tensor> four{t({1}), t({2}), t({3}), t({4})};
+  EXPECT_EQ(error_of([&] {
+              check_mesh(kDpTp22,
+                         nested_of(four, Placement::shard(0, "dp"), {Placement::replicate()}), r);
+            }),
+            "check_equivalence: parameter 'w' on rank 0: placement [Shard(0, dp), Replicate()]: "
+            "an inner placement is Shard or Partial, not Replicate (leave replicated dims out)");
+  EXPECT_EQ(error_of([&] {
+              check_mesh(kDpTp22,
+                         nested_of(four, Placement::shard(0, "dp"), {Placement::partial("dp")}), r);
+            }),
+            "check_equivalence: parameter 'w' on rank 0: placement [Shard(0, dp), Partial(dp)] "
+            "names mesh dim 'dp' twice");
+  auto uneven = nested_of({t({1}), t({2}), t({3, 4}), t({4})}, Placement::shard(0, "dp"),
+                          {Placement::partial("tp")});
+  EXPECT_EQ(error_of([&] { check_mesh(kDpTp22, uneven, r); }),
+            "check_equivalence: parameter 'w' on rank 3 ([Shard(0, dp), Partial(tp)]): shape "
+            "[1], expected [2] (as rank 2, its first peer over tp)");
+}
+
 TEST(Equivalence, BadInputErrorsNameParameterRankExpectedReceived) {
   const auto r = ref_w(t({1, 2}));
   const std::string unknown = error_of([&] {

@@ -138,16 +138,20 @@ def step(
     model: str = "qwen2vl",
     fault: Optional[Tuple[int, int]] = None,
     trace: Optional[str] = None,
+    equivalence: bool = False,
 ) -> StepReport:
     """``diffcomm-sim step`` as a function: one seeded encoder-parallel training
     step on real image sizes in the simulated world, checked against the
     single-rank reference. Same options and defaults as the CLI (one C++
     StepOptions resolves both); returns the fields of ``--json`` (see the table
-    in docs/cli.md)."""
+    in docs/cli.md). ``equivalence=True`` is ``--equivalence``: the report's
+    ``equivalence`` holds the mesh-equivalence oracle's findings on the
+    encoder gradient and the decoder input's shards, and a finding fails the
+    step."""
     options = _step_options(ranks, dp, cp, tp, sp, cp_layout, encoder_buckets, encoder_cp, batch,
                             images_per_sample, hidden, ffn, dtype, seed, images, receiver_grad,
                             model, sp_chunks)
-    js, text, code = _core.sim.step(options, fault, trace or "")
+    js, text, code = _core.sim.step(options, fault, trace or "", equivalence)
     rep = StepReport(json.loads(js))
     rep.text = text
     rep.exit_code = code

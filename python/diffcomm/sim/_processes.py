@@ -110,6 +110,17 @@ def _one_compute_thread() -> None:
         torch.set_num_threads(1)
 
 
+#: torch refuses autograd in a process forked after its autograd engine
+#: started device threads in the parent (torch/csrc/autograd/engine.cpp).
+AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork"
+AUTOGRAD_FORK_NOTE = (
+    "diffcomm.sim.run: rank processes are forked from this process, which already ran a "
+    "backward that started torch's autograd device threads (a DTensor or FSDP2 backward, "
+    "e.g. under isolation='thread', or CUDA); torch refuses autograd in such forks. Run the "
+    "process-isolation steps before any such backward (or in a fresh process), or run this "
+    "one with isolation='thread' too.")
+
+
 def _rank_main(rank: int, fn: Callable[[int, Any], Any], me: _Rank, cpu: int) -> int:
     """The rank process: waits for the world's start, runs fn, reports."""
     _one_compute_thread()
@@ -264,6 +275,8 @@ class ProcessRun:
         error.rank_traceback = text  # type: ignore[attr-defined]
         if hasattr(error, "add_note"):
             error.add_note(f"raised on rank {rank}:\n{text.rstrip()}")
+            if AUTOGRAD_FORK in message:
+                error.add_note(AUTOGRAD_FORK_NOTE)
         self.errors[rank] = error
         self.order.append(rank)
         return failure

@@ -114,6 +114,13 @@ std::string Placement::str() const {
   return "?";
 }
 
+std::string placement_str(const Placement& outer, const std::vector<Placement>& inner) {
+  if (inner.empty()) return outer.str();
+  std::string s = "[" + outer.str();
+  for (const Placement& p : inner) s += ", " + p.str();
+  return s + "]";
+}
+
 std::map<std::string, Tensor> reference_gradients(const RankGrads& one_rank) {
   std::map<std::string, Tensor> out;
   for (const auto& [name, g] : one_rank) {
@@ -125,6 +132,38 @@ std::map<std::string, Tensor> reference_gradients(const RankGrads& one_rank) {
 }
 
 namespace {
+
+/// Each placement names a mesh dim of the mesh (at most once) and a tensor
+/// dim in range; inner placements are not Replicate.
+void validate_placement(const MeshDims& mesh, const PlacedGrad& g, const std::string& who,
+                        int64_t ref_dims) {
+  std::vector<Placement> all{g.placement};
+  all.insert(all.end(), g.inner.begin(), g.inner.end());
+  const std::string text = placement_str(g.placement, g.inner);
+  std::set<std::string> seen;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const Placement& p = all[i];
+    if (p.kind == Placement::Kind::Replicate) {
+      if (i > 0)
+        raise("check_equivalence",
+              fmt::format("{}: placement {}: an inner placement is Shard or Partial, not "
+                          "Replicate (leave replicated dims out)",
+                          who, text));
+      continue;
+    }
+    if (dim_index(mesh, p.mesh_dim) < 0)
+      raise("check_equivalence",
+            fmt::format("{}: placement {} names mesh dim '{}', mesh {} has no such dim", who, text,
+                        p.mesh_dim, mesh_str(mesh)));
+    if (!seen.insert(p.mesh_dim).second)
+      raise("check_equivalence",
+            fmt::format("{}: placement {} names mesh dim '{}' twice", who, text, p.mesh_dim));
+    if (p.kind == Placement::Kind::Shard && (p.dim < 0 || p.dim >= ref_dims))
+      raise("check_equivalence",
+            fmt::format("{}: placement {}: dim {} is out of range for the reference's {} dims", who,
+                        text, p.dim, ref_dims));
+  }
+}
 
 /// Every rank names the reference's parameters with one placement whose mesh
 /// dim exists and whose Shard dim is in range.
@@ -144,19 +183,12 @@ void validate(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
       if (it == reference.end())
         raise("check_equivalence",
               fmt::format("{}: not in the reference's parameters", who(name, r)));
-      const Placement& p = g.placement;
-      if (p.kind != Placement::Kind::Replicate && dim_index(mesh, p.mesh_dim) < 0)
-        raise("check_equivalence",
-              fmt::format("{}: placement {} names mesh dim '{}', mesh {} has no such dim",
-                          who(name, r), p.str(), p.mesh_dim, mesh_str(mesh)));
-      if (p.kind == Placement::Kind::Shard && (p.dim < 0 || p.dim >= it->second.dim()))
-        raise("check_equivalence",
-              fmt::format("{}: placement {}: dim {} is out of range for the reference's {} dims",
-                          who(name, r), p.str(), p.dim, it->second.dim()));
-      const Placement& p0 = per_rank[0].at(name).placement;
-      if (!(p == p0))
+      validate_placement(mesh, g, who(name, r), it->second.dim());
+      const PlacedGrad& g0 = per_rank[0].at(name);
+      if (!(g.placement == g0.placement) || g.inner != g0.inner)
         raise("check_equivalence", fmt::format("{}: placement {}, expected {} (rank 0's)",
-                                               who(name, r), p.str(), p0.str()));
+                                               who(name, r), placement_str(g.placement, g.inner),
+                                               placement_str(g0.placement, g0.inner)));
     }
   }
 }
@@ -166,14 +198,26 @@ int axis_of(const MeshDims& mesh, const Placement& p) {
   return p.kind == Placement::Kind::Replicate ? -1 : dim_index(mesh, p.mesh_dim);
 }
 
-/// Ranks whose tensor differs from the replica at coordinate 0 on every
-/// dim but the axis. A shape difference is an error.
+/// The mesh dims a (possibly nested) placement splits or sums over.
+std::vector<int> axes_of(const MeshDims& mesh, const PlacedGrad& g) {
+  std::vector<int> out;
+  if (axis_of(mesh, g.placement) >= 0) out.push_back(axis_of(mesh, g.placement));
+  for (const Placement& p : g.inner) out.push_back(dim_index(mesh, p.mesh_dim));
+  return out;
+}
+
+/// Ranks whose tensor differs from their first replica: the rank with the
+/// same coordinates on the placement's axes and 0 on every other dim. A shape
+/// difference is an error.
 std::vector<int> divergent_ranks(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
-                                 const std::string& name, int axis, double rtol) {
+                                 const std::string& name, double rtol) {
+  const std::vector<int> axes = axes_of(mesh, per_rank[0].at(name));
   std::vector<int> out;
   for (int r = 0; r < static_cast<int>(per_rank.size()); ++r) {
     const std::vector<int> c = mesh_coords(mesh, r);
-    const int base = axis_rank(mesh, axis, axis >= 0 ? c[static_cast<std::size_t>(axis)] : 0);
+    std::vector<int> first(mesh.size(), 0);
+    for (int a : axes) first[static_cast<std::size_t>(a)] = c[static_cast<std::size_t>(a)];
+    const int base = rank_of(mesh, first);
     if (base == r) continue;
     const Dense a = dense(per_rank[static_cast<std::size_t>(r)].at(name).grad, who(name, r));
     const Dense b = dense(per_rank[static_cast<std::size_t>(base)].at(name).grad, who(name, base));
@@ -246,24 +290,90 @@ std::vector<Dense> shard_tensors(const MeshDims& mesh, const std::vector<RankGra
   return parts;
 }
 
-Assembled assemble_shard(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
-                         const std::string& name, int axis, const Shape& ref_shape) {
-  const auto dim = static_cast<std::size_t>(per_rank[0].at(name).placement.dim);
-  const std::vector<Dense> parts = shard_tensors(mesh, per_rank, name, axis, ref_shape);
+/// The parts concatenated along dim (their shapes equal but along dim).
+Dense concat(const std::vector<Dense>& parts, std::size_t dim) {
+  Shape shape = parts.at(0).shape;
+  shape[dim] = 0;
+  for (const Dense& part : parts) shape[dim] += part.shape[dim];
   int64_t outer = 1, inner = 1;
-  for (std::size_t i = 0; i < dim; ++i) outer *= ref_shape[i];
-  for (std::size_t i = dim + 1; i < ref_shape.size(); ++i) inner *= ref_shape[i];
-  const int64_t full = ref_shape[dim];
-  Assembled out{{ref_shape, std::vector<double>(static_cast<std::size_t>(outer * full * inner))},
-                {}};
+  for (std::size_t i = 0; i < dim; ++i) outer *= shape[i];
+  for (std::size_t i = dim + 1; i < shape.size(); ++i) inner *= shape[i];
+  Dense out{shape, std::vector<double>(static_cast<std::size_t>(outer * shape[dim] * inner))};
   int64_t start = 0;
   for (const Dense& part : parts) {
     const int64_t n = part.shape[dim];
     for (int64_t o = 0; o < outer; ++o)
       std::copy_n(part.v.begin() + o * n * inner, n * inner,
-                  out.g.v.begin() + (o * full + start) * inner);
-    out.shards.emplace_back(start, n);
+                  out.v.begin() + (o * shape[dim] + start) * inner);
     start += n;
+  }
+  return out;
+}
+
+Assembled assemble_shard(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
+                         const std::string& name, int axis, const Shape& ref_shape) {
+  const auto dim = static_cast<std::size_t>(per_rank[0].at(name).placement.dim);
+  const std::vector<Dense> parts = shard_tensors(mesh, per_rank, name, axis, ref_shape);
+  Assembled out{concat(parts, dim), {}};
+  int64_t start = 0;
+  for (const Dense& part : parts) {
+    out.shards.emplace_back(start, part.shape[dim]);
+    start += part.shape[dim];
+  }
+  return out;
+}
+
+/// Rank `rank`'s part of an inner placement q, its shape checked against
+/// the first part's (equal, but along q.dim for a Shard).
+Dense inner_part(const std::vector<RankGrads>& per_rank, const std::string& name, int rank,
+                 const Placement& q, const std::vector<Dense>& before, int first) {
+  const PlacedGrad& g = per_rank[static_cast<std::size_t>(rank)].at(name);
+  Dense d = dense(g.grad, who(name, rank));
+  const std::string text = placement_str(g.placement, g.inner);
+  if (q.kind == Placement::Kind::Shard && static_cast<int64_t>(d.shape.size()) <= q.dim)
+    raise("check_equivalence", fmt::format("{} ({}): shape {} has no dim {}", who(name, rank), text,
+                                           shape_str(d.shape), q.dim));
+  if (before.empty()) return d;
+  Shape expected = before[0].shape;
+  if (q.kind == Placement::Kind::Shard && expected.size() == d.shape.size())
+    expected[static_cast<std::size_t>(q.dim)] = d.shape[static_cast<std::size_t>(q.dim)];
+  if (d.shape != expected)
+    raise("check_equivalence",
+          fmt::format("{} ({}): shape {}, expected {} (as rank {}, its first peer over {})",
+                      who(name, rank), text, shape_str(d.shape), shape_str(expected), first,
+                      q.mesh_dim));
+  return d;
+}
+
+/// The gradients of `name` with its innermost placement applied: ranks that
+/// differ only on that placement's mesh dim each hold the concatenation
+/// (Shard) or the sum (Partial) of their tensors in coordinate order, so
+/// what remains is a placement of one mesh dim fewer.
+std::vector<RankGrads> collapse_inner(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
+                                      const std::string& name) {
+  const PlacedGrad& g0 = per_rank[0].at(name);
+  const Placement q = g0.inner.back();
+  const auto axis = static_cast<std::size_t>(dim_index(mesh, q.mesh_dim));
+  const std::vector<Placement> rest(g0.inner.begin(), g0.inner.end() - 1);
+  std::vector<RankGrads> out(per_rank.size());
+  for (int r = 0; r < static_cast<int>(per_rank.size()); ++r) {
+    std::vector<int> c = mesh_coords(mesh, r);
+    if (c[axis] != 0) {  // its group's first rank (a lower rank) combined it already
+      c[axis] = 0;
+      out[static_cast<std::size_t>(r)][name] =
+          out[static_cast<std::size_t>(rank_of(mesh, c))][name];
+      continue;
+    }
+    std::vector<Dense> parts;
+    for (int k = 0; k < mesh[axis].size; ++k) {
+      c[axis] = k;
+      parts.push_back(inner_part(per_rank, name, rank_of(mesh, c), q, parts, r));
+    }
+    Dense d = parts[0];
+    if (q.kind == Placement::Kind::Shard) d = concat(parts, static_cast<std::size_t>(q.dim));
+    for (std::size_t k = 1; q.kind == Placement::Kind::Partial && k < parts.size(); ++k)
+      for (std::size_t i = 0; i < d.v.size(); ++i) d.v[i] += parts[k].v[i];
+    out[static_cast<std::size_t>(r)][name] = {from_vector(d.v, d.shape), g0.placement, rest};
   }
   return out;
 }
@@ -339,9 +449,23 @@ MeshFindings check_mesh(const MeshDims& mesh, const std::vector<RankGrads>& per_
     ParamFinding f;
     f.name = name;
     f.placement = per_rank[0].at(name).placement;
-    f.divergent_ranks =
-        divergent_ranks(mesh, per_rank, name, axis_of(mesh, f.placement), options.rtol);
-    const Assembled a = assemble(mesh, per_rank, name, ref.shape);
+    f.inner = per_rank[0].at(name).inner;
+    for (int r = 0; r < static_cast<int>(per_rank.size()); ++r)
+      if (!per_rank[static_cast<std::size_t>(r)].at(name).grad.defined())
+        f.missing_ranks.push_back(r);
+    if (!f.missing_ranks.empty()) {
+      f.ok = false;
+      out.params.push_back(std::move(f));
+      continue;
+    }
+    f.divergent_ranks = divergent_ranks(mesh, per_rank, name, options.rtol);
+    std::vector<RankGrads> collapsed;
+    const std::vector<RankGrads>* grads = &per_rank;
+    while (!grads->at(0).at(name).inner.empty()) {
+      collapsed = collapse_inner(mesh, *grads, name);
+      grads = &collapsed;
+    }
+    const Assembled a = assemble(mesh, *grads, name, ref.shape);
     f.max_rel_error = rel_diff(a.g.v, ref.v, scale_of(ref.v));
     f.ok = f.max_rel_error <= options.rtol && f.divergent_ranks.empty();
     if (f.max_rel_error > options.rtol) explain(f, mesh, a, ref.v, options);

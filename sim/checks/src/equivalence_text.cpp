@@ -34,7 +34,7 @@ std::string value_line(const ParamFinding& f) {
     return fmt::format(
         "shards {} of {} differ from the reference, the others match "
         "(max rel error {:.3g})",
-        join(shards, ", "), f.placement.str(), f.max_rel_error);
+        join(shards, ", "), placement_str(f.placement, f.inner), f.max_rel_error);
   }
   return fmt::format(
       "grad differs from the reference (max rel error {:.3g}); not a multiple of it "
@@ -46,6 +46,14 @@ std::string value_line(const ParamFinding& f) {
 
 std::string ParamFinding::str(const MeshDims& mesh) const {
   std::vector<std::string> lines;
+  if (!missing_ranks.empty()) {
+    std::vector<std::string> ranks;
+    for (int r : missing_ranks) ranks.push_back(std::to_string(r));
+    lines.push_back(fmt::format(
+        "{}: no gradient (None) on ranks {} of mesh {}; the reference has one (backward "
+        "did not reach the parameter there)",
+        name, join(ranks, ", "), mesh_str(mesh)));
+  }
   if (has_factor)
     lines.push_back(fmt::format("{}: {} on mesh {}", name, value_line(*this), mesh_str(mesh)));
   if (!divergent_ranks.empty()) {
@@ -54,7 +62,7 @@ std::string ParamFinding::str(const MeshDims& mesh) const {
     lines.push_back(
         fmt::format("{}: replicas differ ({}): ranks {} disagree with their first "
                     "replica on mesh {}",
-                    name, placement.str(), join(ranks, ", "), mesh_str(mesh)));
+                    name, placement_str(placement, inner), join(ranks, ", "), mesh_str(mesh)));
   }
   if (lines.empty())
     lines.push_back(fmt::format("{}: matches the reference (max rel error {:.3g}) on mesh {}", name,

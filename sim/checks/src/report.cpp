@@ -64,7 +64,7 @@ json findings_object(const MeshFindings& m) {
   for (const auto& d : m.mesh) mesh[d.name] = d.size;
   for (const auto& f : m.params)
     params.push_back({{"name", f.name},
-                      {"placement", f.placement.str()},
+                      {"placement", placement_str(f.placement, f.inner)},
                       {"ok", f.ok},
                       {"max_rel_error", f.max_rel_error},
                       {"divergent_ranks", f.divergent_ranks},
@@ -73,20 +73,75 @@ json findings_object(const MeshFindings& m) {
                       {"factor_fits", f.factor_fits},
                       {"expressions", f.expressions},
                       {"differing_shards", f.differing_shards},
+                      {"missing_ranks", f.missing_ranks},
                       {"line", f.str(m.mesh)}});
   return {{"mesh", mesh}, {"ok", m.ok()}, {"params", params}};
 }
 
-/// The oracle on the step's encoder gradient: every rank's dW (Replicate
-/// over {dp, cp, tp}) against the reference's.
+/// Where each (dp, sample, token) of the decoder input lies in the flat
+/// [dp, tokens, hidden] tensor: samples one after another, dp rows padded
+/// to the longest dp's token count.
+struct TokenIndex {
+  std::vector<std::vector<int64_t>> offset;  ///< offset[d][b]: sample b's first token
+  int64_t tokens = 0;                        ///< the longest dp's token count
+};
+
+TokenIndex token_index(const ep::StepReference& ref, int64_t hidden) {
+  TokenIndex ix;
+  for (const auto& samples : ref.embeddings) {
+    int64_t at = 0;
+    ix.offset.emplace_back();
+    for (const auto& sample : samples) {
+      ix.offset.back().push_back(at);
+      at += static_cast<int64_t>(sample.size()) / hidden;
+    }
+    ix.tokens = std::max(ix.tokens, at);
+  }
+  return ix;
+}
+
+/// Rank r's decoder-input rows placed in a [1, tokens, hidden] tensor of
+/// zeros (its dp row of the global [dp, tokens, hidden] input).
+Tensor decoder_rows(const ep::StepRankResult& r, const TokenIndex& ix, int64_t hidden) {
+  std::vector<double> out(static_cast<std::size_t>(ix.tokens * hidden), 0.0);
+  const std::vector<double> got = r.decoder_input.to_vector();
+  const auto& offset = ix.offset.at(static_cast<std::size_t>(r.dp_rank));
+  for (std::size_t k = 0; k < r.shard_tokens.size(); ++k) {
+    const auto [b, t] = r.shard_tokens[k];
+    const int64_t row = offset.at(static_cast<std::size_t>(b)) + t;
+    std::copy_n(got.begin() + static_cast<int64_t>(k) * hidden, hidden, out.begin() + row * hidden);
+  }
+  return from_vector(out, {1, ix.tokens, hidden});
+}
+
+/// The oracle on the step: the encoder gradient dW (Replicate over {dp, cp,
+/// tp}) and the decoder input (dp row d of [dp, tokens, hidden]; each rank
+/// holds its tokens, zeros elsewhere: summed over cp, and over tp with SP,
+/// i.e. [Shard(0, dp), Partial(cp)(, Partial(tp))]; TP replicas without SP).
 MeshFindings step_equivalence(const ep::StepConfig& cfg,
                               const std::vector<ep::StepRankResult>& results,
                               const ep::StepReference& ref, double rtol) {
   const MeshDims mesh{{"dp", cfg.dp}, {"cp", cfg.decoder.cp}, {"tp", cfg.decoder.tp}};
-  std::vector<RankGrads> per_rank;
-  for (const auto& r : results) per_rank.push_back({{"encoder.w", {r.encoder_grad, {}}}});
+  const int64_t hidden = cfg.hidden;
+  const TokenIndex ix = token_index(ref, hidden);
+  std::vector<Placement> inner{Placement::partial("cp")};
+  if (cfg.decoder.sp) inner.push_back(Placement::partial("tp"));
+  std::vector<RankGrads> per_rank(results.size());
+  for (const auto& r : results) {  // in mesh coordinate order (tp fastest)
+    const auto at = static_cast<std::size_t>(
+        (r.dp_rank * cfg.decoder.cp + r.cp_rank) * cfg.decoder.tp + r.tp_rank);
+    per_rank.at(at) = {
+        {"encoder.w", {r.encoder_grad, {}}},
+        {"decoder.input", {decoder_rows(r, ix, hidden), Placement::shard(0, "dp"), inner}}};
+  }
+  std::vector<double> full(static_cast<std::size_t>(cfg.dp * ix.tokens * hidden), 0.0);
+  for (std::size_t d = 0; d < ref.embeddings.size(); ++d)
+    for (std::size_t b = 0; b < ref.embeddings[d].size(); ++b)
+      std::copy(ref.embeddings[d][b].begin(), ref.embeddings[d][b].end(),
+                full.begin() + (static_cast<int64_t>(d) * ix.tokens + ix.offset[d][b]) * hidden);
   const std::map<std::string, Tensor> reference{
-      {"encoder.w", from_vector(ref.encoder_grad, {cfg.in_features, cfg.hidden})}};
+      {"encoder.w", from_vector(ref.encoder_grad, {cfg.in_features, cfg.hidden})},
+      {"decoder.input", from_vector(full, {cfg.dp, ix.tokens, hidden})}};
   EquivalenceOptions options;
   options.rtol = rtol;
   options.factor_rtol = std::max(options.factor_rtol, rtol);  // float32 and 16-bit steps

@@ -63,10 +63,24 @@ struct Placement {
   friend bool operator==(const Placement&, const Placement&) = default;
 };
 
+/// "Shard(0, dp)", or for a nested placement "[Shard(0, dp), Partial(tp)]".
+std::string placement_str(const Placement& outer, const std::vector<Placement>& inner);
+
 /// One rank's gradient of one parameter and its placement.
+///
+/// `inner`: further placements on other mesh dims, applied within the shard
+/// `placement` describes, outer to inner, as a DTensor placement list in mesh
+/// dim order: [Shard(0, dp), Shard(0, tp)] cuts dim 0 by dp, then each dp
+/// piece by tp; [Shard(0, dp), Partial(tp)] sums over tp, then concatenates
+/// over dp. Inner placements are Shard or Partial, each on its own mesh dim;
+/// empty (the usual case) for a one-dim placement.
+///
+/// An undefined `grad` (a rank whose backward never reached the parameter)
+/// is a finding (ParamFinding::missing_ranks), not an error.
 struct PlacedGrad {
   Tensor grad;
   Placement placement;
+  std::vector<Placement> inner = {};
 };
 /// One rank's gradients by parameter name.
 using RankGrads = std::map<std::string, PlacedGrad>;
@@ -88,8 +102,9 @@ struct EquivalenceOptions {
 struct ParamFinding {
   std::string name;
   Placement placement;
-  bool ok = true;            ///< matches the reference and replicas agree
-  double max_rel_error = 0;  ///< max|g - r| / max|r| (g: the reassembled gradient)
+  std::vector<Placement> inner;  ///< PlacedGrad::inner
+  bool ok = true;                ///< matches the reference and replicas agree
+  double max_rel_error = 0;      ///< max|g - r| / max|r| (g: the reassembled gradient)
   /// Ranks whose gradient differs (beyond rtol) from the replica with the
   /// same coordinates on the placement's dim and 0 on every other dim.
   std::vector<int> divergent_ranks;
@@ -107,6 +122,9 @@ struct ParamFinding {
   /// Shard placement only, when some shards match and others do not: the
   /// mesh_dim coordinates of the shards that differ.
   std::vector<int> differing_shards;
+  /// Ranks whose gradient is undefined (None) while the reference has one;
+  /// when not empty, nothing else is compared (ok = false).
+  std::vector<int> missing_ranks;
 
   /// One line, e.g. "encoder.w: grad = 4.000 x reference = dp*tp on mesh
   /// {dp: 2, tp: 2}".
@@ -142,9 +160,10 @@ std::map<std::string, Tensor> reference_gradients(const RankGrads& one_rank);
 /// Throws InvalidArgument naming the parameter, the rank and expected vs
 /// received for: a rank count other than the mesh's world, a missing or
 /// extra parameter, a placement naming a dim the mesh does not have or
-/// differing between ranks, a Shard dim out of range, and a shape that does
-/// not fit the reference's (replicas and Partial: equal shapes; Shard: equal
-/// except along dim, sizes adding up to the reference's).
+/// differing between ranks, an inner placement that is Replicate or names a
+/// mesh dim twice, a Shard dim out of range, and a shape that does not fit
+/// the reference's (replicas and Partial: equal shapes; Shard: equal except
+/// along dim, sizes adding up to the reference's).
 MeshFindings check_mesh(const MeshDims& mesh, const std::vector<RankGrads>& per_rank,
                         const std::map<std::string, Tensor>& reference,
                         const EquivalenceOptions& options = {});

@@ -74,8 +74,10 @@ struct StepReport {
   int failed_ranks = 0;                  ///< ranks that ended with an error
   std::string trace_path;
   /// With StepRunOptions::equivalence, when the run finished: the oracle's
-  /// findings on mesh {dp, cp, tp} ("encoder.w", Replicate, rtol the dtype's
-  /// gradient tolerance, factor_rtol the larger of 1e-9 and that).
+  /// findings on mesh {dp, cp, tp}: "encoder.w" (Replicate) and
+  /// "decoder.input" (the forward's decoder input, [dp, tokens, hidden]:
+  /// [Shard(0, dp), Partial(cp)], Partial(tp) too with SP); rtol the dtype's
+  /// gradient tolerance, factor_rtol the larger of 1e-9 and that.
   std::optional<MeshFindings> equivalence;
 
   bool passed() const {
