@@ -114,9 +114,25 @@ class Checker {
     return s;
   }
 
+  // A bad argument: this rank refuses the call. Where members agree on every
+  // call before moving data (checked mode), they learn it now, naming this
+  // rank and the error (Backend::announce_refusal), instead of waiting for
+  // their deadline; then this rank raises InvalidArgument at site(),
+  // whatever the announcement met (the peers' state is theirs to report).
+  [[noreturn]] void refuse(std::string_view detail) {
+    InvalidArgument error(site(), detail);
+    bool announced = false;
+    try {
+      announced = g_.backend().announce_refusal(call_, std::string(detail));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): this rank's error is the refusal
+    }
+    if (announced) g_.next_seq();  // the peers numbered theirs
+    throw error;
+  }
+
   // First tensor sets the call's dtype and device; later ones must agree.
   void tensor(const Tensor& t, const std::string& role) {
-    if (!t.defined()) raise(site(), role + " is undefined");
+    if (!t.defined()) refuse(role + " is undefined");
     if (!have_first_) {
       have_first_ = true;
       call_.dtype = t.dtype();
@@ -124,16 +140,16 @@ class Checker {
       first_role_ = role;
       first_role_lit_ = nullptr;
       if (!g_.backend().supports(device_))
-        raise(site(), fmt::format("{} is on {}, which the {} backend cannot communicate", role,
-                                  device_.str(), g_.backend().backend_name()));
+        refuse(fmt::format("{} is on {}, which the {} backend cannot communicate", role,
+                           device_.str(), g_.backend().backend_name()));
       return;
     }
     if (t.dtype() != call_.dtype)
-      raise(site(), fmt::format("{} has dtype {} but {} has dtype {}", role, dtype_name(t.dtype()),
-                                first_role(), dtype_name(call_.dtype)));
+      refuse(fmt::format("{} has dtype {} but {} has dtype {}", role, dtype_name(t.dtype()),
+                         first_role(), dtype_name(call_.dtype)));
     if (t.device() != device_)
-      raise(site(), fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role(),
-                                device_.str()));
+      refuse(fmt::format("{} is on {} but {} is on {}", role, t.device().str(), first_role(),
+                         device_.str()));
   }
   // The common call names its tensors with literals ("tensor", "input"):
   // the checks that pass need no std::string built per call.
@@ -169,23 +185,22 @@ class Checker {
   // per call; a message is formatted only when a check fails.
   void has_rows(const Tensor& t, std::string_view role) {
     if (t.dim() == 0)
-      raise(site(),
-            fmt::format("{} is 0-d; this op moves rows (dim 0), give it at least one dim", role));
+      refuse(fmt::format("{} is 0-d; this op moves rows (dim 0), give it at least one dim", role));
   }
   void same_shape(const Tensor& t, const Shape& expected, std::string_view role) {
     if (t.shape() != expected)
-      raise(site(), fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()),
-                                shape_str(expected)));
+      refuse(fmt::format("{} has shape {}, expected {}", role, shape_str(t.shape()),
+                         shape_str(expected)));
   }
   void list_size(const std::vector<Tensor>& ts, std::size_t expected, std::string_view role) {
     if (ts.size() != expected)
-      raise(site(), fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(),
-                                expected));
+      refuse(fmt::format("{} has {} tensors, expected {} (one per member)", role, ts.size(),
+                         expected));
   }
   void root(int r, const char* what) {
     if (r < 0 || r >= size())
-      raise(site(), fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r,
-                                size()));
+      refuse(
+          fmt::format("{} {} out of range [0, {}) (roots are group-local ranks)", what, r, size()));
     call_.root = r;
   }
   // Entries per member, none negative, and the rows they add up to (rows of
@@ -194,24 +209,23 @@ class Checker {
   // list (even splits) is checked in O(1).
   void splits(const SplitList& s, std::string_view role, uint64_t row_bytes) {
     if (static_cast<int>(s.size()) != size())
-      raise(site(),
-            fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
+      refuse(
+          fmt::format("{} has {} entries, expected {} (one per member)", role, s.size(), size()));
     const uint64_t per_row = std::max<uint64_t>(row_bytes, 1);
     auto too_big = [&]() {
-      raise(site(),
-            fmt::format(
-                "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)",
-                role, fmt::join(s.to_vector(), "+"), row_bytes, kMaxTensorBytes));
+      refuse(fmt::format(
+          "{} ask for {} rows of {} bytes (more than {} bytes, the most one tensor may hold)", role,
+          fmt::join(s.to_vector(), "+"), row_bytes, kMaxTensorBytes));
     };
     if (s.is_uniform()) {
       if (s.empty()) return;
-      if (s[0] < 0) raise(site(), fmt::format("{}[0] = {} is negative", role, s[0]));
+      if (s[0] < 0) refuse(fmt::format("{}[0] = {} is negative", role, s[0]));
       if (static_cast<uint64_t>(s[0]) > kMaxTensorBytes / per_row / s.size()) too_big();
       return;
     }
     uint64_t rows = 0;
     for (std::size_t i = 0; i < s.size(); ++i) {
-      if (s[i] < 0) raise(site(), fmt::format("{}[{}] = {} is negative", role, i, s[i]));
+      if (s[i] < 0) refuse(fmt::format("{}[{}] = {} is negative", role, i, s[i]));
       const auto r = static_cast<uint64_t>(s[i]);
       if (r > kMaxTensorBytes || rows + r > kMaxTensorBytes / per_row) too_big();
       rows += r;
@@ -253,12 +267,11 @@ class Checker {
   void reduce_op(ReduceOp op) {
     // A Kind cast from an integer outside the enum (e.g. ReduceOp::Kind(9)).
     if (static_cast<unsigned>(op.kind()) > ReduceOp::PremulSum)
-      raise(site(),
-            fmt::format("reduce op kind {} is not one of sum, avg, product, min, max, premul_sum",
-                        static_cast<unsigned>(op.kind())));
+      refuse(fmt::format("reduce op kind {} is not one of sum, avg, product, min, max, premul_sum",
+                         static_cast<unsigned>(op.kind())));
     if ((op == ReduceOp::Avg || op == ReduceOp::PremulSum) && !is_floating(call_.dtype))
-      raise(site(), fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
-                                dtype_name(call_.dtype)));
+      refuse(fmt::format("{} is undefined for integer dtype {}", reduce_op_name(op),
+                         dtype_name(call_.dtype)));
     call_.reduce_op = op;
   }
   static Shape trailing(const Tensor& t) { return Shape(t.shape().begin() + 1, t.shape().end()); }
@@ -268,8 +281,8 @@ class Checker {
                      std::string_view ref_role) {
     const Shape &a = t.shape(), &b = ref.shape();
     if (!std::equal(a.begin() + 1, a.end(), b.begin() + 1, b.end()))
-      raise(site(), fmt::format("{} has row shape {} but {} has row shape {}", role,
-                                shape_str(trailing(t)), ref_role, shape_str(trailing(ref))));
+      refuse(fmt::format("{} has row shape {} but {} has row shape {}", role,
+                         shape_str(trailing(t)), ref_role, shape_str(trailing(ref))));
   }
 
   // Numbers the call, accounts its bytes, applies the aliasing rule, records
@@ -467,12 +480,11 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
   c.splits(output_splits, "output_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(output_splits) != output.size(0))
-    raise(c.site(), fmt::format("output_splits sum to {} but output has {} rows",
-                                split_sum(output_splits), output.size(0)));
+    c.refuse(fmt::format("output_splits sum to {} but output has {} rows", split_sum(output_splits),
+                         output.size(0)));
   if (output_splits[static_cast<std::size_t>(c.rank())] != input.size(0))
-    raise(c.site(),
-          fmt::format("output_splits[{}] = {} but this rank's input has {} rows", c.rank(),
-                      output_splits[static_cast<std::size_t>(c.rank())], input.size(0)));
+    c.refuse(fmt::format("output_splits[{}] = {} but this rank's input has {} rows", c.rank(),
+                         output_splits[static_cast<std::size_t>(c.rank())], input.size(0)));
   c.call().inputs = TensorList::borrow(input);
   c.call().outputs = TensorList::borrow(output);
   c.call().output_splits = output_splits;
@@ -492,9 +504,8 @@ void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const
       c.same_shape(outputs[i], input.shape(), Checker::Item{"outputs", i});
     }
   } else if (!outputs.empty()) {
-    raise(c.site(),
-          fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
-                      outputs.size()));
+    c.refuse(fmt::format("outputs has {} tensors on a non-dst rank; pass an empty list there",
+                         outputs.size()));
   }
   c.call().inputs = TensorList::borrow(input);
   c.call().outputs = TensorList::borrow(outputs);
@@ -514,8 +525,8 @@ void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<
       c.same_shape(inputs[i], output.shape(), Checker::Item{"inputs", i});
     }
   } else if (!inputs.empty()) {
-    raise(c.site(), fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
-                                inputs.size()));
+    c.refuse(fmt::format("inputs has {} tensors on a non-src rank; pass an empty list there",
+                         inputs.size()));
   }
   c.call().inputs = TensorList::borrow(inputs);
   c.call().outputs = TensorList::borrow(output);
@@ -563,12 +574,11 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
   c.splits(input_splits, "input_splits", Checker::row_bytes(input));
   c.same_trailing(output, input, "output", "input");
   if (split_sum(input_splits) != input.size(0))
-    raise(c.site(), fmt::format("input_splits sum to {} but input has {} rows",
-                                split_sum(input_splits), input.size(0)));
+    c.refuse(fmt::format("input_splits sum to {} but input has {} rows", split_sum(input_splits),
+                         input.size(0)));
   if (input_splits[static_cast<std::size_t>(c.rank())] != output.size(0))
-    raise(c.site(),
-          fmt::format("input_splits[{}] = {} but this rank's output has {} rows", c.rank(),
-                      input_splits[static_cast<std::size_t>(c.rank())], output.size(0)));
+    c.refuse(fmt::format("input_splits[{}] = {} but this rank's output has {} rows", c.rank(),
+                         input_splits[static_cast<std::size_t>(c.rank())], output.size(0)));
   c.call().inputs = TensorList::borrow(input);
   c.call().outputs = TensorList::borrow(output);
   c.call().input_splits = input_splits;
@@ -604,8 +614,7 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   // the checker, so the message names the group and rank like every other.
   auto even = [&](const Tensor& t, const char* role) {
     if (t.size(0) % c.size() != 0)
-      raise(
-          c.site(),
+      c.refuse(
           fmt::format("{} has {} rows, which {} ranks cannot split evenly; pass explicit {}_splits",
                       role, t.size(0), c.size(), role));
     // Uniform: no N-entry vector per rank (see SplitList).
@@ -616,15 +625,15 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   c.splits(in, "input_splits", Checker::row_bytes(input));
   c.splits(out, "output_splits", Checker::row_bytes(input));
   if (split_sum(in) != input.size(0))
-    raise(c.site(), fmt::format("input_splits sum to {} but input has {} rows", split_sum(in),
-                                input.size(0)));
+    c.refuse(
+        fmt::format("input_splits sum to {} but input has {} rows", split_sum(in), input.size(0)));
   if (split_sum(out) != output.size(0))
-    raise(c.site(), fmt::format("output_splits sum to {} but output has {} rows", split_sum(out),
-                                output.size(0)));
+    c.refuse(fmt::format("output_splits sum to {} but output has {} rows", split_sum(out),
+                         output.size(0)));
   const auto me = static_cast<std::size_t>(c.rank());
   if (in[me] != out[me])
-    raise(c.site(), fmt::format("input_splits[{}] = {} (rows kept) but output_splits[{}] = {}", me,
-                                in[me], me, out[me]));
+    c.refuse(fmt::format("input_splits[{}] = {} (rows kept) but output_splits[{}] = {}", me, in[me],
+                         me, out[me]));
   const uint64_t row_bytes = static_cast<uint64_t>(input.row_numel()) * element_size(input.dtype());
   const uint64_t sent = static_cast<uint64_t>(split_sum(in) - in[me]) * row_bytes;
   const uint64_t received = static_cast<uint64_t>(split_sum(out) - out[me]) * row_bytes;
@@ -639,7 +648,7 @@ void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag) {
   Checker c(group, OpType::Send);
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
-  if (dst == c.rank()) raise(c.site(), "dst is this rank; send to yourself would never match");
+  if (dst == c.rank()) c.refuse("dst is this rank; send to yourself would never match");
   c.call().tag = tag;
   c.call().inputs = TensorList::borrow(tensor);
   c.dispatch(nbytes(tensor), 0);
@@ -649,7 +658,7 @@ void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag) {
   Checker c(group, OpType::Recv);
   c.tensor(tensor, "tensor");
   c.root(src, "src");
-  if (src == c.rank()) raise(c.site(), "src is this rank; recv from yourself would never match");
+  if (src == c.rank()) c.refuse("src is this rank; recv from yourself would never match");
   c.call().tag = tag;
   c.call().outputs = TensorList::borrow(tensor);
   c.dispatch(0, nbytes(tensor));

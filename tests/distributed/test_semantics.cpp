@@ -313,6 +313,23 @@ TEST(PremulSum, MismatchedFactorsAndIntegersAreRefused) {
   // The serialized description keeps the factor.
   const auto words = dist::serialize(dist::describe(a));
   EXPECT_TRUE(dist::deserialize(words.data(), words.size()).reduce_op == ReduceOp::premul_sum(0.5));
+  // A member refusing its own call (Backend::announce_refusal): its
+  // fingerprint never agrees, even with another refusal, and its error
+  // travels in the description (any length, any byte) and leads the report.
+  EXPECT_FALSE(dist::fingerprints_agree({dist::fingerprint(a), dist::refusal_fingerprint(b)}));
+  EXPECT_FALSE(
+      dist::fingerprints_agree({dist::refusal_fingerprint(a), dist::refusal_fingerprint(b)}));
+  dist::CallDesc refusing = dist::describe(b);
+  refusing.refused = "input_splits sum to 5 but input has 4 rows \xff\x01";
+  const auto refusal_words = dist::serialize(refusing);
+  const dist::CallDesc back = dist::deserialize(refusal_words.data(), refusal_words.size());
+  EXPECT_EQ(back.refused, refusing.refused);
+  const dist::CallDesc plain = dist::describe(a);
+  const std::vector<const dist::CallDesc*> both{&plain, &back};
+  EXPECT_EQ(dist::compare(both, {0, 5}),
+            "rank 1 (global 5) refused its own call all_reduce(float32, in=[2], op=sum): "
+            "input_splits sum to 5 but input has 4 rows \xff\x01");
+  EXPECT_THROW(dist::deserialize(refusal_words.data(), refusal_words.size() - 1), InvalidArgument);
 
   sim::World w2 = make_world(2);
   EXPECT_THROW(w2.run([](sim::Rank& rk) {

@@ -7,6 +7,7 @@
 //      ./diffcomm_mpi_tests
 // Every process runs every test in the same order; the exit code is the
 // worst over all processes.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -389,6 +390,47 @@ TEST(MpiFaults, PlusAndMinusZeroPremulFactorsAgreeInCheckedMode) {
   Tensor t = full({3}, r + 1.0, DType::Float64);
   dist::all_reduce(world, t, dist::ReduceOp::premul_sum(r == 0 ? 0.0 : -0.0));
   for (double v : t.to_vector()) EXPECT_EQ(v, 0.0);
+}
+
+// A rank whose own arguments are wrong (input_splits that do not add up on
+// rank 1 alone): in checked mode it still takes part in the members'
+// agreement, carrying its error, so every peer raises CollectiveMismatch
+// naming rank 1 and its error at once (well inside the 20 s deadline set
+// here), and rank 1 raises InvalidArgument. The group goes on working.
+TEST(MpiFaults, ARanksOwnBadArgumentsAreAnnouncedToItsPeers) {
+  dist::Options opts;
+  opts.check = true;
+  opts.timeout_s = 20.0;
+  const auto world = mpi::world(opts);
+  const int r = world.rank(), n = world.size();
+  Tensor in = zeros({n, 2}, DType::Float64), out = zeros({n, 2}, DType::Float64);
+  std::vector<int64_t> splits(static_cast<std::size_t>(n), 1);
+  std::vector<int64_t> mine = splits;
+  if (r == 1) mine[0] = 2;  // sums to n + 1: refused on rank 1 alone
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    dist::all_to_all_single(world, out, in, splits, mine);
+    ADD_FAILURE() << "rank " << r << ": the call went through";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(r, 1) << e.what();
+    EXPECT_NE(std::string(e.what()).find("input_splits sum to"), std::string::npos) << e.what();
+  } catch (const CollectiveMismatch& e) {
+    EXPECT_NE(r, 1) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 1 (global 1) refused its own call all_to_all_single("),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find(fmt::format("input_splits sum to {} but input has {} rows", n + 1, n)),
+              std::string::npos)
+        << what;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0) << "rank " << r << " waited for its deadline";
+  dist::barrier(world);  // the refused call took its number on every member: the group goes on
+  Tensor t = full({2}, 1.0, DType::Float64);
+  dist::all_reduce(world, t);
+  for (double v : t.to_vector()) EXPECT_EQ(v, static_cast<double>(n));
 }
 
 // Two threads of one process on one group: the second is refused while the

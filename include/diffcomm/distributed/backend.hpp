@@ -37,6 +37,21 @@ class Backend {
   /// simulated world refuses a handle used by another rank's fiber (it is
   /// per rank) and one whose world run has ended. Default: always usable.
   virtual void check_caller(const Call& call) const { (void)call; }
+  /// This rank refuses its own collective `call` (the funnel's local
+  /// validation failed with `error`, e.g. input_splits wrong on this rank
+  /// alone): a backend whose members agree on every call before moving data
+  /// (checked mode, dist::CheckedBackend) takes part in that agreement with
+  /// the error instead of the call, so the peers raise CollectiveMismatch
+  /// naming this rank and its error at once instead of waiting for their
+  /// deadline. Returns whether it did (the funnel then numbers the refused
+  /// call, as the peers numbered theirs, so the group's numbering stays
+  /// aligned); the caller raises its own InvalidArgument afterwards,
+  /// whatever this throws. Default: false (nothing to announce to).
+  virtual bool announce_refusal(const Call& call, const std::string& error) {
+    (void)call;
+    (void)error;
+    return false;
+  }
 
   /// Whether all_reduce() accepts a call whose outputs[0] is not its
   /// inputs[0] (dist::all_reduce_into; the two then share no byte). Default

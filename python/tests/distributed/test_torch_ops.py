@@ -239,6 +239,31 @@ def test_nonzero_rank_mismatch_is_local_error():
         dt.all_to_all_single(data(3), [1] * size(), [5] * size())
 
 
+def test_one_ranks_bad_splits_are_announced_to_its_peers():
+    # Checked mode: rank 1 refuses its own call (its input_splits sum to
+    # size + 1) and still takes part in the members' agreement, so the peers
+    # raise CollectiveMismatch naming it and its error at once, not after
+    # their 60 s deadline.
+    import time  # noqa: PLC0415
+
+    from conftest import checked_world  # noqa: PLC0415
+
+    group = checked_world()
+    splits = [1] * size()
+    mine = [2] + [1] * (size() - 1) if rank() == 1 else splits
+    start = time.monotonic()
+    if rank() == 1:
+        with pytest.raises(diffcomm.InvalidArgument, match="input_splits sum to"):
+            dt.all_to_all_single(data(size()), splits, mine, group=group)
+    else:
+        with pytest.raises(diffcomm.CollectiveMismatch,
+                           match=r"rank 1 \(global 1\) refused its own call all_to_all_single\("):
+            dt.all_to_all_single(data(size()), splits, mine, group=group)
+    assert time.monotonic() - start < 10
+    t = dt.all_reduce(torch.ones(2, dtype=f64), group=group)  # the group goes on
+    assert t.tolist() == [float(size())] * 2
+
+
 def test_encoder_parallel_step_equals_reference():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples",
                                     "python"))

@@ -24,6 +24,10 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
     return fmt::format("{} called {} but {} called {}: {} differs", label(a), signature(*c[a]),
                        label(b), signature(*c[b]), field);
   };
+  for (std::size_t i = 0; i < n; ++i)
+    if (!c[i]->refused.empty())
+      return fmt::format("{} refused its own call {}: {}", label(i), signature(*c[i]),
+                         c[i]->refused);
   const agreement::Rule r = rule(c[0]->op);
   for (std::size_t i = 1; i < n; ++i) {
     if (c[i]->op != c[0]->op) return differ(0, i, "op");

@@ -75,8 +75,19 @@ void CheckedBackend::forward(Call& c) {
 }
 
 void CheckedBackend::check(const Call& call) {
+  const std::string report = agree(call, "");
+  if (!report.empty()) throw CollectiveMismatch(call.site(), "collective mismatch: " + report);
+}
+
+bool CheckedBackend::announce_refusal(const Call& call, const std::string& error) {
+  if (call.op == OpType::Send || call.op == OpType::Recv) return false;
+  agree(call, error.empty() ? "refused" : error);
+  return true;
+}
+
+std::string CheckedBackend::agree(const Call& call, const std::string& refused) {
   const int n = call.group_size;
-  const Fingerprint mine = fingerprint(call);
+  const Fingerprint mine = refused.empty() ? fingerprint(call) : refusal_fingerprint(call);
   Tensor all = empty({static_cast<int64_t>(n * kFingerprintWords)}, DType::Int64, device_);
   Call gather = control_call(call, OpType::AllGatherSingle);
   gather.inputs = {int64_tensor(std::vector<int64_t>(mine.begin(), mine.end()), device_)};
@@ -87,12 +98,14 @@ void CheckedBackend::check(const Call& call) {
   for (std::size_t r = 0; r < prints.size(); ++r)
     std::memcpy(prints[r].data(), words.data() + r * kFingerprintWords,
                 kFingerprintWords * sizeof(int64_t));
-  if (fingerprints_agree(prints)) return;
+  if (fingerprints_agree(prints)) return "";
 
   // Rare path: gather every member's full description and explain the
   // difference with the simulated world's compare(). Every member runs this
   // on the same data, so every member raises the same report.
-  const std::vector<int64_t> desc = serialize(describe(call));
+  CallDesc own = describe(call);
+  own.refused = refused;
+  const std::vector<int64_t> desc = serialize(own);
   Tensor lengths = empty({n}, DType::Int64, device_);
   Call len_gather = control_call(call, OpType::AllGatherSingle);
   len_gather.inputs = {int64_tensor({static_cast<int64_t>(desc.size())}, device_)};
@@ -134,7 +147,7 @@ void CheckedBackend::check(const Call& call) {
                     signature(calls[0]), calls[0].seq, rank_label(static_cast<int>(r), globals[r]),
                     signature(calls[r]), calls[r].seq, *field != '\0' ? field : "splits");
   }
-  throw CollectiveMismatch(call.site(), "collective mismatch: " + report);
+  return report;
 }
 
 std::shared_ptr<Backend> CheckedBackend::split(Call& call, int color, int key) {

@@ -20,6 +20,8 @@ using agreement::shape_of;
 using agreement::Shapes;
 
 bool has_reduce(OpType op) { return rule(op).reduce; }
+// Fingerprint word 0 of a member refusing its own call (no op has it).
+constexpr int64_t kRefusedWord = -2;
 bool has_root(OpType op) { return rule(op).root; }
 
 std::string shapes_str(const std::vector<Shape>& shapes) {
@@ -156,6 +158,14 @@ std::vector<int64_t> serialize(const CallDesc& c) {
   put_list(c.members);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->op) : -1);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->seq) : 0);
+  // The refusal's text, eight bytes per word after its length.
+  w.push_back(static_cast<int64_t>(c.refused.size()));
+  for (std::size_t i = 0; i < c.refused.size(); i += 8) {
+    uint64_t word = 0;
+    for (std::size_t k = 0; k < 8 && i + k < c.refused.size(); ++k)
+      word |= static_cast<uint64_t>(static_cast<unsigned char>(c.refused[i + k])) << (8 * k);
+    w.push_back(static_cast<int64_t>(word));
+  }
   return w;
 }
 
@@ -209,6 +219,15 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   if (backward_op > static_cast<int64_t>(OpType::NewGroup))
     raise("deserialize", fmt::format("bad forward op {}", backward_op));
   if (backward_op >= 0) c.backward_of = CallId{static_cast<OpType>(backward_op), backward_seq};
+  const int64_t refused = take();
+  if (refused < 0 || static_cast<std::size_t>(refused) > 8 * (n - at))
+    raise("deserialize", fmt::format("bad refusal length {}", refused));
+  c.refused.resize(static_cast<std::size_t>(refused));
+  for (std::size_t i = 0; i < c.refused.size(); i += 8) {
+    const auto word = static_cast<uint64_t>(take());
+    for (std::size_t k = 0; k < 8 && i + k < c.refused.size(); ++k)
+      c.refused[i + k] = static_cast<char>((word >> (8 * k)) & 0xff);
+  }
   return c;
 }
 
@@ -295,9 +314,18 @@ const char* fingerprint_field(const Fingerprint& a, const Fingerprint& b) {
   return "";
 }
 
+Fingerprint refusal_fingerprint(const Call& call) {
+  Fingerprint f{};
+  f[0] = kRefusedWord;
+  f[1] = static_cast<int64_t>(call.op);
+  return f;
+}
+
 bool fingerprints_agree(const std::vector<Fingerprint>& prints) {
   if (prints.empty()) return true;
   const Fingerprint& a = prints[0];
+  for (const auto& p : prints)
+    if (p[0] == kRefusedWord) return false;  // a refusal never agrees
   uint64_t out_edges = 0, in_edges = 0;
   for (const auto& p : prints) {
     if (p[0] != a[0] || p[1] != a[1]) return false;

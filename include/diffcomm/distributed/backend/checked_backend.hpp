@@ -30,6 +30,11 @@ class CheckedBackend final : public ForwardingBackend {
 
   /// Checks the split call, then splits the data and the control backends.
   std::shared_ptr<Backend> split(Call& call, int color, int key) override;
+  /// Takes part in the members' fingerprint exchange with a refusal (a
+  /// fingerprint no call has) and the error in its description: every peer
+  /// raises CollectiveMismatch "rank R (global G) refused its own call ...:
+  /// <error>". send/recv: nothing (their checks are pairwise; false).
+  bool announce_refusal(const Call& call, const std::string& error) override;
 
  protected:
   /// Collectives: the fingerprint check, then inner(). send/recv: the
@@ -39,6 +44,9 @@ class CheckedBackend final : public ForwardingBackend {
  private:
   // Raises CollectiveMismatch on every member unless all fingerprints agree.
   void check(const Call& call);
+  // The members' agreement on `call` ("" when every fingerprint agrees, else
+  // the report); `refused` non-empty: this member refuses the call with it.
+  std::string agree(const Call& call, const std::string& refused);
   void check_send(const Call& call);
   void check_recv(const Call& call);
   std::shared_ptr<Backend> control_;

@@ -34,6 +34,9 @@ struct CallDesc {
   int key = 0;                        ///< new_group/split: this member's key (reports only)
   bool members_are_ranks = false;     ///< new_group (members = rank list) vs split (a fingerprint)
   std::optional<CallId> backward_of;  ///< Call::backward_of
+  /// Non-empty: this member refused its own call with this error
+  /// (Backend::announce_refusal); compare() reports it before anything else.
+  std::string refused;
 };
 
 /// The description of a call (shapes copied, no data).
@@ -60,7 +63,9 @@ CallDesc deserialize(const int64_t* words, std::size_t count);
 /// rank j; all_to_all: outputs[s] on i has the shape of inputs[i] on s;
 /// new_group: equal member lists; split: equal fingerprints; equal reduce op
 /// includes PremulSum's factor; equal forward call for backward calls
-/// ("forward call differs").
+/// ("forward call differs"). A member that refused its own call
+/// (CallDesc::refused) is reported first: "rank 1 (global 1) refused its own
+/// call all_to_all_single(...): <error>".
 std::string compare(const std::vector<const CallDesc*>& calls, const std::vector<int>& globals);
 /// The same comparison straight from the members' Calls (the simulated
 /// world's case): agreement is checked in place, without building
@@ -94,6 +99,9 @@ using Fingerprint = std::array<int64_t, kFingerprintWords>;
 
 /// The fingerprint of `call` as issued by group rank call.rank.
 Fingerprint fingerprint(const Call& call);
+/// The fingerprint of a member refusing `call` (Backend::announce_refusal):
+/// one no call has, so the members never agree on it. Reads only call.op.
+Fingerprint refusal_fingerprint(const Call& call);
 
 /// The name of the first field in which two fingerprints differ ("op",
 /// "call number", "dtype", "root", "reduce op", "shape", ...), "" when equal.

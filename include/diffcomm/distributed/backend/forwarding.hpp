@@ -23,6 +23,9 @@ class ForwardingBackend : public Backend {
   int global_rank(int group_rank) const override { return inner_->global_rank(group_rank); }
   bool supports(const Device& device) const override { return inner_->supports(device); }
   void check_caller(const Call& call) const override { inner_->check_caller(call); }
+  bool announce_refusal(const Call& call, const std::string& error) override {
+    return inner_->announce_refusal(call, error);
+  }
   bool all_reduce_out_of_place() const override { return inner_->all_reduce_out_of_place(); }
   bool skips_own_block() const override { return inner_->skips_own_block(); }
   void run_composed(Call& call, const std::function<void()>& steps) override {
