@@ -25,6 +25,10 @@ struct ProcessGroup::State {
   std::atomic<std::thread::id> caller{};
   std::atomic<int> caller_op{0};
   std::atomic<uint64_t> caller_seq{0};
+  // Which thread made the last collective call here, and how many times that
+  // thread changed (read and written only by the thread holding the slot).
+  uint64_t last_thread = 0;
+  int thread_turn = 0;
   std::optional<CallId> last_call;    // the last collective numbered here
   std::optional<CallId> backward_of;  // set by a live BackwardOf
 };
@@ -81,7 +85,29 @@ ProcessGroup::BackwardOf::BackwardOf(const ProcessGroup& group, CallId forward)
 }
 ProcessGroup::BackwardOf::~BackwardOf() { state_->backward_of = previous_; }
 
-ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, const Call& call)
+namespace {
+// A number for the calling OS thread, never reused in this process
+// (std::thread::id values are reused once a thread ends, which would make a
+// new thread's turn look like its predecessor's on some ranks only). Not
+// per-rank state: the simulated world's ranks share one OS thread, one token.
+uint64_t thread_token() {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t token = next.fetch_add(1, std::memory_order_relaxed);
+  return token;
+}
+
+// Sets call.thread_turn: collectives only, since a send or recv involves two
+// members and the others never see its thread.
+void take_turn(int& turn, uint64_t& last, Call& call) {
+  if (call.op == OpType::Send || call.op == OpType::Recv) return;
+  const uint64_t me = thread_token();
+  if (last != 0 && last != me) ++turn;
+  last = me;
+  call.thread_turn = turn;
+}
+}  // namespace
+
+ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, Call& call)
     : state_(group.state_.get()) {
   const std::thread::id me = std::this_thread::get_id();
   std::thread::id none{};
@@ -89,6 +115,7 @@ ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, const Call& call)
     claimed_ = true;
     state_->caller_op.store(static_cast<int>(call.op), std::memory_order_relaxed);
     state_->caller_seq.store(group.state_->seq, std::memory_order_relaxed);
+    take_turn(state_->thread_turn, state_->last_thread, call);
     return;
   }
   if (none == me) return;  // a call of this thread already holds the group

@@ -7,10 +7,12 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "diffcomm/distributed/backend/checked_backend.hpp"
 #include "diffcomm/distributed/backend/composed.hpp"
+#include "diffcomm/distributed/backend/fingerprint.hpp"
 #include "diffcomm/distributed/backend/layers.hpp"
 #include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/sim/world.hpp"
@@ -309,4 +311,57 @@ TEST(AllReduceInto, NamesTheMismatchedOutput) {
 }
 
 }  // namespace
+// Call::thread_turn (issue [4/7] item 3): how many times the thread calling
+// a group's collectives changed. A thread that ends and a new one that takes
+// its place (std::thread::id may be reused) is a change; send/recv neither
+// count nor carry a turn; members whose turns differ disagree in checked mode
+// and the report names both turns.
+TEST(ThreadTurns, CountChangesOfTheCallingThreadForCollectivesOnly) {
+  const ProcessGroup g(std::make_shared<Recording>(0, 2), "turns", nullptr);
+  const auto turn_of = [&](OpType op) {
+    Call c;
+    c.op = op;
+    c.thread_turn = -1;
+    const ProcessGroup::CallSlot slot(g, c);
+    return c.thread_turn;
+  };
+  const auto on_new_thread = [&](OpType op) {
+    int turn = -2;
+    std::thread t([&] { turn = turn_of(op); });
+    t.join();
+    return turn;
+  };
+  EXPECT_EQ(turn_of(OpType::AllReduce), 0);
+  EXPECT_EQ(turn_of(OpType::Barrier), 0);
+  EXPECT_EQ(on_new_thread(OpType::AllReduce), 1);
+  EXPECT_EQ(on_new_thread(OpType::AllReduce), 2);  // another thread, even at a reused id
+  EXPECT_EQ(on_new_thread(OpType::Send), -1);      // p2p: untouched, no change counted
+  EXPECT_EQ(turn_of(OpType::AllGather), 3);
+  EXPECT_EQ(turn_of(OpType::Recv), -1);
+
+  Call a, b;
+  a.op = b.op = OpType::AllReduce;
+  a.group_size = b.group_size = 2;
+  b.rank = 1;
+  a.inputs = a.outputs = b.inputs = b.outputs = {zeros({2})};
+  a.thread_turn = b.thread_turn = 3;
+  EXPECT_TRUE(fingerprints_agree({fingerprint(a), fingerprint(b)}));
+  EXPECT_EQ(compare(std::vector<const Call*>{&a, &b}, {0, 1}), "");
+  b.thread_turn = 2;
+  EXPECT_FALSE(fingerprints_agree({fingerprint(a), fingerprint(b)}));
+  EXPECT_NE(compare(std::vector<const Call*>{&a, &b}, {0, 1}), "");
+  EXPECT_STREQ(fingerprint_field(fingerprint(a), fingerprint(b)), "thread turn");
+  const auto words = serialize(describe(b));
+  const CallDesc back = deserialize(words.data(), words.size());
+  EXPECT_EQ(back.thread_turn, 2);
+  const CallDesc first = describe(a);
+  const std::string report = compare(std::vector<const CallDesc*>{&first, &back}, {0, 1});
+  EXPECT_EQ(report.rfind("rank 0 (global 0) called all_reduce(float32, in=[2], op=sum) in thread "
+                         "turn #3 but rank 1 (global 1) called all_reduce(float32, in=[2], "
+                         "op=sum) in thread turn #2: calling thread differs",
+                         0),
+            0u)
+      << report;
+}
+
 }  // namespace diffcomm::dist

@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -436,14 +438,15 @@ TEST(MpiFaults, ARanksOwnBadArgumentsAreAnnouncedToItsPeers) {
 // Two threads of one process on one group: the second is refused while the
 // first is inside a call (rank 1 arrives late, so rank 0's first thread is
 // still waiting), the refused call takes no call number, and the group goes
-// on working.
+// on working. Every rank issues the all_reduce from a thread of its own and
+// the barrier from main: the same thread turns on every rank.
 TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
   const auto world = mpi::world();
   const int r = world.rank();
   Tensor t = full({2}, 1.0, DType::Float64);
   if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  std::thread first([&] { dist::all_reduce(world, t); });
   if (r == 0) {
-    std::thread first([&] { dist::all_reduce(world, t); });
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     try {
       dist::barrier(world);
@@ -452,12 +455,58 @@ TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
       EXPECT_NE(std::string(e.what()).find("is inside all_reduce #"), std::string::npos)
           << e.what();
     }
-    first.join();
-  } else {
-    dist::all_reduce(world, t);
   }
+  first.join();
   for (double v : t.to_vector()) EXPECT_EQ(v, static_cast<double>(world.size()));
   dist::barrier(world);  // every rank's next call is the same call number
+}
+
+// Threads taking turns on one group (each call finishing before the next
+// starts), issue [4/7] item 3. The same turns at the same calls on every rank
+// give the right sums; rank 0 alone changing thread pairs its worker's call
+// with the others' main-thread call, which checked mode now refuses on every
+// member, naming both turns, instead of mixing the two threads' data.
+TEST(MpiFaults, ThreadsTakingTurnsAtDifferentCallsAreAMismatch) {
+  dist::Options opts;
+  opts.check = true;
+  opts.timeout_s = 20.0;
+  const auto world = mpi::world(opts);
+  const int r = world.rank(), n = world.size();
+  const auto on_worker = [](const std::function<void()>& f) {  // rethrows f's error here
+    std::exception_ptr error;
+    std::thread t([&] {
+      try {
+        f();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    });
+    t.join();
+    if (error) std::rethrow_exception(error);
+  };
+  Tensor a = full({2}, 1.0, DType::Float64), b = full({2}, 2.0, DType::Float64);
+  dist::all_reduce(world, a);                      // turn 0: main
+  on_worker([&] { dist::all_reduce(world, b); });  // turn 1: a worker, on every rank
+  dist::all_reduce(world, a);                      // turn 2: main again
+  for (double v : a.to_vector()) EXPECT_EQ(v, static_cast<double>(n * n));
+  for (double v : b.to_vector()) EXPECT_EQ(v, 2.0 * n);
+
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    if (r == 0)
+      on_worker([&] { dist::all_reduce(world, b); });  // turn 3 on rank 0 only
+    else
+      dist::all_reduce(world, b);  // still turn 2
+    ADD_FAILURE() << "rank " << r << ": threads taking turns at different calls went through";
+  } catch (const CollectiveMismatch& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("calling thread differs"), std::string::npos) << what;
+    EXPECT_NE(what.find("in thread turn #3"), std::string::npos) << what;
+    EXPECT_NE(what.find("in thread turn #2"), std::string::npos) << what;
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 5.0) << "rank " << r << " waited for its deadline";
 }
 
 // ---------------------------------------------------------------- gradients across ranks

@@ -61,11 +61,13 @@ class ProcessGroup {
   /// inside a call on it. The threading rule of NCCL communicators and c10d
   /// process groups: one thread issues a group's calls; two threads
   /// interleaving calls on one communicator mix their messages (wrong sums,
-  /// silently). A nested claim by the same thread is allowed. Cost: one
-  /// compare-and-swap and one store per call.
+  /// silently). A nested claim by the same thread is allowed. It also sets
+  /// call.thread_turn (Call): how many times the thread calling this group's
+  /// collectives changed, which members agree on. Cost: one compare-and-swap
+  /// and three stores per call.
   class CallSlot {
    public:
-    CallSlot(const ProcessGroup& group, const Call& call);
+    CallSlot(const ProcessGroup& group, Call& call);
     ~CallSlot();
     CallSlot(const CallSlot&) = delete;
     CallSlot& operator=(const CallSlot&) = delete;

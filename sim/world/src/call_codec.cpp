@@ -90,6 +90,7 @@ void put_call(Writer& w, const dist::Call& c) {
     w.put<uint8_t>(static_cast<uint8_t>(c.backward_of->op));
     w.put<uint64_t>(c.backward_of->seq);
   }
+  w.put<int32_t>(c.thread_turn);
 }
 
 void get_call(Reader& r, DecodedCall& out) {
@@ -122,6 +123,7 @@ void get_call(Reader& r, DecodedCall& out) {
     const auto op = static_cast<dist::OpType>(r.get<uint8_t>());
     c.backward_of = dist::CallId{op, r.get<uint64_t>()};
   }
+  c.thread_turn = r.get<int32_t>();
 }
 
 // ------------------------------------------------------------- tensors

@@ -87,6 +87,7 @@ CallDesc describe(const Call& call) {
   d.key = call.key;
   d.members_are_ranks = call.members_are_ranks;
   d.backward_of = call.backward_of;
+  d.thread_turn = call.thread_turn;
   return d;
 }
 
@@ -158,6 +159,7 @@ std::vector<int64_t> serialize(const CallDesc& c) {
   put_list(c.members);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->op) : -1);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->seq) : 0);
+  w.push_back(c.thread_turn);
   // The refusal's text, eight bytes per word after its length.
   w.push_back(static_cast<int64_t>(c.refused.size()));
   for (std::size_t i = 0; i < c.refused.size(); i += 8) {
@@ -219,6 +221,7 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   if (backward_op > static_cast<int64_t>(OpType::NewGroup))
     raise("deserialize", fmt::format("bad forward op {}", backward_op));
   if (backward_op >= 0) c.backward_of = CallId{static_cast<OpType>(backward_op), backward_seq};
+  c.thread_turn = static_cast<int>(take());
   const int64_t refused = take();
   if (refused < 0 || static_cast<std::size_t>(refused) > 8 * (n - at))
     raise("deserialize", fmt::format("bad refusal length {}", refused));
@@ -289,6 +292,7 @@ Fingerprint fingerprint(const Call& call) {
   f[11] = call.group_size;
   f[12] = call.backward_of ? static_cast<int64_t>(call.backward_of->op) : -1;
   f[13] = call.backward_of ? static_cast<int64_t>(call.backward_of->seq) : -1;
+  f[14] = call.thread_turn;
   return f;
 }
 
@@ -308,7 +312,8 @@ const char* fingerprint_field(const Fingerprint& a, const Fingerprint& b) {
                                                             "member list",
                                                             "group size",
                                                             "forward call",
-                                                            "forward call"};
+                                                            "forward call",
+                                                            "thread turn"};
   for (std::size_t k = 0; k < kFingerprintWords; ++k)
     if (a[k] != b[k]) return kNames[k];
   return "";
@@ -332,7 +337,8 @@ bool fingerprints_agree(const std::vector<Fingerprint>& prints) {
     if (rule(static_cast<OpType>(a[0])).data)
       for (std::size_t k = 2; k <= 7; ++k)
         if (p[k] != a[k]) return false;
-    if (p[10] != a[10] || p[11] != a[11] || p[12] != a[12] || p[13] != a[13]) return false;
+    if (p[10] != a[10] || p[11] != a[11] || p[12] != a[12] || p[13] != a[13] || p[14] != a[14])
+      return false;
     out_edges += static_cast<uint64_t>(p[8]);
     in_edges += static_cast<uint64_t>(p[9]);
   }

@@ -304,6 +304,15 @@ struct Call {
   /// forward calls raise CollectiveMismatch naming both forward calls,
   /// instead of pairing silently.
   std::optional<CallId> backward_of;
+  /// How many times the thread calling this group's collectives changed
+  /// before this call (ProcessGroup::CallSlot sets it; send/recv neither
+  /// count nor carry it). Members agree on it in checked mode and in the
+  /// simulated world, so two threads taking turns on one group at different
+  /// calls on different ranks (pairing one thread's call with another's,
+  /// silently) raise CollectiveMismatch naming both turns. Turns at the same
+  /// calls on every rank (forward on one thread, backward on autograd's)
+  /// agree.
+  int thread_turn = 0;
 
   /// "all_reduce(float32[4], op=sum)" — the fields a fingerprint compares.
   std::string signature() const;

@@ -37,6 +37,7 @@ struct CallDesc {
   /// Non-empty: this member refused its own call with this error
   /// (Backend::announce_refusal); compare() reports it before anything else.
   std::string refused;
+  int thread_turn = 0;  ///< Call::thread_turn
 };
 
 /// The description of a call (shapes copied, no data).
@@ -94,7 +95,7 @@ std::string compare(const std::vector<const Call*>& calls, const std::vector<int
 /// where compare() needs equality; split ops carry hashes whose sums over the
 /// members agree exactly when the cross-rank split rule holds (64-bit hashes:
 /// a false "agree" needs a hash collision).
-inline constexpr std::size_t kFingerprintWords = 14;
+inline constexpr std::size_t kFingerprintWords = 15;
 using Fingerprint = std::array<int64_t, kFingerprintWords>;
 
 /// The fingerprint of `call` as issued by group rank call.rank.
