@@ -124,6 +124,26 @@ def test_uncaught_exception_ends_the_mpi_job_at_once():
 
 
 @needs_mpi
+def test_a_forked_child_leaves_the_parents_mpi_alone():
+    # Issue [4/7] item 4: os.fork() after init_process_group("mpi") hung the
+    # job when the child exited, and a collective after destroy_process_group
+    # ended in Open MPI's abort.
+    proc, out, elapsed = mpirun(2, [os.path.join(HERE, "programs", "fork_after_init.py")],
+                                timeout=60)
+    for r in (0, 1):
+        assert f"RESULT rank {r}: child (exit) exit code 7" in out, out
+        assert f"RESULT rank {r}: child (raise) exit code 1" in out, out
+        assert f"RESULT rank {r}: sum [4.0, 4.0]" in out, out
+        assert (f"RESULT rank {r}: after destroy_process_group: BackendError: all_reduce on "
+                "group 'world'") in out, out
+    assert "MPI was finalised (destroy_process_group" in out, out
+    assert f"child of rank 0 gave up" in out, out  # the child's traceback, and no abort
+    assert "MPI_Abort" not in out, out
+    assert proc.returncode == 0, out
+    assert elapsed < 30, f"the job took {elapsed:.0f} s"
+
+
+@needs_mpi
 def test_uncaught_exception_hook_can_be_turned_off():
     # DIFFCOMM_ABORT_ON_EXCEPTION=0: no abort; rank 1's interpreter exits
     # through MPI_Finalize, which waits for the others, and rank 0 waits in

@@ -216,7 +216,7 @@ std::string flight_dump_json(const FlightDump& d) {
                    "bytes_sent", "bytes_received"}}};
   // The header, then one row per line: "entries" is the last key, and no
   // string follows its name (what parse_compact_flight_dump relies on).
-  std::string text = header.dump();
+  std::string text = header.dump(-1, ' ', false, json::error_handler_t::replace);
   text.pop_back();  // the header's closing brace
   text += ",\"entries\":[";
   for (std::size_t i = 0; i < c.rows.size(); ++i) {

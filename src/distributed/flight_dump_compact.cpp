@@ -367,7 +367,8 @@ CompactFlightDump compact(const FlightDump& d) {
   c.groups = d.groups;
   std::map<std::string, uint32_t> index;  // a description's JSON text -> calls
   for (const FlightRecord& r : d.entries) {
-    const std::string key = dump_fields::desc_json(r).dump();
+    const std::string key =
+        dump_fields::desc_json(r).dump(-1, ' ', false, json::error_handler_t::replace);
     auto [it, fresh] = index.try_emplace(key, static_cast<uint32_t>(c.calls.size()));
     if (fresh) c.calls.push_back(dump_fields::parse_desc(json::parse(key), Reader{key, ""}));
     CompactFlightDump::Row w;

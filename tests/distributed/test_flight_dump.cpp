@@ -446,6 +446,23 @@ TEST(FlightDump, DumpWritesRankFileIntoTheDirectory) {
   std::filesystem::remove_all(dir);
 }
 
+// A group name that is not UTF-8 (a user's bytes) is written with U+FFFD in
+// place of each bad byte, as the text report prints it, instead of failing
+// the dump with nlohmann's internal type_error.316 (issue [4/7] item 4).
+TEST(FlightDump, NonUtf8GroupNamesAreWrittenWithReplacementCharacters) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fr-utf8-" + std::to_string(::getpid()))).string();
+  FlightRecorder fr(sized(4));
+  fr.set_identity(0, 2);
+  record(fr, "tp\xff\xfe", OpType::AllReduce, 0);
+  const std::string path = fr.dump(dir);
+  const FlightDump d = read_flight_dump(path);
+  ASSERT_EQ(d.groups.size(), 1u);
+  EXPECT_EQ(d.groups[0].group.name, "tp\xef\xbf\xbd\xef\xbf\xbd");
+  EXPECT_EQ(d.entries.size(), 1u);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(FlightDump, DumpOnErrorNeverThrows) {
   dist::Options o = sized(4);
   o.flight_recorder_dump_dir = "/proc/no/such/dir";

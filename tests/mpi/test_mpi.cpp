@@ -10,6 +10,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -507,6 +509,37 @@ TEST(MpiFaults, ThreadsTakingTurnsAtDifferentCallsAreAMismatch) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(seconds, 5.0) << "rank " << r << " waited for its deadline";
+}
+
+// A child forked after MPI was set up (issue [4/7] item 4) holds a copy of
+// the parent's MPI state: in_forked_child() says so, and an Environment made
+// and destroyed there leaves MPI alone (its destructor used to finalise, and
+// hang, the parent's job at the child's exit), and a collective on the
+// parent's group raises BackendError. The parents go on.
+TEST(MpiFaults, AForkedChildLeavesTheParentsMpiAlone) {
+  const auto world = mpi::world();
+  EXPECT_FALSE(mpi::in_forked_child());
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    int code = mpi::in_forked_child() ? 0 : 2;
+    { const mpi::Environment again(nullptr, nullptr); }
+    try {  // the parent's group: refused, where Open MPI aborted the job
+      dist::barrier(world);
+      code = 3;
+    } catch (const BackendError& e) {
+      if (std::string(e.what()).find("forked from the one that set MPI up") == std::string::npos)
+        code = 4;
+    }
+    std::_Exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  Tensor t = full({2}, 1.0, DType::Float64);
+  dist::all_reduce(world, t);
+  for (double v : t.to_vector()) EXPECT_EQ(v, static_cast<double>(world.size()));
 }
 
 // ---------------------------------------------------------------- gradients across ranks

@@ -40,7 +40,10 @@ namespace diffcomm::mpi {
 /// call of this process timed out, the destructor ends the job instead
 /// (abort_if_timed_out): MPI_Finalize would wait for the timed-out calls'
 /// requests forever, or crash when a late peer completes them into freed
-/// buffers.
+/// buffers. In a process forked after the Environment was made (os.fork(),
+/// a multiprocessing worker) the destructor does nothing: the parent's MPI
+/// is not the child's, and its MPI_Finalize or MPI_Abort there hung or ended
+/// the parent's whole job when the child exited.
 class Environment {
  public:
   Environment(int* argc, char*** argv);
@@ -52,7 +55,17 @@ class Environment {
   bool owns_ = false;
 };
 
-/// The group of every process (MPI_COMM_WORLD, borrowed). Collective over
+/// Whether this process was fork()ed after diffcomm set up or used MPI (an
+/// Environment or a group): the parent's MPI state is copied into the child
+/// but is not its own, so the child must not call MPI. Environment's and the
+/// groups' destructors and abort_if_timed_out() do nothing in such a child,
+/// and its collectives on the parent's groups raise BackendError. A flag set
+/// by pthread_atfork: no cost per call.
+bool in_forked_child();
+
+/// The group of every process (MPI_COMM_WORLD, borrowed). Its collectives
+/// raise BackendError once MPI is finalised or in a forked child
+/// (in_forked_child), instead of Open MPI aborting the job. Collective over
 /// MPI_COMM_WORLD, with the deadline (Options::timeout_s): the members
 /// exchange their checked-mode flag, and a checked group duplicates the
 /// communicator for its control traffic (MPI_Comm_idup). Throws BackendError
@@ -79,10 +92,9 @@ inline constexpr int kTimeoutAbortCode = 124;
 /// raised Timeout.
 bool timed_out();
 
-/// When timed_out(), prints which call timed out to stderr and ends the job
-/// with abort(kTimeoutAbortCode); otherwise (or when MPI is not initialised
-/// or already finalised) returns. Environment's destructor and the Python
-/// package's exit handler call it.
+/// When timed_out() (and not in_forked_child()), prints which call timed out to stderr and ends the
+/// job with abort(kTimeoutAbortCode); otherwise (or when MPI is not initialised or already
+/// finalised) returns. Environment's destructor and the Python package's exit handler call it.
 void abort_if_timed_out();
 
 /// Largest element count passed to one MPI call (default INT_MAX). Tests

@@ -12,6 +12,9 @@ and names the one that aborted). Both hooks here are installed by
   exits and its peers wait for their deadline);
 * at interpreter exit after a Timeout, MPI_Abort instead of an MPI_Finalize
   that would wait for the timed-out calls' requests forever.
+
+Neither runs in a process forked after init (os.fork, multiprocessing): its
+exit leaves the parent's MPI alone (mpi::in_forked_child in C++).
 """
 from __future__ import annotations
 
@@ -27,14 +30,19 @@ from .. import _core
 UNCAUGHT_EXCEPTION_CODE = 1
 
 _installed = False
+#: The process that installed the hooks: a child forked from it (os.fork, a
+#: multiprocessing worker) holds a copy of the parent's MPI state but must not
+#: end the parent's job when it raises (the C++ exit path checks the same).
+_owner_pid = 0
 
 
 def install_hooks() -> None:
     """Installs both hooks once per process (idempotent)."""
-    global _installed
+    global _installed, _owner_pid
     if _installed:
         return
     _installed = True
+    _owner_pid = os.getpid()
     atexit.register(_core.mpi.abort_if_timed_out)
     if os.environ.get("DIFFCOMM_ABORT_ON_EXCEPTION", "1") != "0":
         previous = sys.excepthook
@@ -51,6 +59,8 @@ def _abort_after_uncaught(kind: Any, value: Any) -> None:
     world has one rank, or the exception is a plain exit (SystemExit does not
     reach excepthook; KeyboardInterrupt does: mpirun forwards Ctrl-C to every
     rank anyway, aborting is still right)."""
+    if os.getpid() != _owner_pid:  # a forked child: the job is its parent's
+        return
     if not _core.mpi.initialized() or _core.mpi.finalized() or _core.mpi.world_size() < 2:
         return
     rank = _core.mpi.world_rank()

@@ -150,7 +150,9 @@ MeshFindings step_equivalence(const ep::StepConfig& cfg,
 
 }  // namespace
 
-std::string to_json(const MeshFindings& findings) { return findings_object(findings).dump(); }
+std::string to_json(const MeshFindings& findings) {
+  return findings_object(findings).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 int StepReport::exit_code() const {
   if (fault && fault->triggered) return 3;
@@ -251,7 +253,9 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
   return rep;
 }
 
-std::string check_json(const StepReport& r) { return check_object(r).dump(); }
+std::string check_json(const StepReport& r) {
+  return check_object(r).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 std::string to_json(const StepReport& r) {
   const auto& c = r.config;
@@ -297,7 +301,7 @@ std::string to_json(const StepReport& r) {
         {"rank", r.fault->rank}, {"at_call", r.fault->at_call}, {"triggered", r.fault->triggered}};
     if (r.fault->triggered) j["fault"]["call"] = r.fault->call;
   }
-  return j.dump();
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string to_text(const StepReport& r) {
@@ -393,7 +397,7 @@ std::string to_json(const SweepReport& r) {
               {"passed", r.passed},
               {"failed", r.failures.size()},
               {"failures", failures}}
-      .dump();
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string to_json(const AdjointReport& r) {
@@ -407,7 +411,7 @@ std::string to_json(const AdjointReport& r) {
               {"rel_err", r.rel_err},
               {"tolerance", r.tolerance},
               {"passed", r.passed}}
-      .dump();
+      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string to_text(const AdjointReport& r) {

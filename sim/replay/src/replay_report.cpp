@@ -64,7 +64,7 @@ std::string replay_json(const ReplayReport& rep) {
                       {"pending", std::move(pending)},
                       {"unknown", rep.unknown}};
   if (rep.call) j["call"] = *rep.call;
-  return j.dump(2) + "\n";
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 std::string replay_text(const ReplayReport& rep) {

@@ -48,7 +48,9 @@ std::string TorchFile::group_name_of(const Json& e) const {
 int64_t integer(const Json& v) {
   if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX})
     throw std::out_of_range("an integer above 2^63");
-  if (!v.is_number_integer()) throw std::invalid_argument("not an integer: " + v.dump());
+  if (!v.is_number_integer())
+    throw std::invalid_argument("not an integer: " +
+                                v.dump(-1, ' ', false, Json::error_handler_t::replace));
   return v.get<int64_t>();
 }
 

@@ -134,7 +134,9 @@ void World::write_trace(const std::string& path) const {
   });
   std::ofstream out(path);
   if (!out) raise("write_trace", fmt::format("cannot open '{}' for writing", path));
-  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump() << "\n";
+  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ns"}}.dump(
+             -1, ' ', false, nlohmann::json::error_handler_t::replace)
+      << "\n";
   out.flush();  // a full disk (/dev/full) shows only here
   if (!out) raise("write_trace", fmt::format("cannot write '{}'", path));
 }

@@ -96,6 +96,7 @@ class MpiBackend final : public dist::Backend {
   // `name` names the group in a timeout while it is being created.
   MpiBackend(MPI_Comm comm, bool owned, const dist::Options& options, const std::string& name)
       : comm_(comm), owned_(owned), options_(options), timeout_s_(options.resolved_timeout_s()) {
+    detail::watch_for_fork();
     check_plain(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check_plain(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     check_plain(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
@@ -115,12 +116,28 @@ class MpiBackend final : public dist::Backend {
   ~MpiBackend() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (finalized) return;
+    if (finalized || in_forked_child()) return;  // nothing to free, or the parent's
     MPI_Comm_free(&coll_);
     if (owned_) MPI_Comm_free(&comm_);
   }
 
   std::string backend_name() const override { return "mpi"; }
+  // A group kept past MPI_Finalize (destroy_process_group, mpi::Environment's
+  // end) or used in a forked child: Open MPI would abort the whole job on its
+  // first MPI call ("called after MPI_FINALIZE"). Refused before numbering.
+  void check_caller(const Call& call) const override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && !in_forked_child()) return;
+    ErrorSite site = call.site();
+    site.call.reset();
+    site.backend = "mpi";
+    throw BackendError(std::move(site),
+                       finalized ? "MPI was finalised (destroy_process_group or the end of "
+                                   "mpi::Environment): this group cannot be used any more"
+                                 : "this process was forked from the one that set MPI up: the "
+                                   "parent's groups cannot be used in a child");
+  }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int global_rank(int r) const override { return members_[static_cast<std::size_t>(r)]; }
@@ -456,6 +473,7 @@ void require_initialised(const char* what) {
 }  // namespace
 
 Environment::Environment(int* argc, char*** argv) {
+  detail::watch_for_fork();
   int init = 0;
   MPI_Initialized(&init);
   if (!init) {
@@ -466,7 +484,8 @@ Environment::Environment(int* argc, char*** argv) {
 }
 
 Environment::~Environment() {
-  abort_if_timed_out();  // MPI_Finalize would wait on the calls in flight
+  if (in_forked_child()) return;  // the parent's MPI: not ours to end
+  abort_if_timed_out();           // MPI_Finalize would wait on the calls in flight
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (owns_ && !finalized) MPI_Finalize();

@@ -4,6 +4,7 @@
 #include "timeouts.hpp"
 
 #include <mpi.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <cstdio>
@@ -17,7 +18,19 @@ namespace {
 std::atomic<bool> g_timed_out{false};
 std::mutex g_timed_out_mu;
 std::string g_timed_out_in;
+// Set in the child of a fork() after diffcomm first used MPI (pthread_atfork):
+// a flag, not a getpid() syscall per call, since the MPI backend asks on
+// every collective.
+std::atomic<bool> g_forked_child{false};
 }  // namespace
+
+void detail::watch_for_fork() {
+  static const int registered =
+      pthread_atfork(nullptr, nullptr, [] { g_forked_child.store(true); });
+  (void)registered;
+}
+
+bool in_forked_child() { return g_forked_child.load(std::memory_order_relaxed); }
 
 void detail::note_timeout(const std::string& where) {
   std::lock_guard lock(g_timed_out_mu);
@@ -32,7 +45,7 @@ void abort(int code) {
 bool timed_out() { return g_timed_out.load(); }
 
 void abort_if_timed_out() {
-  if (!g_timed_out.load()) return;
+  if (!g_timed_out.load() || in_forked_child()) return;
   int init = 0, finalized = 0;
   MPI_Initialized(&init);
   MPI_Finalized(&finalized);

@@ -7,6 +7,8 @@
 // so scratch buffers are allocated and freed in stream order on it.
 #include "nccl_backend.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <numeric>
 #include <utility>
@@ -49,6 +51,10 @@ NcclBackend::NcclBackend(ncclComm_t comm, bool owns_comm, std::shared_ptr<Stream
 }
 
 NcclBackend::~NcclBackend() {
+  // A process forked after the communicator was made holds a copy of it but
+  // not the device context: tearing it down there would touch the parent's
+  // communicator (CUDA is not usable after fork).
+  if (getpid() != created_in_) return;
   try {
     const DeviceGuard guard(device_);
     // Let queued ops finish before the communicator goes away (an aborted

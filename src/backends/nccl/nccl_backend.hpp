@@ -3,6 +3,8 @@
 // include/diffcomm/backends/nccl.hpp). Its primitives are in nccl_ops.cpp;
 // the op context (device, stream, ordering, CPU staging), errors and the
 // deadlines in nccl_backend.cpp; the public nccl:: functions in nccl.cpp.
+#include <unistd.h>
+
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -264,6 +266,7 @@ class NcclBackend final : public dist::Backend {
   ncclComm_t comm_;
   bool owned_;
   bool aborted_ = false;
+  pid_t created_in_ = getpid();  // ~NcclBackend does nothing in a forked child
   std::shared_ptr<StreamHolder> stream_;
   Options opts_;
   int rank_ = 0, size_ = 1, device_ = 0, version_ = 0;
