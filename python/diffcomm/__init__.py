@@ -37,6 +37,24 @@ from ._core import (
 )
 from . import encoder_parallel, nn
 
+
+def _skip_own_frames() -> None:
+    """A collective's caller (flight recorder, Deadlock reports) is the first
+    Python frame outside diffcomm's and torch's packages: the user's line, not
+    a wrapper's. torch's directory is found without importing torch.
+    DIFFCOMM_CALL_SITES=0 records no callers (the frame walk's cost: bench/RESULTS.md)."""
+    import importlib.util  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    spec = importlib.util.find_spec("torch")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        prefixes.append(os.path.abspath(location) + os.sep)
+    _core._set_caller_skip(prefixes, os.environ.get("DIFFCOMM_CALL_SITES", "1") != "0")
+
+
+_skip_own_frames()
+
 # diffcomm.sim and diffcomm.torch are imported on first use (``import diffcomm`` then
 # ``diffcomm.sim.run``), as torch does with its submodules: diffcomm.torch imports torch, which
 # ``import diffcomm`` alone should not pay for.

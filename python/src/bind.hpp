@@ -14,6 +14,7 @@
 
 #include <string>
 
+#include "diffcomm/distributed/caller.hpp"
 #include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/distributed/stats.hpp"
 #include "diffcomm/nn/functional.hpp"
@@ -31,8 +32,23 @@ namespace ep = diffcomm::encoder_parallel;
 using dc::Tensor;
 using dc::dist::ProcessGroup;
 
-/// Every call that may communicate releases the GIL (see module.cpp).
-using release = nb::call_guard<nb::gil_scoped_release>;
+/// The first Python frame outside the skipped packages (diffcomm's and
+/// torch's, set_caller_skip), as a dist::Caller; none when every frame is
+/// skipped. Needs the GIL. Defined in caller.cpp.
+dc::dist::Caller python_caller();
+
+/// Every call that may communicate records its Python caller for the
+/// collectives it makes (flight recorder, Deadlock reports; caller.hpp),
+/// then releases the GIL (see module.cpp). Members run in this order and
+/// end in reverse: the GIL is back before the caller is cleared.
+struct CallerThenRelease {
+  dc::dist::ScopedCaller caller{python_caller()};
+  nb::gil_scoped_release unlock;
+};
+using release = nb::call_guard<CallerThenRelease>;
+
+/// Binds _core._set_caller_skip(prefixes) (caller.cpp).
+void bind_caller(nb::module_& m);
 
 /// DLPack in: borrows the caller's storage (non-contiguous refused).
 Tensor tensor_from_dlpack(nb::ndarray<> a, bool requires_grad);

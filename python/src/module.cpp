@@ -12,6 +12,7 @@ NB_MODULE(_core, m) {
   using namespace diffcomm_python;
   m.doc() = "diffcomm: differentiable collectives and the encoder-parallel exchange (C++ core).";
   bind_errors(m);
+  bind_caller(m);
   bind_tensor(m);
   bind_dist(m);
   bind_nn(m);

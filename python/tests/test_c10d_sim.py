@@ -4,6 +4,7 @@
 hashes, the functional collectives, and Megatron-style tensor-parallel mappings
 against a single-rank float64 reference."""
 import math
+import os
 
 import pytest
 import torch
@@ -313,15 +314,21 @@ def test_different_tensor_size_is_a_mismatch_on_every_rank():
 def test_skipped_collective_is_a_deadlock_report():
     def fn(r):
         if r != 3:  # rank 3 skips it and ends
-            dist.all_reduce(torch.ones(2))
+            dist.all_reduce(torch.ones(2))  # the-users-line
 
     with pytest.raises(diffcomm.Deadlock) as e:
         run(4, fn)
     errors = _errors(e)
     assert all(isinstance(x, diffcomm.Deadlock) for x in errors[:3]) and errors[3] is None
     report = str(e.value)
+    here = os.path.abspath(__file__)
+    with open(here) as f:
+        line = next(i for i, text in enumerate(f, 1)
+                    if "# the-users-line" in text and "next(" not in text)
     for r in range(3):
         assert f"rank {r}: waiting in all_reduce" in report, report
+    # the user's line, through torch.distributed and diffcomm's c10d backend
+    assert report.count(f" at {here}:{line}\n") == 3, report
     assert "rank 3: finished" in report
     # ... and every rank's pending call in torch's terms, on every raising rank
     for err in errors[:3]:

@@ -200,6 +200,32 @@ def test_deadlock_cycle_reported_on_every_rank():
             assert f"rank {r}: waiting in all_reduce" in m, m
 
 
+def _line_of(marker, path):
+    """The line of `path` holding `marker` (in a comment) and nothing else marked."""
+    with open(path) as f:
+        return next(i for i, text in enumerate(f, 1) if marker in text and "_line_of" not in text)
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_deadlock_report_names_each_pending_calls_line(isolation):
+    # Issue [4/7] item 5: the user's file and line, not diffcomm.torch's
+    # wrapper, for every rank's pending call, in both isolations.
+    def fn(rank, world):
+        if rank == 2:
+            return
+        if rank == 0:
+            dt.all_reduce(torch.ones(1))  # caller-mark-0
+        else:
+            dt.all_gather(torch.ones(1))  # caller-mark-1
+
+    with pytest.raises(diffcomm.Deadlock) as info:
+        sim.run(3, fn, seed=3, isolation=isolation)
+    report = str(info.value)
+    here = os.path.abspath(__file__)
+    assert f"at {here}:{_line_of('caller-mark-0', here)}\n" in report, report
+    assert f"at {here}:{_line_of('caller-mark-1', here)}\n" in report, report
+
+
 def test_deadlock_skipped_backward_is_reported_not_hung():
     def fn(rank, world):
         x = leaf([1.0])

@@ -93,8 +93,11 @@ void stage_aliased_inputs(Call& c) {
 // site(): the op, the group, the backend and the rank of this call.
 class Checker {
  public:
-  Checker(const ProcessGroup& g, OpType op) : g_(g) {
+  Checker(const ProcessGroup& g, OpType op,
+          const std::source_location& where = std::source_location::current())
+      : g_(g) {
     call_.op = op;
+    call_.caller = caller_at(where);
     call_.group = g.name();
     call_.rank = g.rank();
     call_.group_size = g.size();
@@ -382,13 +385,14 @@ std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int
 }
 }  // namespace detail
 
-void barrier(const ProcessGroup& group) {
-  Checker c(group, OpType::Barrier);
+void barrier(const ProcessGroup& group, std::source_location caller) {
+  Checker c(group, OpType::Barrier, caller);
   c.dispatch(0, 0);
 }
 
-void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op) {
-  Checker c(group, OpType::AllReduce);
+void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op,
+                std::source_location caller) {
+  Checker c(group, OpType::AllReduce, caller);
   c.tensor(tensor, "tensor");
   c.reduce_op(op);
   c.call().inputs = TensorList::borrow(tensor);
@@ -399,10 +403,10 @@ void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op) {
 }
 
 void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                     ReduceOp op) {
+                     ReduceOp op, std::source_location caller) {
   if (output.defined() && input.defined() && output.same(input))
     return all_reduce(group, output, op);
-  Checker c(group, OpType::AllReduce);
+  Checker c(group, OpType::AllReduce, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
   c.same_shape(output, input.shape(), "output");
@@ -420,8 +424,9 @@ void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tens
   c.dispatch(bus, bus);
 }
 
-void broadcast(const ProcessGroup& group, const Tensor& tensor, int src) {
-  Checker c(group, OpType::Broadcast);
+void broadcast(const ProcessGroup& group, const Tensor& tensor, int src,
+               std::source_location caller) {
+  Checker c(group, OpType::Broadcast, caller);
   c.tensor(tensor, "tensor");
   c.root(src, "src");
   c.call().inputs = TensorList::borrow(tensor);
@@ -431,8 +436,9 @@ void broadcast(const ProcessGroup& group, const Tensor& tensor, int src) {
              me ? 0 : nbytes(tensor));
 }
 
-void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op) {
-  Checker c(group, OpType::Reduce);
+void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op,
+            std::source_location caller) {
+  Checker c(group, OpType::Reduce, caller);
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
   c.reduce_op(op);
@@ -443,9 +449,9 @@ void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp o
              me ? nbytes(tensor) * static_cast<uint64_t>(c.size() - 1) : 0);
 }
 
-void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs,
-                const Tensor& input) {
-  Checker c(group, OpType::AllGather);
+void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
+                std::source_location caller) {
+  Checker c(group, OpType::AllGather, caller);
   c.tensor(input, "input");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
   for (std::size_t i = 0; i < outputs.size(); ++i) {
@@ -457,8 +463,9 @@ void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs,
   c.dispatch(nbytes(input) * static_cast<uint64_t>(c.size() - 1), nbytes(outputs) - nbytes(input));
 }
 
-void all_gather_single(const ProcessGroup& group, const Tensor& output, const Tensor& input) {
-  Checker c(group, OpType::AllGatherSingle);
+void all_gather_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
+                       std::source_location caller) {
+  Checker c(group, OpType::AllGatherSingle, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
   c.has_rows(input, "input");
@@ -471,8 +478,8 @@ void all_gather_single(const ProcessGroup& group, const Tensor& output, const Te
 }
 
 void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                  const Splits& output_splits) {
-  Checker c(group, OpType::AllGatherV);
+                  const Splits& output_splits, std::source_location caller) {
+  Checker c(group, OpType::AllGatherV, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
   c.has_rows(input, "input");
@@ -492,8 +499,8 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
 }
 
 void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
-            int dst) {
-  Checker c(group, OpType::Gather);
+            int dst, std::source_location caller) {
+  Checker c(group, OpType::Gather, caller);
   c.tensor(input, "input");
   c.root(dst, "dst");
   const bool me = c.rank() == dst;
@@ -513,8 +520,8 @@ void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const
 }
 
 void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<Tensor>& inputs,
-             int src) {
-  Checker c(group, OpType::Scatter);
+             int src, std::source_location caller) {
+  Checker c(group, OpType::Scatter, caller);
   c.tensor(output, "output");
   c.root(src, "src");
   const bool me = c.rank() == src;
@@ -534,8 +541,8 @@ void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<
 }
 
 void reduce_scatter(const ProcessGroup& group, const Tensor& output,
-                    const std::vector<Tensor>& inputs, ReduceOp op) {
-  Checker c(group, OpType::ReduceScatter);
+                    const std::vector<Tensor>& inputs, ReduceOp op, std::source_location caller) {
+  Checker c(group, OpType::ReduceScatter, caller);
   c.tensor(output, "output");
   c.reduce_op(op);
   c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
@@ -549,8 +556,8 @@ void reduce_scatter(const ProcessGroup& group, const Tensor& output,
 }
 
 void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                           ReduceOp op) {
-  Checker c(group, OpType::ReduceScatterSingle);
+                           ReduceOp op, std::source_location caller) {
+  Checker c(group, OpType::ReduceScatterSingle, caller);
   c.tensor(output, "output");
   c.tensor(input, "input");
   c.reduce_op(op);
@@ -564,8 +571,8 @@ void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, cons
 }
 
 void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                      const Splits& input_splits, ReduceOp op) {
-  Checker c(group, OpType::ReduceScatterV);
+                      const Splits& input_splits, ReduceOp op, std::source_location caller) {
+  Checker c(group, OpType::ReduceScatterV, caller);
   c.tensor(output, "output");
   c.tensor(input, "input");
   c.reduce_op(op);
@@ -586,8 +593,8 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
 }
 
 void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
-                const std::vector<Tensor>& inputs) {
-  Checker c(group, OpType::AllToAll);
+                const std::vector<Tensor>& inputs, std::source_location caller) {
+  Checker c(group, OpType::AllToAll, caller);
   c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
   const Checker::ListScan in = c.scan(inputs, "inputs");
@@ -603,8 +610,9 @@ void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
 }
 
 void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                       const Splits& output_splits, const Splits& input_splits) {
-  Checker c(group, OpType::AllToAllSingle);
+                       const Splits& output_splits, const Splits& input_splits,
+                       std::source_location caller) {
+  Checker c(group, OpType::AllToAllSingle, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
   c.has_rows(input, "input");
@@ -644,8 +652,9 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   c.dispatch(sent, received);
 }
 
-void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag) {
-  Checker c(group, OpType::Send);
+void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag,
+          std::source_location caller) {
+  Checker c(group, OpType::Send, caller);
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
   if (dst == c.rank()) c.refuse("dst is this rank; send to yourself would never match");
@@ -654,8 +663,9 @@ void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag) {
   c.dispatch(nbytes(tensor), 0);
 }
 
-void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag) {
-  Checker c(group, OpType::Recv);
+void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag,
+          std::source_location caller) {
+  Checker c(group, OpType::Recv, caller);
   c.tensor(tensor, "tensor");
   c.root(src, "src");
   if (src == c.rank()) c.refuse("src is this rank; recv from yourself would never match");

@@ -110,6 +110,7 @@ json desc_json(const FlightRecord& r) {
             {"members_are_ranks", r.members_are_ranks},
             {"backward_of", nullptr}};
   if (r.backward_of) e["backward_of"] = {{"op", op_cstr(r.backward_of->op)}};
+  if (r.caller) e["caller"] = {{"file", r.caller.file}, {"line", r.caller.line}};
   return e;
 }
 
@@ -135,6 +136,11 @@ FlightRecord parse_desc(const json& e, const Reader& rd) {
   r.members_are_ranks = rd.get<bool>(e, "members_are_ranks");
   const json b = rd.get<json>(e, "backward_of");
   if (!b.is_null()) r.backward_of = CallId{rd.op(rd.get<std::string>(b, "op")), 0};
+  if (e.contains("caller")) {  // optional: absent when unknown, and in older dumps
+    const json c = rd.get<json>(e, "caller");
+    r.caller.file = intern_file(rd.get<std::string>(c, "file"));
+    r.caller.line = rd.get<uint32_t>(c, "line");
+  }
   return r;
 }
 

@@ -106,6 +106,7 @@ std::size_t FlightRecorder::begin(const Call& call) {
   r.state = FlightRecord::State::Issued;
   r.start_s = now_s();
   r.duration_s = 0;
+  r.caller = call.caller;
   if (detailed_) {
     copy_shapes(call.inputs, r.input_shapes);
     copy_shapes(call.outputs, r.output_shapes);
@@ -163,6 +164,7 @@ std::string FlightRecorder::dump() const {
                      state_name(r.state));
     if (r.state != FlightRecord::State::Issued)
       s += fmt::format(" ({:.1f} us)", r.duration_s * 1e6);
+    if (r.caller) s += " at " + r.caller.str();
     s += "\n";
   }
   return s;

@@ -6,11 +6,45 @@
 #include <atomic>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::dist {
+
+namespace {
+// A number for the calling OS thread, never reused in this process
+// (std::thread::id values are reused once a thread ends, which would make a
+// new thread look like its predecessor on some ranks only). Not
+// per-rank state: the simulated world's ranks share one OS thread, one token.
+uint64_t thread_token() {
+  static std::atomic<uint64_t> next{1};
+  thread_local const uint64_t token = next.fetch_add(1, std::memory_order_relaxed);
+  return token;
+}
+
+// The threads that made collective calls on a group, numbered in order of
+// first use.
+struct ThreadNumbers {
+  std::unordered_map<uint64_t, int> numbers;  // thread_token -> number, in order of first use
+  uint64_t last_token = 0;  // the last caller's, and its number: no lookup in steady state
+  int last_number = 0;
+};
+
+// Sets call.thread_index: collectives only, since a send or recv involves
+// two members and the others never see its thread.
+void number_thread(ThreadNumbers& t, Call& call) {
+  if (call.op == OpType::Send || call.op == OpType::Recv) return;
+  const uint64_t me = thread_token();
+  if (me != t.last_token) {
+    const int next = static_cast<int>(t.numbers.size());
+    t.last_number = t.numbers.try_emplace(me, next).first->second;
+    t.last_token = me;
+  }
+  call.thread_index = t.last_number;
+}
+}  // namespace
 
 struct ProcessGroup::State {
   std::shared_ptr<Backend> backend;
@@ -25,10 +59,10 @@ struct ProcessGroup::State {
   std::atomic<std::thread::id> caller{};
   std::atomic<int> caller_op{0};
   std::atomic<uint64_t> caller_seq{0};
-  // Which thread made the last collective call here, and how many times that
-  // thread changed (read and written only by the thread holding the slot).
-  uint64_t last_thread = 0;
-  int thread_turn = 0;
+  // Read and written only by the thread holding the slot. One entry per
+  // distinct thread: a program that starts a thread per step adds one entry
+  // per step.
+  ThreadNumbers threads;
   std::optional<CallId> last_call;    // the last collective numbered here
   std::optional<CallId> backward_of;  // set by a live BackwardOf
 };
@@ -85,28 +119,6 @@ ProcessGroup::BackwardOf::BackwardOf(const ProcessGroup& group, CallId forward)
 }
 ProcessGroup::BackwardOf::~BackwardOf() { state_->backward_of = previous_; }
 
-namespace {
-// A number for the calling OS thread, never reused in this process
-// (std::thread::id values are reused once a thread ends, which would make a
-// new thread's turn look like its predecessor's on some ranks only). Not
-// per-rank state: the simulated world's ranks share one OS thread, one token.
-uint64_t thread_token() {
-  static std::atomic<uint64_t> next{1};
-  thread_local const uint64_t token = next.fetch_add(1, std::memory_order_relaxed);
-  return token;
-}
-
-// Sets call.thread_turn: collectives only, since a send or recv involves two
-// members and the others never see its thread.
-void take_turn(int& turn, uint64_t& last, Call& call) {
-  if (call.op == OpType::Send || call.op == OpType::Recv) return;
-  const uint64_t me = thread_token();
-  if (last != 0 && last != me) ++turn;
-  last = me;
-  call.thread_turn = turn;
-}
-}  // namespace
-
 ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, Call& call)
     : state_(group.state_.get()) {
   const std::thread::id me = std::this_thread::get_id();
@@ -115,7 +127,7 @@ ProcessGroup::CallSlot::CallSlot(const ProcessGroup& group, Call& call)
     claimed_ = true;
     state_->caller_op.store(static_cast<int>(call.op), std::memory_order_relaxed);
     state_->caller_seq.store(group.state_->seq, std::memory_order_relaxed);
-    take_turn(state_->thread_turn, state_->last_thread, call);
+    number_thread(state_->threads, call);
     return;
   }
   if (none == me) return;  // a call of this thread already holds the group

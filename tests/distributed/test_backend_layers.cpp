@@ -311,54 +311,62 @@ TEST(AllReduceInto, NamesTheMismatchedOutput) {
 }
 
 }  // namespace
-// Call::thread_turn (issue [4/7] item 3): how many times the thread calling
-// a group's collectives changed. A thread that ends and a new one that takes
-// its place (std::thread::id may be reused) is a change; send/recv neither
-// count nor carry a turn; members whose turns differ disagree in checked mode
-// and the report names both turns.
-TEST(ThreadTurns, CountChangesOfTheCallingThreadForCollectivesOnly) {
-  const ProcessGroup g(std::make_shared<Recording>(0, 2), "turns", nullptr);
-  const auto turn_of = [&](OpType op) {
+// Call::thread_index (issue [4/7] item 3): the group numbers the threads
+// that make its collectives in order of first use. A thread that ends and a
+// new one in its place (std::thread::id may be reused) are two threads;
+// send/recv neither count nor carry a number; members whose numbers differ
+// disagree in checked mode and the report names both threads.
+TEST(ThreadNumbers, TheGroupNumbersItsCallingThreadsInOrderOfFirstUse) {
+  const ProcessGroup g(std::make_shared<Recording>(0, 2), "threads", nullptr);
+  const auto number_of = [&](OpType op) {
     Call c;
     c.op = op;
-    c.thread_turn = -1;
+    c.thread_index = -1;
     const ProcessGroup::CallSlot slot(g, c);
-    return c.thread_turn;
+    return c.thread_index;
   };
   const auto on_new_thread = [&](OpType op) {
-    int turn = -2;
-    std::thread t([&] { turn = turn_of(op); });
+    int number = -2;
+    std::thread t([&] { number = number_of(op); });
     t.join();
-    return turn;
+    return number;
   };
-  EXPECT_EQ(turn_of(OpType::AllReduce), 0);
-  EXPECT_EQ(turn_of(OpType::Barrier), 0);
+  EXPECT_EQ(number_of(OpType::AllReduce), 0);
+  EXPECT_EQ(number_of(OpType::Barrier), 0);
   EXPECT_EQ(on_new_thread(OpType::AllReduce), 1);
   EXPECT_EQ(on_new_thread(OpType::AllReduce), 2);  // another thread, even at a reused id
-  EXPECT_EQ(on_new_thread(OpType::Send), -1);      // p2p: untouched, no change counted
-  EXPECT_EQ(turn_of(OpType::AllGather), 3);
-  EXPECT_EQ(turn_of(OpType::Recv), -1);
+  EXPECT_EQ(on_new_thread(OpType::Send), -1);      // p2p: untouched, not numbered
+  EXPECT_EQ(number_of(OpType::AllGather), 0);      // main again: its first number
+  EXPECT_EQ(number_of(OpType::Recv), -1);
+  int worker_first = -1, worker_again = -1;
+  std::thread worker([&] {
+    worker_first = number_of(OpType::AllReduce);
+    worker_again = number_of(OpType::AllReduce);
+  });
+  worker.join();
+  EXPECT_EQ(worker_first, 3);
+  EXPECT_EQ(worker_again, 3);
 
   Call a, b;
   a.op = b.op = OpType::AllReduce;
   a.group_size = b.group_size = 2;
   b.rank = 1;
   a.inputs = a.outputs = b.inputs = b.outputs = {zeros({2})};
-  a.thread_turn = b.thread_turn = 3;
+  a.thread_index = b.thread_index = 1;
   EXPECT_TRUE(fingerprints_agree({fingerprint(a), fingerprint(b)}));
   EXPECT_EQ(compare(std::vector<const Call*>{&a, &b}, {0, 1}), "");
-  b.thread_turn = 2;
+  b.thread_index = 0;
   EXPECT_FALSE(fingerprints_agree({fingerprint(a), fingerprint(b)}));
   EXPECT_NE(compare(std::vector<const Call*>{&a, &b}, {0, 1}), "");
-  EXPECT_STREQ(fingerprint_field(fingerprint(a), fingerprint(b)), "thread turn");
+  EXPECT_STREQ(fingerprint_field(fingerprint(a), fingerprint(b)), "calling thread");
   const auto words = serialize(describe(b));
   const CallDesc back = deserialize(words.data(), words.size());
-  EXPECT_EQ(back.thread_turn, 2);
+  EXPECT_EQ(back.thread_index, 0);
   const CallDesc first = describe(a);
   const std::string report = compare(std::vector<const CallDesc*>{&first, &back}, {0, 1});
-  EXPECT_EQ(report.rfind("rank 0 (global 0) called all_reduce(float32, in=[2], op=sum) in thread "
-                         "turn #3 but rank 1 (global 1) called all_reduce(float32, in=[2], "
-                         "op=sum) in thread turn #2: calling thread differs",
+  EXPECT_EQ(report.rfind("rank 0 (global 0) called all_reduce(float32, in=[2], op=sum) from its "
+                         "thread #1 but rank 1 (global 1) called all_reduce(float32, in=[2], "
+                         "op=sum) from its thread #0: calling thread differs",
                          0),
             0u)
       << report;

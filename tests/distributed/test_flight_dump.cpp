@@ -463,6 +463,33 @@ TEST(FlightDump, NonUtf8GroupNamesAreWrittenWithReplacementCharacters) {
   std::filesystem::remove_all(dir);
 }
 
+// The user's call site travels with each entry: the text dump prints it and
+// the JSON dump keeps it (issue [4/7] item 5); an entry without one (older
+// dumps) reads back without one.
+TEST(FlightDump, CallersArePrintedAndRoundTrip) {
+  FlightRecorder fr(sized(4));
+  fr.set_identity(0, 2);
+  fr.note_group("world", 0, [] { return std::vector<int>{0, 1}; });
+  Call c;
+  c.op = OpType::Barrier;
+  c.group = "world";
+  c.group_size = 2;
+  c.caller = Caller{"model.py", 42};
+  fr.end(fr.begin(c), FlightRecord::State::Completed);
+  c.seq = 1;
+  c.caller = Caller{};
+  fr.end(fr.begin(c), FlightRecord::State::Completed);
+  EXPECT_THAT(fr.dump(), HasSubstr(" at model.py:42\n"));
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("fr-caller-" + std::to_string(::getpid())))
+          .string();
+  const FlightDump d = read_flight_dump(fr.dump(dir));
+  ASSERT_EQ(d.entries.size(), 2u);
+  EXPECT_EQ(d.entries[0].caller.str(), "model.py:42");
+  EXPECT_FALSE(d.entries[1].caller);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(FlightDump, DumpOnErrorNeverThrows) {
   dist::Options o = sized(4);
   o.flight_recorder_dump_dir = "/proc/no/such/dir";

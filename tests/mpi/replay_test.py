@@ -85,6 +85,12 @@ def main():
             sys.exit(f"FAIL: replay gave {got}, expected {want}")
         if exp["call"] is not None and rep["call"] != exp["call"]:
             sys.exit(f"FAIL: replay names call {rep['call']}, expected {exp['call']}")
+        if scenario == "hang":
+            # Each waiting rank's line names where the program made the call
+            # (the dumps carry each call's caller: issue [4/7] item 5).
+            p = subprocess.run([sim, "replay", dumps], capture_output=True, text=True)
+            if not re.search(r"waits in barrier #1 .* at \S*replay_main\.cpp:\d+\n", p.stdout):
+                sys.exit(f"FAIL: the replay's deadlock report names no call site:\n{p.stdout}")
         if scenario == "truncated":
             # The replay must not have blamed a mismatch on a lost prefix.
             os.remove(os.path.join(dumps, "rank-2.json"))

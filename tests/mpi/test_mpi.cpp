@@ -441,7 +441,7 @@ TEST(MpiFaults, ARanksOwnBadArgumentsAreAnnouncedToItsPeers) {
 // first is inside a call (rank 1 arrives late, so rank 0's first thread is
 // still waiting), the refused call takes no call number, and the group goes
 // on working. Every rank issues the all_reduce from a thread of its own and
-// the barrier from main: the same thread turns on every rank.
+// the barrier from main: the same threads in the same order on every rank.
 TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
   const auto world = mpi::world();
   const int r = world.rank();
@@ -464,10 +464,10 @@ TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
 }
 
 // Threads taking turns on one group (each call finishing before the next
-// starts), issue [4/7] item 3. The same turns at the same calls on every rank
-// give the right sums; rank 0 alone changing thread pairs its worker's call
-// with the others' main-thread call, which checked mode now refuses on every
-// member, naming both turns, instead of mixing the two threads' data.
+// starts), issue [4/7] item 3. The same threads in the same order on every
+// rank give the right sums; rank 0 alone moving a call to a new thread pairs
+// it with the others' main-thread call, which checked mode now refuses on
+// every member, naming both threads, instead of mixing their data.
 TEST(MpiFaults, ThreadsTakingTurnsAtDifferentCallsAreAMismatch) {
   dist::Options opts;
   opts.check = true;
@@ -487,24 +487,24 @@ TEST(MpiFaults, ThreadsTakingTurnsAtDifferentCallsAreAMismatch) {
     if (error) std::rethrow_exception(error);
   };
   Tensor a = full({2}, 1.0, DType::Float64), b = full({2}, 2.0, DType::Float64);
-  dist::all_reduce(world, a);                      // turn 0: main
-  on_worker([&] { dist::all_reduce(world, b); });  // turn 1: a worker, on every rank
-  dist::all_reduce(world, a);                      // turn 2: main again
+  dist::all_reduce(world, a);                      // thread #0: main
+  on_worker([&] { dist::all_reduce(world, b); });  // thread #1: a worker, on every rank
+  dist::all_reduce(world, a);                      // thread #0 again
   for (double v : a.to_vector()) EXPECT_EQ(v, static_cast<double>(n * n));
   for (double v : b.to_vector()) EXPECT_EQ(v, 2.0 * n);
 
   const auto start = std::chrono::steady_clock::now();
   try {
     if (r == 0)
-      on_worker([&] { dist::all_reduce(world, b); });  // turn 3 on rank 0 only
+      on_worker([&] { dist::all_reduce(world, b); });  // a new thread (#2) on rank 0 only
     else
-      dist::all_reduce(world, b);  // still turn 2
+      dist::all_reduce(world, b);  // main (#0)
     ADD_FAILURE() << "rank " << r << ": threads taking turns at different calls went through";
   } catch (const CollectiveMismatch& e) {
     const std::string what = e.what();
     EXPECT_NE(what.find("calling thread differs"), std::string::npos) << what;
-    EXPECT_NE(what.find("in thread turn #3"), std::string::npos) << what;
-    EXPECT_NE(what.find("in thread turn #2"), std::string::npos) << what;
+    EXPECT_NE(what.find("from its thread #2"), std::string::npos) << what;
+    EXPECT_NE(what.find("from its thread #0"), std::string::npos) << what;
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -244,6 +244,28 @@ std::string text_of(const fs::path& f) {
   return all.str();
 }
 
+// Where torch kept stacks, an entry's "frames" (innermost first) give the
+// record its caller: the innermost frame outside torch's files (issue [4/7]
+// item 5); replay's reports then name the user's line.
+TEST(TorchFlightDump, FramesGiveTheUsersCallSite) {
+  const std::string dir = copy_of("ok-json");
+  const fs::path f = fs::path(dir) / "rank_0.json";
+  std::string text = text_of(f);
+  const std::string first = "{\"collective_seq_id\":1,";
+  text.replace(text.find(first), first.size(),
+               first +
+                   "\"frames\":[{\"name\":\"all_reduce\",\"filename\":\"/venv/lib/"
+                   "python3.11/site-packages/torch/distributed/c10d_logger.py\",\"line\":81},"
+                   "{\"name\":\"step\",\"filename\":\"/home/u/train.py\",\"line\":42},"
+                   "{\"name\":\"<module>\",\"filename\":\"/home/u/train.py\",\"line\":90}],");
+  std::ofstream(f, std::ios::trunc) << text;
+  const auto dumps = read_dumps(dir);
+  EXPECT_EQ(dumps[0].entries.front().caller.str(), "/home/u/train.py:42");
+  EXPECT_FALSE(dumps[0].entries[1].caller);  // no frames recorded
+  EXPECT_FALSE(dumps[1].entries.front().caller);
+  fs::remove_all(dir);
+}
+
 // A size or a call number that is not an integer (1e300: nlohmann's own
 // conversion would cast it, undefined behaviour) is one line of bad input.
 TEST(TorchFlightDump, NonIntegerNumbersAreBadInput) {

@@ -105,6 +105,58 @@ TEST(SimDeadlock, RankReturnsEarly) {
   }
 }
 
+// Each rank's pending call names the file and line of the user's code that
+// made it (issue [4/7] item 5: a step with 40 all_reduces). Ranks 0 and 1
+// wait in the same all_reduce, called from two lines (callers are never
+// compared); rank 2 returned early.
+TEST(SimDeadlock, TheReportNamesEachPendingCallsFileAndLine) {
+  World w(options(3, 2));
+  int line0 = 0, line1 = 0;
+  expect_deadlock(w,
+                  [&](Rank& r) {
+                    Tensor t = f32({1, 2});
+                    if (r.rank() == 0) {
+                      line0 = __LINE__ + 1;
+                      dist::all_reduce(r.world(), t);
+                    } else if (r.rank() == 1) {
+                      line1 = __LINE__ + 1;
+                      dist::all_reduce(r.world(), t);
+                    }
+                  },
+                  {0, 1}, {2}, {});
+  const std::string report = w.error_messages()[0];
+  const std::string file = __FILE__;
+  for (const auto& [rank, line] : {std::pair{0, line0}, std::pair{1, line1}})
+    EXPECT_CONTAINS(report, "rank " + std::to_string(rank) +
+                                ": waiting in all_reduce #0 on group "
+                                "'world' (rank " +
+                                std::to_string(rank) +
+                                " of 3): all_reduce("
+                                "float32, in=[2], op=sum) at " +
+                                file + ":" + std::to_string(line) + "\n");
+}
+
+// A mismatch names where each member made its call, grouped by call site.
+TEST(SimMismatch, TheReportNamesWhereEachMemberCalled) {
+  World w(options(3, 4));
+  int line_a = 0, line_b = 0;
+  std::exception_ptr e = run_catching(w, [&](Rank& r) {
+    Tensor t = f32({1, 2});
+    if (r.rank() < 2) {
+      line_a = __LINE__ + 1;
+      dist::all_reduce(r.world(), t);
+    } else {
+      line_b = __LINE__ + 1;
+      dist::barrier(r.world());
+    }
+  });
+  ASSERT_TRUE(holds<CollectiveMismatch>(e)) << what_of(e);
+  const std::string file = __FILE__;
+  EXPECT_CONTAINS(what_of(e), "op differs\ncalled at: " + file + ":" + std::to_string(line_a) +
+                                  " (ranks 0,1), " + file + ":" + std::to_string(line_b) +
+                                  " (rank 2)");
+}
+
 TEST(SimDeadlock, BlockingRecvFromEachOther) {
   World w(options(2, 5));
   expect_deadlock(w,

@@ -55,6 +55,7 @@ struct FlightRecord {
   State state = State::Issued;
   double start_s = 0;     ///< seconds on the recorder's clock (see FlightRecorder)
   double duration_s = 0;  ///< 0 while issued
+  Caller caller;          ///< where the user's code made the call (Call::caller)
   // Detailed recorders only (empty otherwise):
   std::vector<Shape> input_shapes;   ///< one per input tensor
   std::vector<Shape> output_shapes;  ///< one per output tensor

@@ -62,9 +62,9 @@ class ProcessGroup {
   /// process groups: one thread issues a group's calls; two threads
   /// interleaving calls on one communicator mix their messages (wrong sums,
   /// silently). A nested claim by the same thread is allowed. It also sets
-  /// call.thread_turn (Call): how many times the thread calling this group's
-  /// collectives changed, which members agree on. Cost: one compare-and-swap
-  /// and three stores per call.
+  /// call.thread_index (Call): the group's number for the calling thread, in
+  /// order of first use, which members agree on. Cost: one compare-and-swap
+  /// and a few stores per call (a hash lookup when the thread changed).
   class CallSlot {
    public:
     CallSlot(const ProcessGroup& group, Call& call);

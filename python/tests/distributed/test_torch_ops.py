@@ -305,7 +305,9 @@ def test_second_thread_on_a_busy_group_is_refused():
     # Rank 1 arrives late, so rank 0's first thread is still inside its
     # all_reduce when the main thread calls: refused (two threads on one
     # group mixed their messages: wrong sums, silently), and the group goes
-    # on working with the same call numbers on every rank.
+    # on working with the same call numbers on every rank. Every rank issues
+    # the all_reduce from a thread of its own and the barrier from main: the
+    # same threads in the same order everywhere (members agree on them).
     import threading
     import time
 
@@ -313,19 +315,53 @@ def test_second_thread_on_a_busy_group_is_refused():
     x = torch.ones(2, dtype=f64)
     if rank() == 1:
         time.sleep(0.8)
+    out = {}
+    first = threading.Thread(target=lambda: out.setdefault("y", dt.all_reduce(x)))
+    first.start()
     if rank() == 0:
-        out = {}
-        first = threading.Thread(target=lambda: out.setdefault("y", dt.all_reduce(x)))
-        first.start()
         time.sleep(0.2)
         with pytest.raises(diffcomm.InvalidArgument, match=r"is inside all_reduce #\d+"):
             world.barrier()
-        first.join()
-        y = out["y"]
-    else:
-        y = dt.all_reduce(x)
-    assert y.tolist() == [float(size())] * 2
+    first.join()
+    assert out["y"].tolist() == [float(size())] * 2
     world.barrier()
+
+
+def test_threads_taking_turns_at_different_calls_are_a_mismatch():
+    # Issue [4/7] item 3: rank 0 alone moves a call to a new thread, which
+    # paired its call with the others' main-thread call (wrong sums, silently).
+    # Checked mode refuses it on every member, naming both threads; the same
+    # threads in the same order on every rank work.
+    import threading
+
+    from conftest import checked_world  # noqa: PLC0415
+
+    def on_worker(fn):
+        out = {}
+
+        def body():
+            try:
+                out["result"] = fn()
+            except Exception as e:  # noqa: BLE001 - handed to the main thread
+                out["error"] = e
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["result"]
+
+    g = checked_world()  # a fresh group: it numbers its threads from 0
+    x = torch.ones(2, dtype=f64)
+    assert dt.all_reduce(x, group=g).tolist() == [float(size())] * 2
+    assert on_worker(lambda: dt.all_reduce(x, group=g)).tolist() == [float(size())] * 2
+    with pytest.raises(diffcomm.CollectiveMismatch,
+                       match=r"from its thread #2 .* from its thread #0: calling thread differs"):
+        if rank() == 0:
+            on_worker(lambda: dt.all_reduce(x, group=g))
+        else:
+            dt.all_reduce(x, group=g)
 
 
 def test_participation_rule_when_losses_reach_different_collectives():

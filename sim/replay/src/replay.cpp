@@ -127,6 +127,7 @@ void deadlock_table(const Run& run, ReplayReport& rep) {
       p.group = g.name;
       p.call = c.seq;
       p.op = dist::op_name(c.op);
+      p.caller = run.table.calls[run.programs[r][run.progress[r]].call].proto.caller.str();
       auto [it, fresh] = not_reached.try_emplace(c);
       if (fresh)
         for (int m : g.members)

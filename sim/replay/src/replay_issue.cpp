@@ -90,6 +90,7 @@ void issue(const dist::ProcessGroup& g, const FlightRecord& r) {
   const Tensor& o0 = out.empty() ? none : out[0];
   std::optional<dist::ProcessGroup::BackwardOf> backward;
   if (r.backward_of) backward.emplace(g, *r.backward_of);
+  const dist::ScopedCaller dumped_caller(r.caller);  // the report names the user's line
   switch (r.op) {
     case OpType::Barrier: return dist::barrier(g);
     case OpType::AllReduce: return dist::all_reduce(g, i0, r.reduce_op);

@@ -51,6 +51,7 @@ std::string replay_json(const ReplayReport& rep) {
       j["call"] = p.call;
       j["op"] = p.op;
       j["not_reached"] = p.not_reached;
+      if (!p.caller.empty()) j["caller"] = p.caller;
     }
     pending.push_back(std::move(j));
   }
@@ -85,6 +86,7 @@ std::string replay_text(const ReplayReport& rep) {
     s += fmt::format("  rank {}: waits in {} #{} on '{}'", p.rank, p.op, p.call, p.group);
     if (!p.not_reached.empty())
       s += fmt::format(" (never reached by rank(s) {})", fmt::join(p.not_reached, ","));
+    if (!p.caller.empty()) s += " at " + p.caller;
     s += "\n";
   }
   for (const std::string& u : rep.unknown)

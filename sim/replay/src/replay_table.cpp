@@ -47,12 +47,16 @@ dist::CallDesc desc_of(const FlightRecord& r) {
   return d;
 }
 
-// Equal for two records of one group exactly when their descriptions are.
-std::string call_key(const std::string& group, const dist::CallDesc& d) {
+// Equal for two records of one group exactly when their descriptions and
+// callers are (each rank's pending call keeps its own call site).
+std::string call_key(const std::string& group, const dist::CallDesc& d,
+                     const dist::Caller& caller) {
   const std::vector<int64_t> words = dist::serialize(d);
   std::string key = group;
   key.push_back('\0');
   key.append(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(int64_t));
+  key.push_back('\0');
+  key += caller.str();
   return key;
 }
 }  // namespace
@@ -130,8 +134,8 @@ std::vector<uint32_t> Table::intern(const dist::CompactFlightDump& d,
     if (g == group_index.end())
       raise(file, fmt::format("calls[{}]: group '{}' is not among the dump's groups", i, c.group));
     TableCall tc{c, g->second, is_p2p(c.op)};
-    auto [it, fresh] =
-        call_index.try_emplace(call_key(c.group, desc_of(c)), static_cast<uint32_t>(calls.size()));
+    auto [it, fresh] = call_index.try_emplace(call_key(c.group, desc_of(c), c.caller),
+                                              static_cast<uint32_t>(calls.size()));
     if (fresh) calls.push_back(std::move(tc));
     global[i] = it->second;
   }

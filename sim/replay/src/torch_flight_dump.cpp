@@ -305,6 +305,23 @@ std::map<std::string, int64_t> completed_of(const TorchFile& f) {
   return done;
 }
 
+// The user's call site among an entry's "frames" (torch records them
+// innermost first when it keeps stacks: {"name", "filename", "line"}): the
+// innermost frame outside torch's own files. None without frames.
+dist::Caller user_frame(const Json& e) {
+  if (!e.contains("frames") || !e.at("frames").is_array()) return {};
+  for (const Json& frame : e.at("frames")) {
+    if (!frame.is_object() || !frame.contains("filename") || !frame.at("filename").is_string())
+      continue;
+    const std::string file = frame.at("filename").get<std::string>();
+    if (file.empty() || file.find("/torch/") != std::string::npos) continue;
+    const int64_t line = frame.contains("line") ? as_int(frame.at("line")) : 0;
+    return {dist::intern_file(file),
+            static_cast<uint32_t>(std::clamp<int64_t>(line, 0, UINT32_MAX))};
+  }
+  return {};
+}
+
 FlightRecord record_of(const TorchFile& f, const Json& e, const Groups& groups,
                        const std::map<std::string, int64_t>& completed, std::size_t i) {
   FlightRecord r;
@@ -331,6 +348,7 @@ FlightRecord record_of(const TorchFile& f, const Json& e, const Groups& groups,
   const auto done = completed.find(r.group);
   if (done != completed.end() && seq <= done->second) r.state = FlightRecord::State::Completed;
   r.start_s = static_cast<double>(as_int(e.value("time_created_ns", Json(0)))) * 1e-9;
+  r.caller = user_frame(e);
   return r;
 }
 

@@ -90,7 +90,9 @@ void put_call(Writer& w, const dist::Call& c) {
     w.put<uint8_t>(static_cast<uint8_t>(c.backward_of->op));
     w.put<uint64_t>(c.backward_of->seq);
   }
-  w.put<int32_t>(c.thread_turn);
+  w.put<int32_t>(c.thread_index);
+  w.put_string(c.caller.file ? c.caller.file : "");
+  w.put<uint32_t>(c.caller.line);
 }
 
 void get_call(Reader& r, DecodedCall& out) {
@@ -123,7 +125,10 @@ void get_call(Reader& r, DecodedCall& out) {
     const auto op = static_cast<dist::OpType>(r.get<uint8_t>());
     c.backward_of = dist::CallId{op, r.get<uint64_t>()};
   }
-  c.thread_turn = r.get<int32_t>();
+  c.thread_index = r.get<int32_t>();
+  const std::string file = r.get_string();
+  c.caller.file = file.empty() ? nullptr : dist::intern_file(file);
+  c.caller.line = r.get<uint32_t>();
 }
 
 // ------------------------------------------------------------- tensors

@@ -65,8 +65,10 @@ void World::Impl::check_deadlock() {
     const RankState& rs = ranks[r];
     switch (rs.status) {
       case Status::Blocked:
-        report += fmt::format("  rank {}: waiting in {}: {}\n", r, rs.waiting_in->where(),
+        report += fmt::format("  rank {}: waiting in {}: {}", r, rs.waiting_in->where(),
                               rs.waiting_in->signature());
+        if (rs.waiting_in->caller) report += " at " + rs.waiting_in->caller.str();
+        report += "\n";
         break;
       case Status::Finished: report += fmt::format("  rank {}: finished\n", r); break;
       case Status::Failed:
@@ -194,6 +196,34 @@ std::string World::Impl::compare(Rendezvous& rv) {
   return dist::compare(rv.const_calls, rv.group->members);
 }
 
+namespace {
+// "\ncalled at: train.py:42 (ranks 0,1), train.py:57 (rank 2)": where the
+// members of a mismatched call made it, grouped by call site in order of
+// first appearance (at most 8 ranks listed per site); "" when no member's
+// call site is known.
+std::string call_sites(const std::vector<Call*>& calls, const std::vector<int>& globals) {
+  std::vector<std::pair<std::string, std::vector<int>>> sites;
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    if (calls[i] == nullptr || !calls[i]->caller) continue;
+    const std::string at = calls[i]->caller.str();
+    auto it =
+        std::find_if(sites.begin(), sites.end(), [&](const auto& s) { return s.first == at; });
+    if (it == sites.end()) it = sites.insert(sites.end(), {at, {}});
+    it->second.push_back(globals[i]);
+  }
+  if (sites.empty()) return "";
+  std::string out = "\ncalled at: ";
+  for (std::size_t k = 0; k < sites.size(); ++k) {
+    const auto& [at, rs] = sites[k];
+    const std::size_t shown = std::min<std::size_t>(rs.size(), 8);
+    out += fmt::format("{}{} (rank{} {}{})", k ? ", " : "", at, rs.size() > 1 ? "s" : "",
+                       fmt::join(rs.begin(), rs.begin() + static_cast<std::ptrdiff_t>(shown), ","),
+                       rs.size() > shown ? fmt::format(" and {} more", rs.size() - shown) : "");
+  }
+  return out;
+}
+}  // namespace
+
 // ---------------------------------------------------------- completion
 void World::Impl::complete(Rendezvous& rv) {
   // A send/recv pair has two different ops by design; point_to_point()
@@ -206,7 +236,7 @@ void World::Impl::complete(Rendezvous& rv) {
   rv.start_us = start;
   if (!mismatch.empty()) {
     rv.error = ErrorKind::CollectiveMismatch;
-    rv.message = "collective mismatch: " + mismatch;
+    rv.message = "collective mismatch: " + mismatch + call_sites(rv.calls, rv.globals);
     rv.end_us = start;
     wake(rv);
     return;
@@ -308,7 +338,7 @@ void World::Impl::point_to_point(const std::shared_ptr<SimGroup>& g, int slot, C
                           dist::describe(r), dst, g->members[static_cast<std::size_t>(dst)]);
     if (!mismatch.empty()) {
       rv->error = ErrorKind::CollectiveMismatch;
-      rv->message = "collective mismatch: " + mismatch;
+      rv->message = "collective mismatch: " + mismatch + call_sites(rv->calls, rv->globals);
       wake(*rv);
     } else {
       complete(*rv);
@@ -339,7 +369,7 @@ std::shared_ptr<dist::Backend> World::Impl::split(const std::shared_ptr<SimGroup
       wake(*rv);
     } else {
       rv->error = ErrorKind::CollectiveMismatch;
-      rv->message = "collective mismatch: " + mismatch;
+      rv->message = "collective mismatch: " + mismatch + call_sites(rv->calls, rv->globals);
       wake(*rv);
     }
   };

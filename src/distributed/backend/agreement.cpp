@@ -29,14 +29,14 @@ std::string compare(const std::vector<const CallDesc*>& c, const std::vector<int
       return fmt::format("{} refused its own call {}: {}", label(i), signature(*c[i]),
                          c[i]->refused);
   for (std::size_t i = 1; i < n; ++i)
-    if (c[i]->thread_turn != c[0]->thread_turn)
+    if (c[i]->thread_index != c[0]->thread_index)
       return fmt::format(
-          "{} called {} in thread turn #{} but {} called {} in thread turn #{}: calling thread "
-          "differs (turn #k: the thread calling this group's collectives changed k times; "
-          "threads taking turns on one group must change at the same calls on every rank, or "
-          "each use a group of its own)",
-          label(0), signature(*c[0]), c[0]->thread_turn, label(i), signature(*c[i]),
-          c[i]->thread_turn);
+          "{} called {} from its thread #{} but {} called {} from its thread #{}: calling thread "
+          "differs (thread #k: the k-th thread to make collective calls on this group, from 0; "
+          "threads taking turns on one group must take them in the same order on every rank, "
+          "or each use a group of its own)",
+          label(0), signature(*c[0]), c[0]->thread_index, label(i), signature(*c[i]),
+          c[i]->thread_index);
   const agreement::Rule r = rule(c[0]->op);
   for (std::size_t i = 1; i < n; ++i) {
     if (c[i]->op != c[0]->op) return differ(0, i, "op");
@@ -140,7 +140,7 @@ bool calls_agree(const std::vector<const Call*>& c, const AllToAllCodes* codes) 
   const agreement::Rule r = rule(c0.op);
   for (std::size_t i = 1; i < n; ++i) {
     const Call& ci = *c[i];
-    if (ci.op != c0.op || ci.backward_of != c0.backward_of || ci.thread_turn != c0.thread_turn)
+    if (ci.op != c0.op || ci.backward_of != c0.backward_of || ci.thread_index != c0.thread_index)
       return false;
     if (r.shapes == Shapes::Members) {
       if (ci.members_are_ranks != c0.members_are_ranks || ci.members != c0.members) return false;

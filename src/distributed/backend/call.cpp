@@ -82,7 +82,8 @@ Call Call::step(OpType step_op) const {
   c.group_size = group_size;
   c.dtype = dtype;
   c.part_of = op_cstr(op);
-  c.thread_turn = thread_turn;
+  c.thread_index = thread_index;
+  c.caller = caller;
   return c;
 }
 

@@ -87,7 +87,7 @@ CallDesc describe(const Call& call) {
   d.key = call.key;
   d.members_are_ranks = call.members_are_ranks;
   d.backward_of = call.backward_of;
-  d.thread_turn = call.thread_turn;
+  d.thread_index = call.thread_index;
   return d;
 }
 
@@ -159,7 +159,7 @@ std::vector<int64_t> serialize(const CallDesc& c) {
   put_list(c.members);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->op) : -1);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->seq) : 0);
-  w.push_back(c.thread_turn);
+  w.push_back(c.thread_index);
   // The refusal's text, eight bytes per word after its length.
   w.push_back(static_cast<int64_t>(c.refused.size()));
   for (std::size_t i = 0; i < c.refused.size(); i += 8) {
@@ -221,7 +221,7 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
   if (backward_op > static_cast<int64_t>(OpType::NewGroup))
     raise("deserialize", fmt::format("bad forward op {}", backward_op));
   if (backward_op >= 0) c.backward_of = CallId{static_cast<OpType>(backward_op), backward_seq};
-  c.thread_turn = static_cast<int>(take());
+  c.thread_index = static_cast<int>(take());
   const int64_t refused = take();
   if (refused < 0 || static_cast<std::size_t>(refused) > 8 * (n - at))
     raise("deserialize", fmt::format("bad refusal length {}", refused));
@@ -292,7 +292,7 @@ Fingerprint fingerprint(const Call& call) {
   f[11] = call.group_size;
   f[12] = call.backward_of ? static_cast<int64_t>(call.backward_of->op) : -1;
   f[13] = call.backward_of ? static_cast<int64_t>(call.backward_of->seq) : -1;
-  f[14] = call.thread_turn;
+  f[14] = call.thread_index;
   return f;
 }
 
@@ -313,7 +313,7 @@ const char* fingerprint_field(const Fingerprint& a, const Fingerprint& b) {
                                                             "group size",
                                                             "forward call",
                                                             "forward call",
-                                                            "thread turn"};
+                                                            "calling thread"};
   for (std::size_t k = 0; k < kFingerprintWords; ++k)
     if (a[k] != b[k]) return kNames[k];
   return "";

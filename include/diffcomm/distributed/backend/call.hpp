@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "diffcomm/distributed/caller.hpp"
 #include "diffcomm/distributed/reduce_op.hpp"
 #include "diffcomm/tensor/error.hpp"
 #include "diffcomm/tensor/tensor.hpp"
@@ -304,15 +305,20 @@ struct Call {
   /// forward calls raise CollectiveMismatch naming both forward calls,
   /// instead of pairing silently.
   std::optional<CallId> backward_of;
-  /// How many times the thread calling this group's collectives changed
-  /// before this call (ProcessGroup::CallSlot sets it; send/recv neither
-  /// count nor carry it). Members agree on it in checked mode and in the
-  /// simulated world, so two threads taking turns on one group at different
-  /// calls on different ranks (pairing one thread's call with another's,
-  /// silently) raise CollectiveMismatch naming both turns. Turns at the same
-  /// calls on every rank (forward on one thread, backward on autograd's)
-  /// agree.
-  int thread_turn = 0;
+  /// The calling thread as the group numbers the threads that make its
+  /// collectives, in order of first use from 0 (ProcessGroup::CallSlot sets
+  /// it; send/recv neither count nor carry it; a thread that ended and a new
+  /// one at the same std::thread::id are two threads). Members agree on it in
+  /// checked mode and in the simulated world, so threads taking turns on one
+  /// group in different orders on different ranks (pairing one thread's call
+  /// with another's, silently) raise CollectiveMismatch naming both threads.
+  /// The same order on every rank (forward on one thread, backward on
+  /// autograd's) agrees; two threads swapped consistently on one rank cannot
+  /// be told apart.
+  int thread_index = 0;
+  /// Where the user's code made this call (caller.hpp; steps inherit it).
+  /// Not compared across ranks: members call from different lines legally.
+  Caller caller;
 
   /// "all_reduce(float32[4], op=sum)" — the fields a fingerprint compares.
   std::string signature() const;

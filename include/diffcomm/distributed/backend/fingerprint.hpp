@@ -37,7 +37,7 @@ struct CallDesc {
   /// Non-empty: this member refused its own call with this error
   /// (Backend::announce_refusal); compare() reports it before anything else.
   std::string refused;
-  int thread_turn = 0;  ///< Call::thread_turn
+  int thread_index = 0;  ///< Call::thread_index
 };
 
 /// The description of a call (shapes copied, no data).

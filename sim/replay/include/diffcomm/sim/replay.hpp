@@ -46,6 +46,7 @@ struct PendingCall {
   uint64_t call = 0;
   std::string op;
   std::vector<int> not_reached;  ///< members of that group waiting elsewhere or finished
+  std::string caller;            ///< "train.py:42" where the dump records it, else ""
 };
 
 struct ReplayReport {
@@ -108,7 +109,8 @@ ReplayReport replay(const std::vector<dist::FlightDump>& dumps, const ReplayOpti
 
 /// The report as JSON: {"verdict", "group", "call", "op", "ranks", "field",
 /// "message", "pending": [{"rank", "finished", "group", "call", "op",
-/// "not_reached"}], "unknown": [what the dumps lack]}; call is null when unset.
+/// "not_reached", "caller" (where the dump records it)}], "unknown": [what the
+/// dumps lack]}; call is null when unset.
 std::string replay_json(const ReplayReport& report);
 /// The report as text for a terminal (a few lines; the table for a deadlock).
 std::string replay_text(const ReplayReport& report);
