@@ -505,6 +505,8 @@ TEST(MpiFaults, ThreadsTakingTurnsAtDifferentCallsAreAMismatch) {
     EXPECT_NE(what.find("calling thread differs"), std::string::npos) << what;
     EXPECT_NE(what.find("from its thread #2"), std::string::npos) << what;
     EXPECT_NE(what.find("from its thread #0"), std::string::npos) << what;
+    // checked mode names where each member made the call, as the simulated world does
+    EXPECT_NE(what.find(fmt::format("\ncalled at: {}:", __FILE__)), std::string::npos) << what;
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

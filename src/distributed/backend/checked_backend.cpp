@@ -147,7 +147,9 @@ std::string CheckedBackend::agree(const Call& call, const std::string& refused) 
                     signature(calls[0]), calls[0].seq, rank_label(static_cast<int>(r), globals[r]),
                     signature(calls[r]), calls[r].seq, *field != '\0' ? field : "splits");
   }
-  return report;
+  std::vector<std::string> callers;
+  for (const CallDesc& c : calls) callers.push_back(c.caller);
+  return report + call_sites(callers, globals);
 }
 
 std::shared_ptr<Backend> CheckedBackend::split(Call& call, int color, int key) {

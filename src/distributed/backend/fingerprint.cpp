@@ -68,6 +68,27 @@ std::string rank_label(int group_rank, int global_rank) {
   return fmt::format("rank {} (global {})", group_rank, global_rank);
 }
 
+std::string call_sites(const std::vector<std::string>& callers, const std::vector<int>& globals) {
+  std::vector<std::pair<std::string_view, std::vector<int>>> sites;
+  for (std::size_t i = 0; i < callers.size(); ++i) {
+    if (callers[i].empty()) continue;
+    auto it = std::find_if(sites.begin(), sites.end(),
+                           [&](const auto& s) { return s.first == callers[i]; });
+    if (it == sites.end()) it = sites.insert(sites.end(), {callers[i], {}});
+    it->second.push_back(globals[i]);
+  }
+  if (sites.empty()) return "";
+  std::string out = "\ncalled at: ";
+  for (std::size_t k = 0; k < sites.size(); ++k) {
+    const auto& [at, rs] = sites[k];
+    const std::size_t shown = std::min<std::size_t>(rs.size(), 8);
+    out += fmt::format("{}{} (rank{} {}{})", k ? ", " : "", at, rs.size() > 1 ? "s" : "",
+                       fmt::join(rs.begin(), rs.begin() + static_cast<std::ptrdiff_t>(shown), ","),
+                       rs.size() > shown ? fmt::format(" and {} more", rs.size() - shown) : "");
+  }
+  return out;
+}
+
 CallDesc describe(const Call& call) {
   CallDesc d;
   d.op = call.op;
@@ -88,6 +109,7 @@ CallDesc describe(const Call& call) {
   d.members_are_ranks = call.members_are_ranks;
   d.backward_of = call.backward_of;
   d.thread_index = call.thread_index;
+  d.caller = call.caller.str();
   return d;
 }
 
@@ -160,13 +182,15 @@ std::vector<int64_t> serialize(const CallDesc& c) {
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->op) : -1);
   w.push_back(c.backward_of ? static_cast<int64_t>(c.backward_of->seq) : 0);
   w.push_back(c.thread_index);
-  // The refusal's text, eight bytes per word after its length.
-  w.push_back(static_cast<int64_t>(c.refused.size()));
-  for (std::size_t i = 0; i < c.refused.size(); i += 8) {
-    uint64_t word = 0;
-    for (std::size_t k = 0; k < 8 && i + k < c.refused.size(); ++k)
-      word |= static_cast<uint64_t>(static_cast<unsigned char>(c.refused[i + k])) << (8 * k);
-    w.push_back(static_cast<int64_t>(word));
+  // The refusal's text and the caller, eight bytes per word after a length.
+  for (const std::string* text : {&c.refused, &c.caller}) {
+    w.push_back(static_cast<int64_t>(text->size()));
+    for (std::size_t i = 0; i < text->size(); i += 8) {
+      uint64_t word = 0;
+      for (std::size_t k = 0; k < 8 && i + k < text->size(); ++k)
+        word |= static_cast<uint64_t>(static_cast<unsigned char>((*text)[i + k])) << (8 * k);
+      w.push_back(static_cast<int64_t>(word));
+    }
   }
   return w;
 }
@@ -222,14 +246,17 @@ CallDesc deserialize(const int64_t* w, std::size_t n) {
     raise("deserialize", fmt::format("bad forward op {}", backward_op));
   if (backward_op >= 0) c.backward_of = CallId{static_cast<OpType>(backward_op), backward_seq};
   c.thread_index = static_cast<int>(take());
-  const int64_t refused = take();
-  if (refused < 0 || static_cast<std::size_t>(refused) > 8 * (n - at))
-    raise("deserialize", fmt::format("bad refusal length {}", refused));
-  c.refused.resize(static_cast<std::size_t>(refused));
-  for (std::size_t i = 0; i < c.refused.size(); i += 8) {
-    const auto word = static_cast<uint64_t>(take());
-    for (std::size_t k = 0; k < 8 && i + k < c.refused.size(); ++k)
-      c.refused[i + k] = static_cast<char>((word >> (8 * k)) & 0xff);
+  for (std::string* text : {&c.refused, &c.caller}) {
+    const int64_t length = take();
+    if (length < 0 || static_cast<std::size_t>(length) > 8 * (n - at))
+      raise("deserialize",
+            fmt::format("bad {} length {}", text == &c.refused ? "refusal" : "caller", length));
+    text->resize(static_cast<std::size_t>(length));
+    for (std::size_t i = 0; i < text->size(); i += 8) {
+      const auto word = static_cast<uint64_t>(take());
+      for (std::size_t k = 0; k < 8 && i + k < text->size(); ++k)
+        (*text)[i + k] = static_cast<char>((word >> (8 * k)) & 0xff);
+    }
   }
   return c;
 }

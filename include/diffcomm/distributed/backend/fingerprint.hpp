@@ -38,7 +38,15 @@ struct CallDesc {
   /// (Backend::announce_refusal); compare() reports it before anything else.
   std::string refused;
   int thread_index = 0;  ///< Call::thread_index
+  std::string caller;    ///< Call::caller as "file:line" ("" when unknown)
 };
+
+/// "\ncalled at: train.py:42 (ranks 0,1), train.py:57 (rank 2)": where the
+/// members of a mismatched call made it (callers[i] of member i, global rank
+/// globals[i]), grouped by call site in order of first appearance, at most 8
+/// ranks listed per site; "" when no caller is known. Appended to a
+/// CollectiveMismatch's report by the simulated world and checked mode alike.
+std::string call_sites(const std::vector<std::string>& callers, const std::vector<int>& globals);
 
 /// The description of a call (shapes copied, no data).
 CallDesc describe(const Call& call);
