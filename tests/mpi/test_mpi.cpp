@@ -396,16 +396,22 @@ TEST(MpiFaults, PlusAndMinusZeroPremulFactorsAgreeInCheckedMode) {
   for (double v : t.to_vector()) EXPECT_EQ(v, 0.0);
 }
 
+// The world with checked mode on and a 20 s deadline (the faults below must
+// be reported well inside it).
+static dist::ProcessGroup checked_world() {
+  dist::Options opts;
+  opts.check = true;
+  opts.timeout_s = 20.0;
+  return mpi::world(opts);
+}
+
 // A rank whose own arguments are wrong (input_splits that do not add up on
 // rank 1 alone): in checked mode it still takes part in the members'
 // agreement, carrying its error, so every peer raises CollectiveMismatch
 // naming rank 1 and its error at once (well inside the 20 s deadline set
 // here), and rank 1 raises InvalidArgument. The group goes on working.
 TEST(MpiFaults, ARanksOwnBadArgumentsAreAnnouncedToItsPeers) {
-  dist::Options opts;
-  opts.check = true;
-  opts.timeout_s = 20.0;
-  const auto world = mpi::world(opts);
+  const auto world = checked_world();
   const int r = world.rank(), n = world.size();
   Tensor in = zeros({n, 2}, DType::Float64), out = zeros({n, 2}, DType::Float64);
   std::vector<int64_t> splits(static_cast<std::size_t>(n), 1);
@@ -469,10 +475,7 @@ TEST(MpiFaults, ASecondThreadOnABusyGroupIsRefused) {
 // it with the others' main-thread call, which checked mode now refuses on
 // every member, naming both threads, instead of mixing their data.
 TEST(MpiFaults, ThreadsTakingTurnsAtDifferentCallsAreAMismatch) {
-  dist::Options opts;
-  opts.check = true;
-  opts.timeout_s = 20.0;
-  const auto world = mpi::world(opts);
+  const auto world = checked_world();
   const int r = world.rank(), n = world.size();
   const auto on_worker = [](const std::function<void()>& f) {  // rethrows f's error here
     std::exception_ptr error;
