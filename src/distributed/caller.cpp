@@ -33,9 +33,6 @@ ScopedCaller::~ScopedCaller() {
   if (set_) t_scoped = Caller{};
 }
 
-Caller caller_at(const std::source_location& where) {
-  if (t_scoped) return t_scoped;
-  return Caller{where.file_name(), static_cast<uint32_t>(where.line())};
-}
+Caller caller_at(Caller where) { return t_scoped ? t_scoped : where; }
 
 }  // namespace diffcomm::dist

@@ -93,9 +93,7 @@ void stage_aliased_inputs(Call& c) {
 // site(): the op, the group, the backend and the rank of this call.
 class Checker {
  public:
-  Checker(const ProcessGroup& g, OpType op,
-          const std::source_location& where = std::source_location::current())
-      : g_(g) {
+  Checker(const ProcessGroup& g, OpType op, Caller where = Caller::here()) : g_(g) {
     call_.op = op;
     call_.caller = caller_at(where);
     call_.group = g.name();
@@ -385,13 +383,12 @@ std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int
 }
 }  // namespace detail
 
-void barrier(const ProcessGroup& group, std::source_location caller) {
+void barrier(const ProcessGroup& group, Caller caller) {
   Checker c(group, OpType::Barrier, caller);
   c.dispatch(0, 0);
 }
 
-void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op,
-                std::source_location caller) {
+void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op, Caller caller) {
   Checker c(group, OpType::AllReduce, caller);
   c.tensor(tensor, "tensor");
   c.reduce_op(op);
@@ -403,7 +400,7 @@ void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op,
 }
 
 void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                     ReduceOp op, std::source_location caller) {
+                     ReduceOp op, Caller caller) {
   if (output.defined() && input.defined() && output.same(input))
     return all_reduce(group, output, op);
   Checker c(group, OpType::AllReduce, caller);
@@ -424,8 +421,7 @@ void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tens
   c.dispatch(bus, bus);
 }
 
-void broadcast(const ProcessGroup& group, const Tensor& tensor, int src,
-               std::source_location caller) {
+void broadcast(const ProcessGroup& group, const Tensor& tensor, int src, Caller caller) {
   Checker c(group, OpType::Broadcast, caller);
   c.tensor(tensor, "tensor");
   c.root(src, "src");
@@ -436,8 +432,7 @@ void broadcast(const ProcessGroup& group, const Tensor& tensor, int src,
              me ? 0 : nbytes(tensor));
 }
 
-void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op,
-            std::source_location caller) {
+void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op, Caller caller) {
   Checker c(group, OpType::Reduce, caller);
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
@@ -450,7 +445,7 @@ void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp o
 }
 
 void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
-                std::source_location caller) {
+                Caller caller) {
   Checker c(group, OpType::AllGather, caller);
   c.tensor(input, "input");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
@@ -464,7 +459,7 @@ void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, c
 }
 
 void all_gather_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                       std::source_location caller) {
+                       Caller caller) {
   Checker c(group, OpType::AllGatherSingle, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
@@ -478,7 +473,7 @@ void all_gather_single(const ProcessGroup& group, const Tensor& output, const Te
 }
 
 void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                  const Splits& output_splits, std::source_location caller) {
+                  const Splits& output_splits, Caller caller) {
   Checker c(group, OpType::AllGatherV, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
@@ -499,7 +494,7 @@ void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor&
 }
 
 void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
-            int dst, std::source_location caller) {
+            int dst, Caller caller) {
   Checker c(group, OpType::Gather, caller);
   c.tensor(input, "input");
   c.root(dst, "dst");
@@ -520,7 +515,7 @@ void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const
 }
 
 void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<Tensor>& inputs,
-             int src, std::source_location caller) {
+             int src, Caller caller) {
   Checker c(group, OpType::Scatter, caller);
   c.tensor(output, "output");
   c.root(src, "src");
@@ -541,7 +536,7 @@ void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<
 }
 
 void reduce_scatter(const ProcessGroup& group, const Tensor& output,
-                    const std::vector<Tensor>& inputs, ReduceOp op, std::source_location caller) {
+                    const std::vector<Tensor>& inputs, ReduceOp op, Caller caller) {
   Checker c(group, OpType::ReduceScatter, caller);
   c.tensor(output, "output");
   c.reduce_op(op);
@@ -556,7 +551,7 @@ void reduce_scatter(const ProcessGroup& group, const Tensor& output,
 }
 
 void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                           ReduceOp op, std::source_location caller) {
+                           ReduceOp op, Caller caller) {
   Checker c(group, OpType::ReduceScatterSingle, caller);
   c.tensor(output, "output");
   c.tensor(input, "input");
@@ -571,7 +566,7 @@ void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, cons
 }
 
 void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                      const Splits& input_splits, ReduceOp op, std::source_location caller) {
+                      const Splits& input_splits, ReduceOp op, Caller caller) {
   Checker c(group, OpType::ReduceScatterV, caller);
   c.tensor(output, "output");
   c.tensor(input, "input");
@@ -593,7 +588,7 @@ void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Ten
 }
 
 void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
-                const std::vector<Tensor>& inputs, std::source_location caller) {
+                const std::vector<Tensor>& inputs, Caller caller) {
   Checker c(group, OpType::AllToAll, caller);
   c.list_size(inputs, static_cast<std::size_t>(c.size()), "inputs");
   c.list_size(outputs, static_cast<std::size_t>(c.size()), "outputs");
@@ -610,8 +605,7 @@ void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
 }
 
 void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                       const Splits& output_splits, const Splits& input_splits,
-                       std::source_location caller) {
+                       const Splits& output_splits, const Splits& input_splits, Caller caller) {
   Checker c(group, OpType::AllToAllSingle, caller);
   c.tensor(input, "input");
   c.tensor(output, "output");
@@ -652,8 +646,7 @@ void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Te
   c.dispatch(sent, received);
 }
 
-void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag,
-          std::source_location caller) {
+void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag, Caller caller) {
   Checker c(group, OpType::Send, caller);
   c.tensor(tensor, "tensor");
   c.root(dst, "dst");
@@ -663,8 +656,7 @@ void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag,
   c.dispatch(nbytes(tensor), 0);
 }
 
-void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag,
-          std::source_location caller) {
+void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag, Caller caller) {
   Checker c(group, OpType::Recv, caller);
   c.tensor(tensor, "tensor");
   c.root(src, "src");

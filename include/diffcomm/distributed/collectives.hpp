@@ -34,9 +34,9 @@
 // Options::timeout_s), BackendError (transport).
 #include <cstdint>
 #include <memory>
-#include <source_location>
 #include <vector>
 
+#include "diffcomm/distributed/caller.hpp"
 #include "diffcomm/distributed/group.hpp"
 #include "diffcomm/distributed/reduce_op.hpp"
 #include "diffcomm/tensor/tensor.hpp"
@@ -46,12 +46,11 @@ namespace diffcomm::dist {
 using Splits = std::vector<int64_t>;
 
 /// Returns once every member has entered.
-void barrier(const ProcessGroup& group,
-             std::source_location caller = std::source_location::current());
+void barrier(const ProcessGroup& group, Caller caller = Caller::here());
 
 /// tensor <- reduce over members of tensor (any shape). In place.
 void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op = ReduceOp::Sum,
-                std::source_location caller = std::source_location::current());
+                Caller caller = Caller::here());
 
 /// output <- reduce over members of input; input is left unchanged. The
 /// result is bit-identical to copying input into output and calling
@@ -66,69 +65,65 @@ void all_reduce(const ProcessGroup& group, const Tensor& tensor, ReduceOp op = R
 /// Throws InvalidArgument naming op, rank and group for a shape, dtype or
 /// device mismatch.
 void all_reduce_into(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                     ReduceOp op = ReduceOp::Sum,
-                     std::source_location caller = std::source_location::current());
+                     ReduceOp op = ReduceOp::Sum, Caller caller = Caller::here());
 
 /// tensor <- tensor of member src. In place; shapes must agree.
 void broadcast(const ProcessGroup& group, const Tensor& tensor, int src,
-               std::source_location caller = std::source_location::current());
+               Caller caller = Caller::here());
 
 /// On dst, tensor <- reduce over members; on other ranks tensor is left
 /// unchanged (the differentiable nn::reduce defines it as zeros there).
 void reduce(const ProcessGroup& group, const Tensor& tensor, int dst, ReduceOp op = ReduceOp::Sum,
-            std::source_location caller = std::source_location::current());
+            Caller caller = Caller::here());
 
 /// outputs[s] <- input of member s. outputs.size() == size(), each with
 /// input's shape.
 void all_gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
-                std::source_location caller = std::source_location::current());
+                Caller caller = Caller::here());
 
 /// output [size()*R, ...] <- inputs [R, ...] of every member concatenated in
 /// rank order (torch all_gather_into_tensor).
 void all_gather_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                       std::source_location caller = std::source_location::current());
+                       Caller caller = Caller::here());
 
 /// output [sum(output_splits), ...] <- concatenation of the inputs; member s
 /// contributes output_splits[s] rows (so input rows == output_splits[rank]).
 /// output_splits must be equal on every rank.
 void all_gather_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                  const Splits& output_splits,
-                  std::source_location caller = std::source_location::current());
+                  const Splits& output_splits, Caller caller = Caller::here());
 
 /// On dst: outputs[s] <- input of member s (outputs.size() == size(), each with
 /// input's shape). Other ranks pass an empty outputs list.
 void gather(const ProcessGroup& group, const std::vector<Tensor>& outputs, const Tensor& input,
-            int dst, std::source_location caller = std::source_location::current());
+            int dst, Caller caller = Caller::here());
 
 /// output <- inputs[rank] of src. On src inputs.size() == size(), each with
 /// output's shape; other ranks pass an empty inputs list.
 void scatter(const ProcessGroup& group, const Tensor& output, const std::vector<Tensor>& inputs,
-             int src, std::source_location caller = std::source_location::current());
+             int src, Caller caller = Caller::here());
 
 /// output <- reduce over members s of inputs[rank] of s. inputs.size() ==
 /// size(), each with output's shape.
 void reduce_scatter(const ProcessGroup& group, const Tensor& output,
                     const std::vector<Tensor>& inputs, ReduceOp op = ReduceOp::Sum,
-                    std::source_location caller = std::source_location::current());
+                    Caller caller = Caller::here());
 
 /// input [size()*R, ...], output [R, ...]: output <- reduce over members of
 /// their rows [rank*R, (rank+1)*R) (torch reduce_scatter_tensor).
 void reduce_scatter_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
-                           ReduceOp op = ReduceOp::Sum,
-                           std::source_location caller = std::source_location::current());
+                           ReduceOp op = ReduceOp::Sum, Caller caller = Caller::here());
 
 /// input [sum(input_splits), ...] cut into size() row blocks by input_splits;
 /// output [input_splits[rank], ...] <- reduce over members of block `rank`.
 /// input_splits must be equal on every rank.
 void reduce_scatter_v(const ProcessGroup& group, const Tensor& output, const Tensor& input,
                       const Splits& input_splits, ReduceOp op = ReduceOp::Sum,
-                      std::source_location caller = std::source_location::current());
+                      Caller caller = Caller::here());
 
 /// outputs[s] <- inputs[rank] of member s. Both lists have size() entries;
 /// outputs[s] on r must have the shape of inputs[r] on s.
 void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
-                const std::vector<Tensor>& inputs,
-                std::source_location caller = std::source_location::current());
+                const std::vector<Tensor>& inputs, Caller caller = Caller::here());
 
 /// Rows routed by splits (torch all_to_all_single): input is cut into blocks
 /// of input_splits[j] rows, block j going to member j; output is the
@@ -137,14 +132,14 @@ void all_to_all(const ProcessGroup& group, const std::vector<Tensor>& outputs,
 /// input_splits[j] on rank i == output_splits[i] on rank j.
 void all_to_all_single(const ProcessGroup& group, const Tensor& output, const Tensor& input,
                        const Splits& output_splits = {}, const Splits& input_splits = {},
-                       std::source_location caller = std::source_location::current());
+                       Caller caller = Caller::here());
 
 /// Sends tensor to member dst (blocks until matched by a recv). dst != rank.
 void send(const ProcessGroup& group, const Tensor& tensor, int dst, int tag = 0,
-          std::source_location caller = std::source_location::current());
+          Caller caller = Caller::here());
 /// Receives into tensor from member src (same shape and dtype as sent).
 void recv(const ProcessGroup& group, const Tensor& tensor, int src, int tag = 0,
-          std::source_location caller = std::source_location::current());
+          Caller caller = Caller::here());
 
 namespace detail {
 /// The funnel's entry for ProcessGroup::split/new_group (users call those).
