@@ -279,6 +279,17 @@ void bind_backends(nb::module_& m) {
       "MPI_Abort(MPI_COMM_WORLD, code): ends every process of the job; never returns.");
   mpi.def("timed_out", &dc::mpi::timed_out,
           "Whether a call of this process (any group, group creation included) raised Timeout.");
+  mpi.def(
+      "end_job", [](int code, const std::string& why) { dc::mpi::end_job(code, why); }, "code"_a,
+      "why"_a,
+      "Ends the job so that every process reports first: tells the others out of band (a peer "
+      "waiting in a call raises Timeout or RankFailure naming this rank and `why`), waits up to "
+      "3 s for every process to report, then the lowest-numbered one calls MPI_Abort(code). "
+      "Never returns. See mpi::end_job in include/diffcomm/backends/mpi.hpp.");
+  mpi.def("at_exit", &dc::mpi::at_exit, nb::call_guard<nb::gil_scoped_release>(),
+          "At interpreter exit (before MPI_Finalize): after a Timeout ends the job (end_job); "
+          "otherwise meets the other processes, and if one fails meanwhile dumps this "
+          "process's flight recorders and joins end_job. See mpi::at_exit.");
   mpi.def("abort_if_timed_out", &dc::mpi::abort_if_timed_out,
           "After a Timeout: prints which call timed out and ends the job with MPI_Abort (code "
           "124), since MPI_Finalize could wait for the calls in flight forever; else returns. "

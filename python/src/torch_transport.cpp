@@ -114,11 +114,17 @@ class TorchTransport final : public dc::dist::Backend {
     } catch (nb::python_error& e) {
       // diffcomm's own errors (e.g. raised by TorchOps) keep their class.
       if (e.matches(nb::module_::import_("diffcomm._core").attr("Error"))) throw;
-      if (e.matches(PyExc_TimeoutError))
+      // The group is unusable now: every other rank is told to dump and
+      // report before this job ends (the store's alarm,
+      // diffcomm/torch/_job_end.py).
+      const bool timed_out = e.matches(PyExc_TimeoutError);
+      nb::module_::import_("diffcomm.torch._job_end").attr("note_failure")(c.where(), timed_out);
+      if (timed_out) {
         throw dc::Timeout(c.site(), fmt::format("timed out after {} s: {}; a member returned "
                                                 "early, failed or skipped this call (the group "
                                                 "is unusable now)",
                                                 timeout_s_, c.signature()));
+      }
       // torch's exception, without the traceback: "RuntimeError: ...".
       const std::string type = nb::cast<std::string>(e.type().attr("__name__"));
       throw dc::BackendError(c.site(),

@@ -117,7 +117,14 @@ def test_uncaught_exception_ends_the_mpi_job_at_once():
     proc, out, elapsed = mpirun(3, [program])
     assert "RuntimeError: rank 1 gave up" in out, out  # Python's traceback first
     assert ("diffcomm: rank 1 of the MPI job raised an uncaught RuntimeError: rank 1 gave up; "
-            "ending the job with MPI_Abort (code 1)") in out, out
+            "ending the job with MPI_Abort (code 1) once every rank has reported") in out, out
+    # Issue [4/7] item 1: the others stop waiting and report before the abort.
+    for r in (0, 2):
+        assert (f"RankFailure: stopped waiting in barrier #0 on group 'world' (rank {r} of 3): "
+                "barrier(): MPI rank 1 is ending the job (uncaught RuntimeError: rank 1 gave up)"
+                ) in out, out
+    assert "diffcomm: MPI rank 0 ends the job with MPI_Abort (code 1) after 3 of 3 processes "\
+        "reported" in out, out
     assert "NOT REACHED" not in out, out
     assert proc.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end (deadline 600 s)"

@@ -323,6 +323,9 @@ class Checker {
     } catch (const BackendError&) {
       recorder.end(slot, FlightRecord::State::Failed);
       dumped = std::current_exception();
+    } catch (const RankFailure&) {  // a production peer ending the job (mpi::end_job)
+      recorder.end(slot, FlightRecord::State::Failed);
+      dumped = std::current_exception();
     } catch (...) {
       recorder.end(slot, FlightRecord::State::Failed);
       throw;

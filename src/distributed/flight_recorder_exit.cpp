@@ -2,16 +2,21 @@
 // dump directory registers here; an uncaught C++ exception reaches
 // std::terminate, whose handler (ours, installed once) dumps them all and
 // then runs the handler it replaced, so the process still ends as it would
-// have. The Python package's sys.excepthook calls dump_all_on_error too.
+// have (or, when a backend set one, its end of the job: mpi::end_job). The
+// Python package's sys.excepthook calls dump_all_on_error too.
 #include "flight_recorder_exit.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "diffcomm/distributed/flight_recorder.hpp"
+#include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm::dist {
 namespace {
@@ -20,6 +25,7 @@ struct Registry {
   std::vector<const FlightRecorder*> recorders;
   std::terminate_handler previous = nullptr;
   std::once_flag installed;
+  std::atomic<void (*)(const char*)> end{nullptr};
 };
 
 // Leaked on purpose: recorders of static groups outlive any static registry.
@@ -28,8 +34,29 @@ Registry& registry() {
   return *r;
 }
 
+// "uncaught <Kind>: <what>" of the exception being handled, if any.
+std::string uncaught_text() {
+  const std::exception_ptr e = std::current_exception();
+  if (!e) return "std::terminate without an exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    return std::string("uncaught ") + error_kind_name(err.kind()) + ": " + err.what();
+  } catch (const std::exception& err) {
+    return std::string("uncaught exception: ") + err.what();
+  } catch (...) {
+    return "uncaught exception of a type that is not std::exception";
+  }
+}
+
 [[noreturn]] void on_terminate() {
   FlightRecorder::dump_all_on_error();
+  if (void (*end)(const char*) = registry().end.load()) {
+    const std::string why = uncaught_text();
+    std::fprintf(stderr, "diffcomm: %s\n", why.c_str());
+    std::fflush(stderr);
+    end(why.c_str());
+  }
   const std::terminate_handler previous = registry().previous;
   if (previous != nullptr) previous();
   std::abort();
@@ -51,6 +78,12 @@ void unregister_for_exit_dump(const FlightRecorder* r) noexcept {
                       reg.recorders.end());
 }
 }  // namespace detail
+
+void FlightRecorder::set_end_on_terminate(void (*end)(const char* why)) noexcept {
+  Registry& reg = registry();
+  reg.end.store(end);
+  std::call_once(reg.installed, [&] { reg.previous = std::set_terminate(on_terminate); });
+}
 
 int FlightRecorder::dump_all_on_error() noexcept {
   Registry& reg = registry();

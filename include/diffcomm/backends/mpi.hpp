@@ -36,11 +36,11 @@
 namespace diffcomm::mpi {
 
 /// Calls MPI_Init_thread (MPI_THREAD_FUNNELED) unless MPI is already
-/// initialised, and MPI_Finalize on destruction if it initialised it. If any
-/// call of this process timed out, the destructor ends the job instead
-/// (abort_if_timed_out): MPI_Finalize would wait for the timed-out calls'
-/// requests forever, or crash when a late peer completes them into freed
-/// buffers. In a process forked after the Environment was made (os.fork(),
+/// initialised, and on destruction at_exit() then MPI_Finalize if it
+/// initialised MPI. If any call of this process timed out, the destructor
+/// ends the job instead (at_exit, end_job): MPI_Finalize would wait for the
+/// timed-out calls' requests forever, or crash when a late peer completes
+/// them into freed buffers. In a process forked after the Environment was made (os.fork(),
 /// a multiprocessing worker) the destructor does nothing: the parent's MPI
 /// is not the child's, and its MPI_Finalize or MPI_Abort there hung or ended
 /// the parent's whole job when the child exited.
@@ -80,10 +80,45 @@ dist::ProcessGroup world(const dist::Options& options = {});
 dist::ProcessGroup from_comm(MPI_Comm comm, std::string name = "mpi",
                              const dist::Options& options = {});
 
-/// MPI_Abort(MPI_COMM_WORLD, code): ends every process of the job. The way
-/// to end a job after a Timeout (its groups have calls in flight, so
-/// MPI_Finalize could block), or whenever a rank wants the job gone.
+/// MPI_Abort(MPI_COMM_WORLD, code): ends every process of the job at once,
+/// before its peers can dump or report; end_job is the way to end a job
+/// after a failure.
 [[noreturn]] void abort(int code);
+
+/// Ends the job so that every process reports first (the way to end a job
+/// after a failure; abort() ends it at once). With the alarm channel open
+/// (the first world() of a job of 2 or more processes opens it):
+///  1. tells every other process, out of band, that this one ends the job and
+///     why (unless a peer's alarm or this process's Timeout already did): a
+///     process waiting in a call stops waiting, raising Timeout when the
+///     first alarm came from a Timeout and RankFailure otherwise, naming that
+///     MPI rank and its reason; its funnel dumps its flight recorder, and
+///     the program reports and ends through end_job in turn; a process at
+///     exit (at_exit) dumps its recorders and joins;
+///  2. says on the channel that this process has reported, and waits up to
+///     3 s until every process has said so;
+///  3. the lowest-numbered process that reported calls MPI_Abort(code),
+///     printing how many processes reported; any other process waits 2 s
+///     for that abort, then aborts itself.
+/// So after a failure the job ends within about 3 s of the last report, 5 s
+/// at most past the moment this is called, and a process that is stuck
+/// outside any call (computing) is killed without a report. Without the
+/// channel (no world() yet, one process), abort(code) at once; in a forked
+/// child (in_forked_child) or after MPI_Finalize, std::_Exit(code): the job
+/// is not this process's to end. Never returns.
+[[noreturn]] void end_job(int code, const std::string& why);
+
+/// What a process does as it leaves (Environment's destructor and the Python
+/// package's interpreter exit call it, before MPI_Finalize): after a Timeout,
+/// abort_if_timed_out(); otherwise, with the alarm channel open, meets every
+/// other process at a barrier on the channel, watching for an alarm. When a
+/// peer times out or ends the job meanwhile (this process left its calls
+/// early), this process dumps its flight recorders (dump_all_on_error: the
+/// world group's recorder is kept alive for this), prints a line naming the
+/// peer and joins end_job, so its dump is there for replay. When every
+/// process arrives, closes the channel and returns. Idempotent; does nothing
+/// when MPI is not initialised, finalised, or in a forked child.
+void at_exit();
 
 /// Exit code of the MPI_Abort that abort_if_timed_out() issues.
 inline constexpr int kTimeoutAbortCode = 124;
@@ -93,8 +128,8 @@ inline constexpr int kTimeoutAbortCode = 124;
 bool timed_out();
 
 /// When timed_out() (and not in_forked_child()), prints which call timed out to stderr and ends the
-/// job with abort(kTimeoutAbortCode); otherwise (or when MPI is not initialised or already
-/// finalised) returns. Environment's destructor and the Python package's exit handler call it.
+/// job with end_job(kTimeoutAbortCode, ...): every process reports before the abort. Otherwise
+/// (or when MPI is not initialised or already finalised) returns. at_exit() calls it.
 void abort_if_timed_out();
 
 /// Largest element count passed to one MPI call (default INT_MAX). Tests

@@ -6,7 +6,8 @@
 // raises; written as a JSON dump (flight_dump.hpp) on request (dump(dir))
 // and, when a dump directory is set (Options::flight_recorder_dump_dir,
 // DIFFCOMM_FR_DUMP_DIR), by the funnel when a call raises Timeout,
-// CollectiveMismatch or BackendError, and at exit after an uncaught error
+// CollectiveMismatch, BackendError or RankFailure (a peer ending the job:
+// mpi::end_job), and at exit after an uncaught error
 // (dump_all_on_error). One recorder per rank, shared by every
 // group made from that rank's world group; never per thread.
 //
@@ -151,8 +152,15 @@ class FlightRecorder {
   std::string dump(const std::string& dir) const;
   /// dump(dump_dir()) when a dump directory is set; never throws (a failure
   /// to write is one line on stderr). The funnel calls it after a call
-  /// raised Timeout, CollectiveMismatch or BackendError.
+  /// raised Timeout, CollectiveMismatch, BackendError or RankFailure.
   void dump_on_error() const noexcept;
+  /// After std::terminate has dumped every recorder (an uncaught C++
+  /// exception), prints "diffcomm: uncaught <Kind>: <what>" to stderr and
+  /// calls `end(that text)` instead of the terminate handler it replaced.
+  /// The MPI backend sets it (mpi::end_job), so that its peers stop waiting
+  /// and report before the job is aborted; `end` must not return. nullptr
+  /// restores the default.
+  static void set_end_on_terminate(void (*end)(const char* why)) noexcept;
   /// dump_on_error() of every live production recorder that has a dump
   /// directory, for a process ending on an uncaught error: diffcomm's
   /// std::terminate handler (installed with the first such recorder; it

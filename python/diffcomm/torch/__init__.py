@@ -62,7 +62,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from .. import _context, _core, _participation
-from . import _exit_dump, _mpi_job
+from . import _exit_dump, _job_end, _mpi_job
 from .._core import InvalidArgument
 from .._core import nn as _nn
 from ._args import group_or_default, reduce_op, root_rank, split_sizes, premul_sum
@@ -200,6 +200,7 @@ def _torch_world(backend: str, group: Any, check: Optional[bool], native_reducti
                                      native_reduction=native_reduction, timeout_s=timeout_s)
     if group is None:
         _check_launcher(pg, backend)
+        _job_end.install(pg)
     return pg
 
 

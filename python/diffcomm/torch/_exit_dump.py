@@ -1,8 +1,8 @@
 """Flight recorder dumps when a rank ends on an uncaught Python exception.
 
 With ``DIFFCOMM_FR_DUMP_DIR`` set, every rank writes ``DIR/rank-<global
-rank>.json`` when a call raises Timeout, CollectiveMismatch or BackendError
-(the C++ funnel does that) — and, through the hook here, when the rank's
+rank>.json`` when a call raises Timeout, CollectiveMismatch, BackendError or
+RankFailure (the C++ funnel does that) — and, through the hook here, when the rank's
 program dies of any uncaught exception, e.g. a peer's failure seen as a
 Python error, or the program's own bug between collectives. The C++ side
 (FlightRecorder::dump_all_on_error) covers an uncaught C++ exception.

@@ -23,6 +23,7 @@
 #include "diffcomm/distributed/backend/layers.hpp"
 #include "diffcomm/distributed/backend/wait.hpp"
 #include "diffcomm/tensor/error.hpp"
+#include "job_end.hpp"
 #include "mpi_util.hpp"
 #include "peer_algorithms.hpp"
 #include "timeouts.hpp"
@@ -485,7 +486,7 @@ Environment::Environment(int* argc, char*** argv) {
 
 Environment::~Environment() {
   if (in_forked_child()) return;  // the parent's MPI: not ours to end
-  abort_if_timed_out();           // MPI_Finalize would wait on the calls in flight
+  at_exit();  // after a Timeout, ends the job: MPI_Finalize would wait on the calls in flight
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (owns_ && !finalized) MPI_Finalize();
@@ -551,8 +552,13 @@ std::shared_ptr<dist::FlightRecorder> make_recorder(const dist::Options& options
 dist::ProcessGroup world(const dist::Options& options) {
   require_initialised("mpi::world");
   auto recorder = make_recorder(options);
-  return dist::ProcessGroup(make_backend(MPI_COMM_WORLD, "world", options), "world", nullptr,
-                            std::move(recorder));
+  auto backend = make_backend(MPI_COMM_WORLD, "world", options);
+  // The first world of the process opens the alarm channel (job_end.hpp):
+  // every process makes it, so every process takes part.
+  detail::open_alarm_channel(recorder, options.resolved_timeout_s(), [](double timeout_s) {
+    return duplicate(MPI_COMM_WORLD, "world", timeout_s);
+  });
+  return dist::ProcessGroup(std::move(backend), "world", nullptr, std::move(recorder));
 }
 
 dist::ProcessGroup from_comm(MPI_Comm comm, std::string name, const dist::Options& options) {

@@ -5,6 +5,7 @@
 #include <climits>
 
 #include "diffcomm/distributed/backend/wait.hpp"
+#include "job_end.hpp"
 #include "timeouts.hpp"
 
 namespace diffcomm::mpi::detail {
@@ -107,12 +108,17 @@ MPI_Op mpi_op(DType d, ReduceOp op) {
 
 void wait(const Call& c, double timeout_s, Requests& r, MPI_Status* statuses) {
   if (r.reqs.empty()) return;
+  uint32_t polls = 0;
   dist::wait_until_done(
       c, timeout_s,
       [&] {
         int flag = 0;
         DIFFCOMM_MPI_CHECK(
             MPI_Testall(static_cast<int>(r.reqs.size()), r.reqs.data(), &flag, statuses), c);
+        // A peer's alarm (it timed out or ends the job) ends this wait too:
+        // looked at on the first poll and every 64th, so a call that
+        // completes at once pays one MPI_Test.
+        if (!flag && polls++ % 64 == 0) check_alarm(c);
         return flag != 0;
       },
       &note_call_timeout);

@@ -1,5 +1,5 @@
 // Ending the job: abort(), and after a Timeout the record of the first
-// timed-out call and abort_if_timed_out()
+// timed-out call and abort_if_timed_out() (through end_job, job_end.cpp)
 // (see timeouts.hpp and backends/mpi.hpp).
 #include "timeouts.hpp"
 
@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "diffcomm/backends/mpi.hpp"
+#include "job_end.hpp"
 
 namespace diffcomm::mpi {
 namespace {
@@ -32,9 +33,12 @@ void detail::watch_for_fork() {
 
 bool in_forked_child() { return g_forked_child.load(std::memory_order_relaxed); }
 
-void detail::note_timeout(const std::string& where) {
-  std::lock_guard lock(g_timed_out_mu);
-  if (!g_timed_out.exchange(true)) g_timed_out_in = where;
+void detail::note_timeout(const std::string& where, bool tell_peers) {
+  {
+    std::lock_guard lock(g_timed_out_mu);
+    if (!g_timed_out.exchange(true)) g_timed_out_in = where;
+  }
+  if (tell_peers) raise_timeout_alarm(where);
 }
 
 void abort(int code) {
@@ -61,7 +65,7 @@ void abort_if_timed_out() {
                "free buffers MPI still writes into\n",
                kTimeoutAbortCode, where.c_str());
   std::fflush(stderr);
-  abort(kTimeoutAbortCode);
+  end_job(kTimeoutAbortCode, "timed out in " + where);
 }
 
 }  // namespace diffcomm::mpi

@@ -9,8 +9,9 @@
 namespace diffcomm::mpi::detail {
 
 /// Records `where` ("barrier #0 on group 'world' (rank 0 of 2)") if no call
-/// timed out before. Thread-safe.
-void note_timeout(const std::string& where);
+/// timed out before and, with `tell_peers`, raises the alarm (job_end.hpp) so
+/// that every other process stops waiting, dumps and reports. Thread-safe.
+void note_timeout(const std::string& where, bool tell_peers = true);
 
 /// From now on, a fork()ed child of this process knows it is one
 /// (in_forked_child; pthread_atfork, registered once).

@@ -36,7 +36,7 @@ struct Options {
   std::optional<std::size_t> flight_recorder_size;
   /// Directory where every rank writes its flight recorder as
   /// DIR/rank-<global rank>.json when a call raises Timeout,
-  /// CollectiveMismatch or BackendError (schema: FlightRecorder::write_json).
+  /// CollectiveMismatch, BackendError or RankFailure (schema: FlightRecorder::write_json).
   /// Unset: the environment variable DIFFCOMM_FR_DUMP_DIR, else no dumps.
   std::optional<std::string> flight_recorder_dump_dir;
 
