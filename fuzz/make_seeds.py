@@ -121,3 +121,21 @@ write("fuzz_flight_dump", "v1_one_entry",
       '"root":-1,"tag":0,"reduce_op":"sum","reduce_factor":1.0,"color":-1,"key":0,"members":[],'
       '"members_are_ranks":false,"backward_of":null,"state":"completed","start_s":0.0,'
       '"duration_s":0.0,"bytes_sent":8,"bytes_received":8}]}')
+
+# fuzz_unpickle, fuzz_torch_dump: rank 0 of each checked-in PyTorch dump
+# (tests/data/torch_fr: real gloo jobs), and for the pickle reader a memo bomb
+# (a list of two references to the previous list, 40 deep: 2^40 values if
+# memo gets copied without a budget).
+FIXTURES = os.path.join(HERE, "..", "tests", "data", "torch_fr")
+for case in sorted(os.listdir(FIXTURES)):
+    for ext in ("pkl", "json"):
+        path = os.path.join(FIXTURES, case, f"rank_0.{ext}")
+        if not os.path.exists(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        write("fuzz_torch_dump", f"{case}-rank_0.{ext}", data)
+        if ext == "pkl":
+            write("fuzz_unpickle", f"{case}-rank_0.pkl", data)
+bomb = b"\x80\x02]q\x00" + b"](h\x00h\x00eq\x00" * 40 + b"."
+write("fuzz_unpickle", "memo_bomb", bomb)

@@ -242,6 +242,25 @@ TEST(Replay, ACallThatCannotBeReplayedIsNamedByRankAndCall) {
                   "'world': empty: negative dim in shape [-3]")));
 }
 
+TEST(Replay, AHugeRecordedTensorIsRefusedBeforeAnythingIsAllocated) {
+  // Issue [4/7] item 4: 2^40 elements (a corrupt or hostile dump) ended in
+  // std::bad_alloc; an 8 GiB bucket the same. Both are named, not allocated.
+  for (const Shape& huge : {Shape{int64_t{1} << 40}, Shape{int64_t{1} << 30, 8},
+                            Shape{int64_t{1} << 31, int64_t{1} << 31}}) {
+    auto d = world_of(2);
+    for (int r = 0; r < 2; ++r) add(d, r, OpType::AllReduce, 0);
+    for (int r = 0; r < 2; ++r) add(d, r, OpType::AllReduce, 1, huge);
+    EXPECT_THAT([&] { (void)replay(d); },
+                ::testing::ThrowsMessage<InvalidArgument>(::testing::AllOf(
+                    HasSubstr("rank 0's all_reduce #1 on group 'world' holds "),
+                    HasSubstr("GiB of tensors"), HasSubstr("refuses calls over 1 GiB"))));
+  }
+  // A 4 MiB call (in and out) replays as before.
+  auto d = world_of(2);
+  for (int r = 0; r < 2; ++r) add(d, r, OpType::AllReduce, 0, Shape{1 << 20});
+  EXPECT_EQ(replay(d).verdict, Verdict::Ok);
+}
+
 TEST(ReplayEdit, InsertingTheMissingBarrierEndsTheDeadlock) {
   auto d = world_of(3);
   for (int r = 0; r < 3; ++r) add(d, r, OpType::AllReduce, 0);

@@ -2,6 +2,7 @@
 #include "replay_issue.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <map>
 #include <optional>
@@ -80,6 +81,25 @@ std::string recorded_by(const Table& table, std::size_t call) {
   return fmt::format("a {} on group '{}'", dist::op_name(r.op), group);
 }
 
+// Replay allocates each call's tensors (zeros of the recorded shapes) and
+// runs it in the simulated world, so a dump that claims a huge tensor (2^40
+// elements, or an 8 GiB bucket) would end in std::bad_alloc. Each call is
+// checked first against this bound on the bytes of its inputs and outputs.
+constexpr double kMaxCallBytes = double(std::size_t{1} << 30);
+
+// The bytes of a call's tensors, in double: a corrupt shape's product must
+// not overflow int64.
+double call_bytes(const FlightRecord& r) {
+  double total = 0;
+  for (const auto* shapes : {&r.input_shapes, &r.output_shapes})
+    for (const Shape& s : *shapes) {
+      double n = 1;
+      for (int64_t d : s) n *= static_cast<double>(d);
+      total += n * static_cast<double>(element_size(r.dtype));
+    }
+  return total;
+}
+
 }  // namespace
 
 void issue(const dist::ProcessGroup& g, const FlightRecord& r) {
@@ -133,6 +153,12 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
     descs.emplace_back();
     if (r.op == OpType::NewGroup) continue;
     const TableGroup& g = table.groups[c.group];
+    if (const double bytes = call_bytes(r); bytes > kMaxCallBytes)
+      raise("replay",
+            fmt::format("{} holds {:.4g} GiB of tensors (shapes in {}, out {}); replay allocates "
+                        "each call's tensors and refuses calls over 1 GiB",
+                        recorded_by(table, descs.size() - 1), bytes / kMaxCallBytes,
+                        fmt::join(r.input_shapes, ","), fmt::join(r.output_shapes, ",")));
     auto it = dry.find({c.group, r.group_rank});
     if (it == dry.end()) {
       if (r.group_rank < 0 || r.group_rank >= static_cast<int>(g.members.size()))
