@@ -21,7 +21,8 @@ using Json = nlohmann::json;
 // print) can exhaust the stack. The result is a tree (JSON), so every memo
 // read copies the memoised value: a few hundred bytes of pickle that read a
 // memoised list twice into a new one, again and again, ask for 2^34 values.
-// Those copies are counted against a budget instead (kMaxCopied*).
+// Those copies are counted against a budget instead (values_budget,
+// bytes_budget).
 struct Item {
   Json v;
   int depth = 0;
@@ -31,9 +32,20 @@ struct Item {
 using Node = std::shared_ptr<Item>;
 constexpr int kMaxDepth = 64;
 // What all memo reads of one pickle may copy: a real flight recorder dump
-// (2000 entries with their frames) reads a few hundred thousand values.
+// (2000 entries with their frames) reads a few hundred thousand values, and
+// the checked-in torch dumps copy 0.15 values and 1.6 string bytes per byte
+// of pickle (a memo read is 2 bytes and copies mostly one string). So the
+// budget grows with the input, 64 values and 256 bytes per byte, within a
+// fixed cap: a 626-byte memo bomb stops after about 10^5 values copied (in
+// milliseconds), a large one at the cap (seconds), never at 2^34.
 constexpr std::size_t kMaxCopiedValues = std::size_t{1} << 23;
 constexpr std::size_t kMaxCopiedBytes = std::size_t{256} << 20;
+std::size_t values_budget(std::size_t input_bytes) {
+  return std::min(kMaxCopiedValues, (std::size_t{1} << 16) + 64 * input_bytes);
+}
+std::size_t bytes_budget(std::size_t input_bytes) {
+  return std::min(kMaxCopiedBytes, (std::size_t{1} << 20) + 256 * input_bytes);
+}
 
 class Unpickler {
  public:
@@ -134,10 +146,12 @@ class Unpickler {
     const Item& m = *memo_[i];
     copied_values_ += m.values;
     copied_bytes_ += m.bytes;
-    if (copied_values_ > kMaxCopiedValues || copied_bytes_ > kMaxCopiedBytes)
+    const std::size_t max_values = values_budget(in_.size()), max_bytes = bytes_budget(in_.size());
+    if (copied_values_ > max_values || copied_bytes_ > max_bytes)
       raise(file_, fmt::format("pickle memo reads copy more than {} values or {} bytes at offset "
-                               "{} (a flight recorder dump needs far fewer; a memo bomb?)",
-                               kMaxCopiedValues, kMaxCopiedBytes, at));
+                               "{} (a flight recorder dump of {} bytes needs far fewer; a memo "
+                               "bomb?)",
+                               max_values, max_bytes, at, in_.size()));
     push(m.v, m.depth, m.values, m.bytes);
   }
   // A tuple of `items` (TUPLE, TUPLE1..3).
