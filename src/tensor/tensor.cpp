@@ -283,7 +283,19 @@ std::shared_ptr<Storage> Storage::allocate(std::size_t nbytes, Device device) {
   }
   // Large: the process-wide block cache (host_cache.hpp), 64-byte aligned.
   std::size_t capacity = 0;
-  void* p = detail::host_allocate(nbytes, &capacity);
+  void* p = nullptr;
+  try {
+    p = detail::host_allocate(nbytes, &capacity);
+  } catch (const std::bad_alloc&) {
+    // Named, so that a rank's report says what ran out (a bare
+    // std::bad_alloc said nothing); the message is built outside the handler.
+    p = nullptr;
+  }
+  if (p == nullptr)
+    throw OutOfMemory(fmt::format(
+        "diffcomm: cannot allocate {} bytes ({:.3g} GiB) of host memory for a tensor: out of "
+        "memory",
+        nbytes, static_cast<double>(nbytes) / double(std::size_t{1} << 30)));
   return std::make_shared<Storage>(p, nbytes, device,
                                    [capacity](void* ptr) { detail::host_free(ptr, capacity); });
 }

@@ -615,6 +615,30 @@ def step_check_fails_exit_1(cli):
 
 
 @scenario
+def step_out_of_fiber_stacks_names_the_cause(cli):
+    """Issue [4/7] item 4: a 16384-rank step under a 1 GB address-space limit
+    cannot allocate its fiber stacks; the report names that, with exit 1 (it
+    said "World::stats: rank 0 out of range (run() first?)", exit 2). Not
+    under AddressSanitizer, whose shadow memory needs the address space."""
+    if "ASAN_OPTIONS" in os.environ:
+        print("skipped: an address-space limit cannot apply under AddressSanitizer")
+        return
+    import resource  # noqa: PLC0415
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    argv = [cli.exe, "step", "--ranks", "16384", "--batch", "1", "--images-per-sample", "1",
+            "--memory-limit", "100"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S,
+                       stdin=subprocess.DEVNULL, preexec_fn=limit)
+    r = Result(argv, p.returncode, p.stdout, p.stderr)
+    expect(r.rc == FAILED, f"expected exit {FAILED}\n{r.describe()}")
+    expect("cannot allocate the fiber stack of rank" in r.out + r.err, r.describe())
+    expect("out of range" not in r.out + r.err, r.describe())
+
+
+@scenario
 def step_equivalence_names_the_factor(cli):
     # The forced Partial convention on TP replicas is tp x the reference (see
     # step_check_fails_exit_1): --equivalence names the factor and the mesh dim.

@@ -10,6 +10,7 @@
 // message's words.
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -147,6 +148,20 @@ class BackendError : public Error {
 };
 
 #undef DIFFCOMM_ERROR_CONSTRUCTORS
+
+/// Host memory for a tensor could not be had. A std::bad_alloc, so every
+/// handler of one still catches it (Python: MemoryError), whose what() names
+/// what was being allocated and how much: "diffcomm: cannot allocate
+/// 8589934592 bytes (8 GiB) of host memory for a tensor: out of memory".
+/// Thrown by tensor allocation (zeros, empty, the ops' outputs).
+class OutOfMemory : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(std::string message) : message_(std::move(message)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
 
 /// Throws E (InvalidArgument unless named) at `site` with `detail`: what()
 /// becomes format_error(site, detail), e.g. "plan_exchange: buckets 0 must be

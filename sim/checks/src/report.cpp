@@ -223,7 +223,11 @@ StepReport run_step_report(const ep::StepConfig& cfg, const std::vector<ep::Batc
   trim_host_cache(kHostCacheKeepOnMiss);
 
   const int cp = cfg.decoder.cp, tp = cfg.decoder.tp, cptp = cp * tp;
-  for (int r = 0; r < ranks; ++r) {
+  // A world that could not start its ranks (BackendError: no memory for the
+  // fiber stacks) ran nothing and has no per-rank counters: its error is the
+  // report (asking for them hid it behind "World::stats: rank 0 out of range").
+  const bool ran = static_cast<int>(world.errors().size()) == ranks;
+  for (int r = 0; ran && r < ranks; ++r) {
     const int d = r / cptp, e = cfg.decoder.exchange_rank((r % cptp) / tp, r % tp);
     const auto& st = stats[static_cast<std::size_t>(d)];
     const auto all = world.stats(r).total();
