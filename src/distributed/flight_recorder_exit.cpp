@@ -61,12 +61,16 @@ std::string uncaught_text() {
   if (previous != nullptr) previous();
   std::abort();
 }
+// Ours replaces the process's handler once; the one it replaced runs after.
+void install_terminate_handler(Registry& reg) {
+  std::call_once(reg.installed, [&] { reg.previous = std::set_terminate(on_terminate); });
+}
 }  // namespace
 
 namespace detail {
 void register_for_exit_dump(const FlightRecorder* r) {
   Registry& reg = registry();
-  std::call_once(reg.installed, [&] { reg.previous = std::set_terminate(on_terminate); });
+  install_terminate_handler(reg);
   const std::lock_guard<std::mutex> lock(reg.mutex);
   reg.recorders.push_back(r);
 }
@@ -82,7 +86,7 @@ void unregister_for_exit_dump(const FlightRecorder* r) noexcept {
 void FlightRecorder::set_end_on_terminate(void (*end)(const char* why)) noexcept {
   Registry& reg = registry();
   reg.end.store(end);
-  std::call_once(reg.installed, [&] { reg.previous = std::set_terminate(on_terminate); });
+  install_terminate_handler(reg);
 }
 
 int FlightRecorder::dump_all_on_error() noexcept {

@@ -72,6 +72,17 @@ bool mpi_usable() {
   return init && !finalized && !in_forked_child();
 }
 
+// Sends `count` items at `buf` to every other process on the channel; the
+// requests are kept, never waited for (small messages, and the job ends).
+void send_to_others_locked(Channel& ch, const void* buf, int count, MPI_Datatype type, int tag) {
+  for (int p = 0; p < ch.size; ++p) {
+    if (p == ch.rank) continue;
+    MPI_Request r = MPI_REQUEST_NULL;
+    MPI_Isend(buf, count, type, p, tag, ch.comm, &r);
+    ch.sends.push_back(r);
+  }
+}
+
 void send_alarm_locked(Channel& ch, AlarmKind kind, int code, const std::string& text) {
   if (ch.sent || ch.received || ch.comm == MPI_COMM_NULL) return;  // one alarm is enough
   ch.sent = true;
@@ -79,12 +90,7 @@ void send_alarm_locked(Channel& ch, AlarmKind kind, int code, const std::string&
   ch.outgoing.kind = kind;
   ch.outgoing.code = code;
   std::snprintf(ch.outgoing.text, sizeof ch.outgoing.text, "%s", text.c_str());
-  for (int p = 0; p < ch.size; ++p) {
-    if (p == ch.rank) continue;
-    MPI_Request r = MPI_REQUEST_NULL;
-    MPI_Isend(&ch.outgoing, sizeof(AlarmMessage), MPI_BYTE, p, kAlarmTag, ch.comm, &r);
-    ch.sends.push_back(r);
-  }
+  send_to_others_locked(ch, &ch.outgoing, sizeof(AlarmMessage), MPI_BYTE, kAlarmTag);
 }
 
 void poll_alarm_locked(Channel& ch) {
@@ -186,11 +192,8 @@ void detail::check_alarm(const dist::Call& c) {
 }
 
 void end_job(int code, const std::string& why) {
-  if (in_forked_child()) std::_Exit(code);  // the job is the parent's
-  int init = 0, finalized = 0;
-  MPI_Initialized(&init);
-  MPI_Finalized(&finalized);
-  if (!init || finalized) std::_Exit(code);
+  // A forked child (the job is its parent's) or MPI gone: leave alone.
+  if (!mpi_usable()) std::_Exit(code);
   Channel& ch = channel();
   std::unique_lock lock(ch.mu);
   if (ch.comm == MPI_COMM_NULL) {
@@ -200,12 +203,7 @@ void end_job(int code, const std::string& why) {
   send_alarm_locked(ch, kEnding, code, why);
   // This process has written its dumps and report: say so to every other.
   ch.reported_from = ch.rank;
-  for (int p = 0; p < ch.size; ++p) {
-    if (p == ch.rank) continue;
-    MPI_Request r = MPI_REQUEST_NULL;
-    MPI_Isend(&ch.reported_from, 1, MPI_INT32_T, p, kReportedTag, ch.comm, &r);
-    ch.sends.push_back(r);
-  }
+  send_to_others_locked(ch, &ch.reported_from, 1, MPI_INT32_T, kReportedTag);
   const std::vector<char> reported = collect_reports(ch);
   const auto count = std::count(reported.begin(), reported.end(), 1);
   // Which process aborts: the lowest-numbered that reported. Every process
