@@ -18,6 +18,9 @@
 //  - BM_NnAllReduce8B: nn::all_reduce of one float64 (input requiring grad
 //    or not, forward only) in a world of 8, vs dist::all_reduce: the C++
 //    side of bench/bench_sim_run.py's comparison with diffcomm.sim.run.
+//  - BM_CanonicalAllReduce: nn::canonical_all_reduce of k chunks of n float64
+//    per rank in a world of 8 (defaults), vs nn::all_reduce of the rank's n
+//    elements (the alternative: same result up to the last bits), forward only.
 //  - BM_AllToAllHuge: 16384 ranks, all_to_all_single of 2 rows x 4 B per peer:
 //    time per call and peak resident memory, vs the N^2 block-copy floor.
 //  - BM_ListForm: list-form all_to_all / all_gather (one 4-byte tensor per
@@ -49,6 +52,7 @@
 #include "diffcomm/autograd/autograd.hpp"
 #include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/nn/canonical_all_reduce.hpp"
 #include "diffcomm/nn/functional.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "diffcomm/tensor/error.hpp"
@@ -354,6 +358,40 @@ void BM_NnAllReduce8B(benchmark::State& state) {
       [&] { return nn_all_reduce_loop(world, iters, mode); }, 8, 0);
 }
 
+// ---------------------------------------------------------------- canonical all-reduce
+// World 8 (the defaults), `iters` forward calls per rank; variant 0 is the
+// floor (nn::all_reduce of the rank's [n] partial), 1 nn::canonical_all_reduce
+// of its [k, n] chunks.
+double canonical_loop(sim::World& world, int iters, int64_t n, int64_t k, bool canonical) {
+  Clock::time_point t0, t1;
+  world.run([&](sim::Rank& rank) {
+    const auto& g = rank.world();
+    Tensor chunks = full({k, n}, 1.0 + rank.rank(), DType::Float64);
+    Tensor partial = full({n}, 1.0 + rank.rank(), DType::Float64);
+    dist::barrier(g);
+    if (rank.rank() == 0) t0 = Clock::now();
+    for (int i = 0; i < iters; ++i) {
+      if (canonical)
+        benchmark::DoNotOptimize(nn::canonical_all_reduce(chunks, g));
+      else
+        benchmark::DoNotOptimize(nn::all_reduce(partial, g));
+    }
+    dist::barrier(g);
+    if (rank.rank() == 0) t1 = Clock::now();
+  });
+  return std::chrono::duration<double>(t1 - t0).count() / iters;
+}
+
+// args: n (float64 elements per chunk), k (chunks per rank)
+void BM_CanonicalAllReduce(benchmark::State& state) {
+  sim::World world(options(8, 1));
+  const int64_t n = state.range(0), k = state.range(1);
+  const int iters = n >= 8192 ? 200 : 2000;
+  pair(
+      state, [&] { return canonical_loop(world, iters, n, k, false); },
+      [&] { return canonical_loop(world, iters, n, k, true); }, 8, 0);
+}
+
 // ---------------------------------------------------------------- 16384 ranks
 // all_to_all_single, 2 rows of one float32 per peer (8 B per peer-pair), even
 // splits. Floor: the N^2 block copies alone, between N distinct buffers.
@@ -503,6 +541,12 @@ BENCHMARK(BM_Bandwidth)->Apply(BandwidthArgs)->UseManualTime()->Iterations(5);
 BENCHMARK(BM_ListForm)->Args({0, 1024})->Args({1, 1024})->UseManualTime()->Iterations(5);
 BENCHMARK(BM_NnFwdBwd)->Apply(OpByConfig)->UseManualTime()->Iterations(7);
 BENCHMARK(BM_NnAllReduce8B)->Apply(OpByConfig)->UseManualTime()->Iterations(7);
+BENCHMARK(BM_CanonicalAllReduce)
+    ->Args({1, 1})
+    ->Args({8192, 1})
+    ->Args({8192, 4})
+    ->UseManualTime()
+    ->Iterations(7);
 // Heavy (GiBs, minutes before the fixes): run alone, e.g.
 // --benchmark_filter=AllToAllHuge, so other benchmarks do not share its peak.
 BENCHMARK(BM_AllToAllHuge)->Args({16384, 0})->UseManualTime()->Iterations(1);

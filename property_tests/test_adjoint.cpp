@@ -18,7 +18,8 @@
 //    terms in double lose ~12 * 2^-53 ~ 1e-15 relative, so 1e-12 leaves
 //    margin while any wrong factor, slice or route is O(1).
 //  - float32 / bfloat16, integer data in [-4, 4]: every value, every sum over
-//    <= 12 ranks (|sum| <= 48 < 2^8) and every product in the double inner
+//    <= 12 ranks (|sum| <= 48 < 2^8; canonical_all_reduce's <= 3 chunks per
+//    rank: <= 144 < 2^8) and every product in the double inner
 //    product is exact, so Sum and data-movement ops must match *exactly*.
 //    Avg divides by N and rounds once in forward and once in backward (plus
 //    possibly once more if 1/N is formed first): |L - R| <= 4u * (S_L + S_R)
@@ -27,6 +28,7 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include "diffcomm/nn/canonical_all_reduce.hpp"
 #include "diffcomm/nn/functional.hpp"
 #include "support.hpp"
 
@@ -57,6 +59,8 @@ enum class Op {
   ReduceScatterPremulSum,
   ReduceScatterSinglePremulSum,
   ReduceScatterVPremulSum,
+  CanonicalAllReduceSum,
+  CanonicalAllReduceAvg,
 };
 
 const char* op_text(Op op) {
@@ -84,13 +88,16 @@ const char* op_text(Op op) {
     case Op::ReduceScatterPremulSum: return "reduce_scatter(premul_sum(-0.375))";
     case Op::ReduceScatterSinglePremulSum: return "reduce_scatter_single(premul_sum(-0.375))";
     case Op::ReduceScatterVPremulSum: return "reduce_scatter_v(premul_sum(-0.375))";
+    case Op::CanonicalAllReduceSum: return "canonical_all_reduce(sum)";
+    case Op::CanonicalAllReduceAvg: return "canonical_all_reduce(avg)";
   }
   return "?";
 }
 
 bool averages(Op op) {
   return op == Op::AllReduceAvg || op == Op::ReduceAvg || op == Op::ReduceScatterAvg ||
-         op == Op::ReduceScatterSingleAvg || op == Op::ReduceScatterVAvg;
+         op == Op::ReduceScatterSingleAvg || op == Op::ReduceScatterVAvg ||
+         op == Op::CanonicalAllReduceAvg;
 }
 
 bool premul(Op op) {
@@ -177,6 +184,11 @@ Case gen_case(Op op) {
       c.row_shape = gen_row_shape();
       c.matrix = gen_split_matrix(n);
       break;
+    case Op::CanonicalAllReduceSum:
+    case Op::CanonicalAllReduceAvg:  // rows: chunks per rank (at least one)
+      c.row_shape = gen_row_shape();
+      c.rows = *rc::gen::inRange<int64_t>(1, 4);
+      break;
   }
   return c;
 }
@@ -260,6 +272,11 @@ Applied apply(Op op, const Case& c, const dist::ProcessGroup& g, DType dt, Gener
     case Op::AllToAllSingle:
       leaves(with_rows(total(c.matrix[me]), c.row_shape), 1);
       a.outputs = {nn::all_to_all_single(a.inputs[0], column(c.matrix, me), c.matrix[me], g)};
+      break;
+    case Op::CanonicalAllReduceSum:
+    case Op::CanonicalAllReduceAvg:
+      leaves(with_rows(c.rows, c.row_shape), 1);
+      a.outputs = {nn::canonical_all_reduce(a.inputs[0], g, reduce_op(op))};
       break;
   }
   return a;
@@ -359,6 +376,8 @@ DIFFCOMM_ADJOINT_PROPS(ReducePremulSum, ReducePremulSum)
 DIFFCOMM_ADJOINT_PROPS(ReduceScatterPremulSum, ReduceScatterPremulSum)
 DIFFCOMM_ADJOINT_PROPS(ReduceScatterSinglePremulSum, ReduceScatterSinglePremulSum)
 DIFFCOMM_ADJOINT_PROPS(ReduceScatterVPremulSum, ReduceScatterVPremulSum)
+DIFFCOMM_ADJOINT_PROPS(CanonicalAllReduceSum, CanonicalAllReduceSum)
+DIFFCOMM_ADJOINT_PROPS(CanonicalAllReduceAvg, CanonicalAllReduceAvg)
 
 }  // namespace
 }  // namespace diffcomm::prop

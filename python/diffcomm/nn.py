@@ -1,5 +1,5 @@
 """The differentiable collectives on diffcomm tensors: diffcomm::nn (C++,
-include/diffcomm/nn/functional.hpp), whose docstrings are the reference.
+include/diffcomm/nn/functional.hpp and canonical_all_reduce.hpp), whose docstrings are the reference.
 For torch tensors use diffcomm.torch; this module is for code written on
 diffcomm.Tensor (diffcomm.grad / diffcomm.backward)."""
 from ._core.nn import (
@@ -10,6 +10,8 @@ from ._core.nn import (
     all_to_all,
     all_to_all_single,
     broadcast,
+    canonical_all_reduce,
+    canonical_sum,
     cat_or_empty,
     copy_to_tp_region,
     gather,
@@ -28,6 +30,8 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "broadcast",
+    "canonical_all_reduce",
+    "canonical_sum",
     "cat_or_empty",
     "copy_to_tp_region",
     "gather",

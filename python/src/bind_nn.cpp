@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "bind.hpp"
+#include "diffcomm/nn/canonical_all_reduce.hpp"
 #include "diffcomm/tensor/error.hpp"
 
 namespace diffcomm_python {
@@ -53,6 +54,9 @@ void bind_nn(nb::module_& m) {
   nn.def("all_to_all_single", &all_to_all_single, "x"_a, "output_splits"_a, "input_splits"_a,
          "group"_a, release());
   nn.def("copy_to_tp_region", &copy_to_tp_region, "x"_a, "group"_a, release());
+  nn.def("canonical_all_reduce", &canonical_all_reduce, "chunks"_a, "group"_a, "op"_a = sum,
+         release());
+  nn.def("canonical_sum", &canonical_sum, "chunks"_a, release());
   nn.def("cat_or_empty", &cat_or_empty, "rows"_a, "anchor"_a, "width"_a, release());
 }
 

@@ -42,7 +42,8 @@ Conventions (differences from torch.distributed.nn.functional):
   (receivers are replicas with complete gradients: keep own slice).
 * Extra ops not in torch: ``all_gather_single`` (torch's
   all_gather_into_tensor), ``all_gather_v``, ``reduce_scatter_single``
-  (reduce_scatter_tensor), ``reduce_scatter_v``, ``copy_to_tp_region``, and
+  (reduce_scatter_tensor), ``reduce_scatter_v``, ``copy_to_tp_region``,
+  ``canonical_all_reduce`` (a sum with the same bits for every world size), and
   the exchange: ``route_features``, ``unpack_records``, ``merge_into_decoder``.
 * Inputs must be contiguous (``InvalidArgument`` otherwise: diffcomm borrows
   storage and never copies silently); incoming gradients are made contiguous.
@@ -79,7 +80,7 @@ __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_v",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_v",
     "all_to_all", "all_to_all_single", "copy_to_tp_region", "all_reduce_", "broadcast_",
-    "Record", "route_features", "unpack_records", "merge_into_decoder", "Work",
+    "canonical_all_reduce", "canonical_sum", "Record", "route_features", "unpack_records", "merge_into_decoder", "Work",
 ]
 
 
@@ -482,3 +483,30 @@ def copy_to_tp_region(tensor: torch.Tensor,
     out = apply_one(lambda t: _nn.copy_to_tp_region(t, g), tensor,
                     op="copy_to_tp_region", group=g)
     return finish(out, async_op, "copy_to_tp_region")
+
+
+def canonical_all_reduce(chunks: torch.Tensor, op: Any = "sum",
+                         group: Optional[_core.ProcessGroup] = None, *,
+                         async_op: bool = False) -> Any:
+    """The sum of every member's chunks with the same bits for every world size.
+
+    ``chunks`` ``[k, ...]`` holds this rank's partials for the logical chunks
+    ``[rank*k, (rank+1)*k)`` of ``C = k * world size`` (e.g. the gradient of
+    each of its micro-batches). The result ``[...]``, on every rank, is
+    ``canonical_sum`` of all C chunks: each element added over the chunks in one
+    fixed tree, so 1, 2, 4 or 8 ranks holding the same C chunks give the same
+    bits. ``op``: ``"sum"`` or ``"avg"`` (divides by C). Backward: every local
+    chunk gets ``all_reduce(grad)``. Semantics, cost and the tree:
+    ``include/diffcomm/nn/canonical_all_reduce.hpp``; how to use it for
+    data-parallel gradients: docs/python.md."""
+    g, o = group_or_default(group), reduce_op(op)
+    out = apply_one(lambda t: _nn.canonical_all_reduce(t, g, o), chunks,
+                    op="canonical_all_reduce", group=g)
+    return finish(out, async_op, "canonical_all_reduce")
+
+
+def canonical_sum(chunks: torch.Tensor) -> torch.Tensor:
+    """``canonical_all_reduce``'s tree on one process: ``[C, ...] -> [...]``,
+    the single-rank reference (not differentiable; needs no process group)."""
+    d = to_diffcomm(chunks.detach())
+    return from_diffcomm(_nn.canonical_sum(d))

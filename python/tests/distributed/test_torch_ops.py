@@ -212,6 +212,28 @@ class _CopyToTp(torch.autograd.Function):
         return g
 
 
+def test_canonical_all_reduce_vs_all_reduce_oracle_and_one_process_bits():
+    # Values and gradients against torch's differentiable all_reduce of each
+    # rank's chunk sum (integer data: every order gives the same sum).
+    assert_same(*run_both(lambda x: dt.canonical_all_reduce(x),
+                          lambda x: oracle.all_reduce(x.sum(0)), [data(3, 2, 2)]))
+    assert_same(*run_both(lambda x: dt.canonical_all_reduce(x, "avg"),
+                          lambda x: oracle.all_reduce(x.sum(0)) / (3 * size()), [data(3, 5)]))
+    # Bits: float64 chunks whose sum depends on the order; this world and a
+    # sub-group of 2 members holding the same chunks give one process's bits.
+    g = torch.Generator().manual_seed(11)
+    chunks = (torch.rand(12, 3, generator=g, dtype=f64) - 0.5) * torch.pow(
+        10.0, torch.randint(-8, 9, (12, 3), generator=g).to(f64))
+    one = dt.canonical_sum(chunks)
+    for members in (list(range(size())), [0, 1]):
+        sub = dt.new_group(members)
+        if sub is None or 12 % sub.size():
+            continue
+        k = 12 // sub.size()
+        y = dt.canonical_all_reduce(chunks[sub.rank() * k:(sub.rank() + 1) * k].clone(), group=sub)
+        assert torch.equal(y, one), (members, y - one)
+
+
 def test_max_min_product_closed_forms():
     n, r = size(), rank()
     x = torch.tensor([float(r % 2), float(-r), 1.0 + r, 0.0 if r == 1 else 2.0], dtype=f64)

@@ -1,0 +1,59 @@
+#pragma once
+// The canonical all-reduce: a sum whose bits do not depend on the number of
+// ranks (docs/semantics.md, "Canonical reductions").
+//
+// An ordinary all_reduce adds one partial per rank, so its rounding depends on
+// how many ranks there are: a data-parallel gradient averaged over 4 ranks and
+// over 8 differs in the last bits. Here the partials belong to a fixed number
+// C of logical chunks (samples, micro-batches, blocks of a matmul's inner
+// dimension), not to ranks, and every element is summed over the chunks in
+// one fixed tree over the chunk index. Any world size that divides C gives the
+// same bits, and a group of one rank is the single-rank reference.
+#include "diffcomm/distributed/group.hpp"
+#include "diffcomm/distributed/reduce_op.hpp"
+#include "diffcomm/tensor/tensor.hpp"
+
+namespace diffcomm::nn {
+
+using dist::ProcessGroup;
+using dist::ReduceOp;
+
+/// The canonical tree over dim 0: chunks [C, ...] -> [...], every element
+/// summed over the C chunks as follows. With m rows left (m = C first), the
+/// first floor(m/2) rows are replaced by row i + row i + floor(m/2), the odd
+/// row out (m odd) is kept after them, until one row is left:
+///   C = 4: (x0 + x2) + (x1 + x3);  C = 3: (x0 + x1) + x2.
+/// Additions in chunks' dtype (bfloat16/float16 round each addition, as
+/// add() does). Any device add() supports. Not differentiable (the tree of
+/// canonical_all_reduce's forward; tests and single-rank references call it).
+/// Throws InvalidArgument for an undefined or 0-d tensor or C == 0.
+Tensor canonical_sum(const Tensor& chunks);
+
+/// y [...] = canonical_sum of the chunks of every member, on every member.
+///
+/// chunks [k, ...] holds this rank's partials for the chunks
+/// [rank*k, (rank+1)*k) of C = k * size() (group-local ranks, so a rank's
+/// chunks are contiguous); k and the trailing shape must agree on every
+/// member. The result's bits are those of canonical_sum over all C chunks on
+/// one rank, for every group size that divides C (float formats included:
+/// each element sees the same additions in the same order). Avg divides the
+/// sum by C (not by size()). Only Sum and Avg.
+///
+/// Cost: one all_to_all_single (this rank receives k * size() slices of
+/// ceil(N / size()) elements, N = elements per chunk: about k*N) and one
+/// all_gather_single (about N): k*N + N received, against ~2N for a ring
+/// all_reduce; for k = 1 it is the same traffic as reduce-scatter +
+/// all-gather.
+///
+/// Backward: dchunks[j] = all_reduce(g, Sum) for every local chunk j (over C
+/// for Avg): the exact adjoint of y = sum of all chunks on every member.
+/// Those bits do depend on size() (a sum over ranks' gradients), which is
+/// why the canonical form is the forward: it is what reduces gradients.
+///
+/// Throws InvalidArgument (naming the op, rank and group) for an undefined
+/// or 0-d tensor, k == 0, or an op other than Sum/Avg; mismatched k or shapes
+/// across members fail in the collectives as any mismatched call does.
+Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group,
+                            ReduceOp op = ReduceOp::Sum);
+
+}  // namespace diffcomm::nn
