@@ -147,10 +147,19 @@ void bind_dist(nb::module_& m) {
       .def(
           "stats", [](const ProcessGroup& g) { return stats_dict(g.stats()); },
           "Traffic counters of this rank: {'total': {...}, 'entries': [...]}.")
-      .def("new_group", &ProcessGroup::new_group, "ranks"_a, "name"_a = "", release(),
-           "Collective: the sub-group of the given group-local ranks (None on non-members).")
-      .def("split", &ProcessGroup::split, "color"_a, "key"_a, "fingerprint"_a, "name"_a, release(),
-           "Collective, MPI_Comm_split semantics.")
+      .def(
+          "new_group",
+          [](const ProcessGroup& g, const std::vector<int>& ranks, std::string name) {
+            return g.new_group(ranks, std::move(name));
+          },
+          "ranks"_a, "name"_a = "", release(),
+          "Collective: the sub-group of the given group-local ranks (None on non-members).")
+      .def(
+          "split",
+          [](const ProcessGroup& g, int color, int key, const std::vector<int64_t>& fingerprint,
+             std::string name) { return g.split(color, key, fingerprint, std::move(name)); },
+          "color"_a, "key"_a, "fingerprint"_a, "name"_a, release(),
+          "Collective, MPI_Comm_split semantics.")
       .def(
           "barrier", [](const ProcessGroup& g) { dc::dist::barrier(g); }, release())
       .def(

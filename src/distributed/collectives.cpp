@@ -375,8 +375,8 @@ Splits even_splits(int64_t rows, int parts, const char* op) {
 namespace detail {
 std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
                                        const std::vector<int64_t>& fingerprint,
-                                       bool members_are_ranks) {
-  Checker c(group, OpType::NewGroup);
+                                       bool members_are_ranks, Caller caller) {
+  Checker c(group, OpType::NewGroup, caller);
   c.call().color = color;
   c.call().key = key;
   c.call().members = fingerprint;

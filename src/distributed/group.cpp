@@ -176,16 +176,17 @@ std::vector<int> ProcessGroup::members() const {
 
 std::optional<ProcessGroup> ProcessGroup::split(int color, int key,
                                                 const std::vector<int64_t>& fingerprint,
-                                                std::string new_name) const {
+                                                std::string new_name, Caller caller) const {
   // Through the funnel like every other call (numbering, stats, recorder).
-  std::shared_ptr<Backend> b = detail::split_backend(*this, color, key, fingerprint);
+  std::shared_ptr<Backend> b =
+      detail::split_backend(*this, color, key, fingerprint, /*members_are_ranks=*/false, caller);
   if (!b) return std::nullopt;
   return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder,
                       state_->cohort);
 }
 
 std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks,
-                                                    std::string new_name) const {
+                                                    std::string new_name, Caller caller) const {
   std::vector<int> seen(static_cast<std::size_t>(size()), 0);
   for (int r : ranks) {
     if (r < 0 || r >= size())
@@ -205,7 +206,7 @@ std::optional<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& rank
   }
   std::shared_ptr<Backend> b =
       detail::split_backend(*this, color, key, std::vector<int64_t>(ranks.begin(), ranks.end()),
-                            /*members_are_ranks=*/true);
+                            /*members_are_ranks=*/true, caller);
   if (!b) return std::nullopt;
   return ProcessGroup(std::move(b), std::move(new_name), state_->stats, state_->recorder,
                       state_->cohort);

@@ -57,6 +57,7 @@ Tensor slices_by_member(const Tensor& flat, int64_t k, int64_t n, int members, i
 
 struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
   static constexpr const char* kName = "CanonicalAllReduceBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   ReduceOp op;
   int64_t chunks_here = 0;  // k
@@ -73,11 +74,12 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
     Tensor send = as_is ? x.view_as_shape({members, S})
                         : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
     Tensor recv = empty({C, S}, x.dtype(), x.device());
-    dist::all_to_all_single(group, recv, send);  // row q*k + j: global chunk q*k + j
+    dist::all_to_all_single(group, recv, send, {}, {},
+                            caller);  // row q*k + j: global chunk q*k + j
     forward_call = group.last_call();
     Tensor mine = tree(recv);
     Tensor gathered = empty({members, S}, x.dtype(), x.device());
-    dist::all_gather_single(group, gathered, mine);
+    dist::all_gather_single(group, gathered, mine, caller);
     Tensor flat = gathered.view_as_shape({members * S});
     Tensor total = n == members * S ? flat : flat.row_view(0, n).copy_data();
     if (op == ReduceOp::Avg) total = scale(total, 1.0 / static_cast<double>(C));
@@ -86,7 +88,7 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor g = empty_like(grads[0]);
-    dist::all_reduce_into(group, g, grads[0], ReduceOp::Sum);
+    dist::all_reduce_into(group, g, grads[0], ReduceOp::Sum, caller);
     if (op == ReduceOp::Avg) g = scale(g, 1.0 / static_cast<double>(chunks_here * group.size()));
     std::vector<Tensor> copies(static_cast<std::size_t>(chunks_here),
                                g.view_as_shape(with_row(g.shape())));
@@ -119,12 +121,13 @@ Tensor canonical_sum(const Tensor& chunks) {
       .view_as_shape(trailing(chunks.shape()));
 }
 
-Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group, ReduceOp op) {
+Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group, ReduceOp op,
+                            dist::Caller caller) {
   check_chunks(&group, chunks, kOp);
   if (op != ReduceOp::Sum && op != ReduceOp::Avg)
     raise(site(group), fmt::format("reduce op {} is not canonical here; use sum or avg",
                                    dist::reduce_op_name(op)));
-  std::vector<Tensor> outs = CanonicalAllReduceFn{{}, group, op}.apply({chunks});
+  std::vector<Tensor> outs = CanonicalAllReduceFn{{}, caller, group, op}.apply({chunks});
   if (outs[0].defined()) Cohort::add(group.cohort(), outs[0].grad_fn());
   return outs[0];
 }

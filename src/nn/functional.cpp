@@ -81,18 +81,18 @@ Tensor extremum_mask(const Tensor& x, const Tensor& y) {
 // input; y: the reduced value (same on every rank); total: the summed
 // output gradient G (same on every rank).
 Tensor nonlinear_grad(ReduceOp op, const ProcessGroup& g, const Tensor& x, const Tensor& y,
-                      const Tensor& total) {
+                      const Tensor& total, dist::Caller caller) {
   if (op == ReduceOp::Product) {
     std::vector<Tensor> all;
     for (int s = 0; s < g.size(); ++s) all.push_back(empty_like(x));
-    dist::all_gather(g, all, x);
+    dist::all_gather(g, all, x, caller);
     return mul(total, exclusive_product(all, g.rank()));
   }
   // Max/Min: G to the holders of the extremum, split evenly among ties; a
   // NaN result (NaN propagates) goes to the ranks holding a NaN there.
   Tensor mask = extremum_mask(x, y);
   Tensor count = mask.copy_data();
-  dist::all_reduce(g, count, ReduceOp::Sum);
+  dist::all_reduce(g, count, ReduceOp::Sum, caller);
   return div(mul(total, mask), count);
 }
 
@@ -142,6 +142,7 @@ Shape shape_from_splits(const char* op, const ProcessGroup& g, const Splits& spl
 // ------------------------------------------------------------------ all_reduce
 struct AllReduceFn : Function<AllReduceFn> {
   static constexpr const char* kName = "AllReduceBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   ReduceOp op;
   SavedTensor x, y;  // for Max/Min/Product
@@ -150,7 +151,7 @@ struct AllReduceFn : Function<AllReduceFn> {
     // Out of place: the composed reduction and the simulated world read the
     // input directly (no copy of it into the output first).
     Tensor out = empty_like(in[0]);
-    dist::all_reduce_into(group, out, in[0], op);
+    dist::all_reduce_into(group, out, in[0], op, caller);
     forward_call = group.last_call();
     if (!linear(op)) {
       x = SavedTensor(in[0], 0);
@@ -165,9 +166,10 @@ struct AllReduceFn : Function<AllReduceFn> {
       (void)y.get(kName);
     }
     Tensor total = empty_like(grads[0]);
-    dist::all_reduce_into(group, total, grads[0], linear(op) ? op : ReduceOp(ReduceOp::Sum));
+    dist::all_reduce_into(group, total, grads[0], linear(op) ? op : ReduceOp(ReduceOp::Sum),
+                          caller);
     if (linear(op)) return {total};
-    return {nonlinear_grad(op, group, x.get(kName), y.get(kName), total)};
+    return {nonlinear_grad(op, group, x.get(kName), y.get(kName), total, caller)};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
 };
@@ -175,6 +177,7 @@ struct AllReduceFn : Function<AllReduceFn> {
 // ------------------------------------------------------------------ broadcast
 struct BroadcastFn : Function<BroadcastFn> {
   static constexpr const char* kName = "BroadcastBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   int src;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
@@ -182,14 +185,14 @@ struct BroadcastFn : Function<BroadcastFn> {
     // overwritten whole, so it needs no copy of the input (a 16 MiB copy
     // per call was a third of the call over the torch transport).
     Tensor out = group.rank() == src ? in[0].copy_data() : empty_like(in[0]);
-    dist::broadcast(group, out, src);
+    dist::broadcast(group, out, src, caller);
     forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor total = grads[0].copy_data();
-    dist::reduce(group, total, src, ReduceOp::Sum);
+    dist::reduce(group, total, src, ReduceOp::Sum, caller);
     if (group.rank() != src) total.fill_(0.0);
     return {total};
   }
@@ -199,6 +202,7 @@ struct BroadcastFn : Function<BroadcastFn> {
 // ------------------------------------------------------------------ reduce
 struct ReduceFn : Function<ReduceFn> {
   static constexpr const char* kName = "ReduceBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   int dst;
   ReduceOp op;
@@ -206,7 +210,7 @@ struct ReduceFn : Function<ReduceFn> {
   std::vector<Tensor> saved() const { return {x.peek(), y.peek()}; }
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = in[0].copy_data();
-    dist::reduce(group, out, dst, op);
+    dist::reduce(group, out, dst, op, caller);
     forward_call = group.last_call();
     if (group.rank() != dst) out.fill_(0.0);  // defined: zeros off the root
     if (!linear(op)) {
@@ -223,11 +227,11 @@ struct ReduceFn : Function<ReduceFn> {
     }
     // Only dst's output depends on x; other ranks' outputs are constants.
     Tensor total = grads[0].copy_data();
-    dist::broadcast(group, total, dst);
+    dist::broadcast(group, total, dst, caller);
     if (linear(op)) return {scaled(total, op, group.size())};
     Tensor value = y.get(kName).copy_data();
-    dist::broadcast(group, value, dst);
-    return {nonlinear_grad(op, group, x.get(kName), value, total)};
+    dist::broadcast(group, value, dst, caller);
+    return {nonlinear_grad(op, group, x.get(kName), value, total, caller)};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
 };
@@ -235,12 +239,13 @@ struct ReduceFn : Function<ReduceFn> {
 // ------------------------------------------------------------------ gathers
 struct AllGatherFn : Function<AllGatherFn> {
   static constexpr const char* kName = "AllGatherBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   GatherGrad mode;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     std::vector<Tensor> outs;
     for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(in[0]));
-    dist::all_gather(group, outs, in[0]);
+    dist::all_gather(group, outs, in[0], caller);
     forward_call = group.last_call();
     return outs;
   }
@@ -248,7 +253,7 @@ struct AllGatherFn : Function<AllGatherFn> {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     if (mode == GatherGrad::Replicated) return {grads[static_cast<std::size_t>(group.rank())]};
     Tensor dx = empty_like(grads[0]);
-    dist::reduce_scatter(group, dx, grads, ReduceOp::Sum);
+    dist::reduce_scatter(group, dx, grads, ReduceOp::Sum, caller);
     return {dx};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -256,6 +261,7 @@ struct AllGatherFn : Function<AllGatherFn> {
 
 struct AllGatherSingleFn : Function<AllGatherSingleFn> {
   static constexpr const char* kName = "AllGatherSingleBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   GatherGrad mode;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
@@ -264,7 +270,7 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
     Shape shape = in[0].shape();
     shape[0] *= group.size();
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
-    dist::all_gather_single(group, out, in[0]);
+    dist::all_gather_single(group, out, in[0], caller);
     forward_call = group.last_call();
     return {out};
   }
@@ -276,7 +282,7 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
     Shape shape = grads[0].shape();
     shape[0] = rows;
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
-    dist::reduce_scatter_single(group, dx, grads[0], ReduceOp::Sum);
+    dist::reduce_scatter_single(group, dx, grads[0], ReduceOp::Sum, caller);
     return {dx};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -284,6 +290,7 @@ struct AllGatherSingleFn : Function<AllGatherSingleFn> {
 
 struct AllGatherVFn : Function<AllGatherVFn> {
   static constexpr const char* kName = "AllGatherVBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   Splits splits;
   GatherGrad mode;
@@ -291,7 +298,7 @@ struct AllGatherVFn : Function<AllGatherVFn> {
     if (in[0].dim() == 0) raise(nn_site("all_gather_v", group), "x is 0-d; it needs rows (dim 0)");
     const Shape shape = shape_from_splits("all_gather_v", group, splits, "output_splits", in[0]);
     Tensor out = empty(shape, in[0].dtype(), in[0].device());
-    dist::all_gather_v(group, out, in[0], splits);
+    dist::all_gather_v(group, out, in[0], splits, caller);
     forward_call = group.last_call();
     return {out};
   }
@@ -306,7 +313,7 @@ struct AllGatherVFn : Function<AllGatherVFn> {
       return {grads[0].row_view(offset, splits[r]).copy_data()};
     }
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
-    dist::reduce_scatter_v(group, dx, grads[0], splits, ReduceOp::Sum);
+    dist::reduce_scatter_v(group, dx, grads[0], splits, ReduceOp::Sum, caller);
     return {dx};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -314,6 +321,7 @@ struct AllGatherVFn : Function<AllGatherVFn> {
 
 struct GatherFn : Function<GatherFn> {
   static constexpr const char* kName = "GatherBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   int dst;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
@@ -321,14 +329,14 @@ struct GatherFn : Function<GatherFn> {
     const bool me = group.rank() == dst;
     for (int s = 0; s < group.size(); ++s)
       outs.push_back(me ? empty_like(in[0]) : zeros_like(in[0]));
-    dist::gather(group, me ? outs : std::vector<Tensor>{}, in[0], dst);
+    dist::gather(group, me ? outs : std::vector<Tensor>{}, in[0], dst, caller);
     forward_call = group.last_call();
     return outs;
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor dx = empty_like(grads[0]);
-    dist::scatter(group, dx, group.rank() == dst ? grads : std::vector<Tensor>{}, dst);
+    dist::scatter(group, dx, group.rank() == dst ? grads : std::vector<Tensor>{}, dst, caller);
     return {dx};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -336,11 +344,12 @@ struct GatherFn : Function<GatherFn> {
 
 struct ScatterFn : Function<ScatterFn> {
   static constexpr const char* kName = "ScatterBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   int src;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     Tensor out = empty_like(in[0]);
-    dist::scatter(group, out, group.rank() == src ? in : std::vector<Tensor>{}, src);
+    dist::scatter(group, out, group.rank() == src ? in : std::vector<Tensor>{}, src, caller);
     forward_call = group.last_call();
     return {out};
   }
@@ -349,7 +358,7 @@ struct ScatterFn : Function<ScatterFn> {
     const auto n = static_cast<std::size_t>(group.size());
     std::vector<Tensor> outs;
     for (std::size_t s = 0; s < n; ++s) outs.push_back(zeros_like(grads[0]));
-    dist::gather(group, group.rank() == src ? outs : std::vector<Tensor>{}, grads[0], src);
+    dist::gather(group, group.rank() == src ? outs : std::vector<Tensor>{}, grads[0], src, caller);
     return outs;
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -358,13 +367,14 @@ struct ScatterFn : Function<ScatterFn> {
 // ------------------------------------------------------------------ reduce-scatters
 struct ReduceScatterFn : Function<ReduceScatterFn> {
   static constexpr const char* kName = "ReduceScatterBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   ReduceOp op;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     if (in.empty())
       raise(nn_site("reduce_scatter", group), "xs is empty; expected one tensor per member");
     Tensor out = empty_like(in[0]);
-    dist::reduce_scatter(group, out, in, op);
+    dist::reduce_scatter(group, out, in, op, caller);
     forward_call = group.last_call();
     return {out};
   }
@@ -372,7 +382,7 @@ struct ReduceScatterFn : Function<ReduceScatterFn> {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     std::vector<Tensor> outs;
     for (int s = 0; s < group.size(); ++s) outs.push_back(empty_like(grads[0]));
-    dist::all_gather(group, outs, grads[0]);
+    dist::all_gather(group, outs, grads[0], caller);
     for (auto& t : outs) t = scaled(t, op, group.size());
     return outs;
   }
@@ -381,6 +391,7 @@ struct ReduceScatterFn : Function<ReduceScatterFn> {
 
 struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
   static constexpr const char* kName = "ReduceScatterSingleBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   ReduceOp op;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
@@ -392,7 +403,7 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
     Shape shape = x.shape();
     shape[0] /= group.size();
     Tensor out = empty(shape, x.dtype(), x.device());
-    dist::reduce_scatter_single(group, out, x, op);
+    dist::reduce_scatter_single(group, out, x, op, caller);
     forward_call = group.last_call();
     return {out};
   }
@@ -401,7 +412,7 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
     Shape shape = grads[0].shape();
     shape[0] *= group.size();
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
-    dist::all_gather_single(group, dx, grads[0]);
+    dist::all_gather_single(group, dx, grads[0], caller);
     return {scaled(dx, op, group.size())};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -409,6 +420,7 @@ struct ReduceScatterSingleFn : Function<ReduceScatterSingleFn> {
 
 struct ReduceScatterVFn : Function<ReduceScatterVFn> {
   static constexpr const char* kName = "ReduceScatterVBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   Splits splits;
   ReduceOp op;
@@ -422,7 +434,7 @@ struct ReduceScatterVFn : Function<ReduceScatterVFn> {
     shape[0] = splits[static_cast<std::size_t>(group.rank())];
     if (shape[0] < 0) raise(nn_site("reduce_scatter_v", group), "negative split");
     Tensor out = empty(shape, x.dtype(), x.device());
-    dist::reduce_scatter_v(group, out, x, splits, op);
+    dist::reduce_scatter_v(group, out, x, splits, op, caller);
     forward_call = group.last_call();
     return {out};
   }
@@ -431,7 +443,7 @@ struct ReduceScatterVFn : Function<ReduceScatterVFn> {
     Shape shape = grads[0].shape();
     shape[0] = std::accumulate(splits.begin(), splits.end(), int64_t{0});
     Tensor dx = empty(shape, grads[0].dtype(), grads[0].device());
-    dist::all_gather_v(group, dx, grads[0], splits);
+    dist::all_gather_v(group, dx, grads[0], splits, caller);
     return {scaled(dx, op, group.size())};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -440,6 +452,7 @@ struct ReduceScatterVFn : Function<ReduceScatterVFn> {
 // ------------------------------------------------------------------ all-to-alls
 struct AllToAllFn : Function<AllToAllFn> {
   static constexpr const char* kName = "AllToAllBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   std::vector<Shape> out_shapes;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
@@ -454,7 +467,7 @@ struct AllToAllFn : Function<AllToAllFn> {
             fmt::format("output_shapes has {} entries, expected {}", out_shapes.size(), n));
     std::vector<Tensor> outs;
     for (const auto& s : out_shapes) outs.push_back(empty(s, in[0].dtype(), in[0].device()));
-    dist::all_to_all(group, outs, in);
+    dist::all_to_all(group, outs, in, caller);
     forward_call = group.last_call();
     return outs;
   }
@@ -465,7 +478,7 @@ struct AllToAllFn : Function<AllToAllFn> {
     for (int s = 0; s < group.size(); ++s)
       dxs.push_back(
           empty(in_shapes[static_cast<std::size_t>(s)], grads[0].dtype(), grads[0].device()));
-    dist::all_to_all(group, dxs, grads);
+    dist::all_to_all(group, dxs, grads, caller);
     return dxs;
   }
   std::vector<Shape> in_shapes;
@@ -474,6 +487,7 @@ struct AllToAllFn : Function<AllToAllFn> {
 
 struct AllToAllSingleFn : Function<AllToAllSingleFn> {
   static constexpr const char* kName = "AllToAllSingleBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   Splits out_splits, in_splits;
   Shape in_shape;
@@ -488,14 +502,14 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
             ? empty(x.shape(), x.dtype(), x.device())
             : empty(shape_from_splits("all_to_all_single", group, out_splits, "output_splits", x),
                     x.dtype(), x.device());
-    dist::all_to_all_single(group, out, x, out_splits, in_splits);
+    dist::all_to_all_single(group, out, x, out_splits, in_splits, caller);
     forward_call = group.last_call();
     return {out};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor dx = empty(in_shape, grads[0].dtype(), grads[0].device());
-    dist::all_to_all_single(group, dx, grads[0], in_splits, out_splits);
+    dist::all_to_all_single(group, dx, grads[0], in_splits, out_splits, caller);
     return {dx};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
@@ -503,11 +517,12 @@ struct AllToAllSingleFn : Function<AllToAllSingleFn> {
 
 struct CopyToTpRegionFn : Function<CopyToTpRegionFn> {
   static constexpr const char* kName = "CopyToTpRegionBackward";
+  dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) { return {in[0]}; }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     Tensor g = grads[0].copy_data();
-    dist::all_reduce(group, g, ReduceOp::Sum);
+    dist::all_reduce(group, g, ReduceOp::Sum, caller);
     return {g};
   }
 };
@@ -534,49 +549,54 @@ std::vector<Tensor> joined(std::vector<Tensor> outs, const ProcessGroup& group) 
 
 }  // namespace
 
-Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op) {
+Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op, dist::Caller caller) {
   check_defined("all_reduce", group, x, "x");
-  return joined(AllReduceFn{{}, group, op, {}, {}}.apply({x}), group)[0];
+  return joined(AllReduceFn{{}, caller, group, op, {}, {}}.apply({x}), group)[0];
 }
 
-Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group) {
+Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group, dist::Caller caller) {
   check_defined("broadcast", group, x, "x");
   check_root("broadcast", group, src, "src");
-  return joined(BroadcastFn{{}, group, src}.apply({x}), group)[0];
+  return joined(BroadcastFn{{}, caller, group, src}.apply({x}), group)[0];
 }
 
-Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op) {
+Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op,
+              dist::Caller caller) {
   check_defined("reduce", group, x, "x");
   check_root("reduce", group, dst, "dst");
-  return joined(ReduceFn{{}, group, dst, op, {}, {}}.apply({x}), group)[0];
+  return joined(ReduceFn{{}, caller, group, dst, op, {}, {}}.apply({x}), group)[0];
 }
 
-std::vector<Tensor> all_gather(const Tensor& x, const ProcessGroup& group, GatherGrad grad) {
+std::vector<Tensor> all_gather(const Tensor& x, const ProcessGroup& group, GatherGrad grad,
+                               dist::Caller caller) {
   check_defined("all_gather", group, x, "x");
-  return joined(AllGatherFn{{}, group, grad}.apply({x}), group);
+  return joined(AllGatherFn{{}, caller, group, grad}.apply({x}), group);
 }
 
-Tensor all_gather_single(const Tensor& x, const ProcessGroup& group, GatherGrad grad) {
+Tensor all_gather_single(const Tensor& x, const ProcessGroup& group, GatherGrad grad,
+                         dist::Caller caller) {
   check_defined("all_gather_single", group, x, "x");
-  return joined(AllGatherSingleFn{{}, group, grad}.apply({x}), group)[0];
+  return joined(AllGatherSingleFn{{}, caller, group, grad}.apply({x}), group)[0];
 }
 
 Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessGroup& group,
-                    GatherGrad grad) {
+                    GatherGrad grad, dist::Caller caller) {
   check_defined("all_gather_v", group, x, "x");
   if (static_cast<int>(output_splits.size()) != group.size())
     raise(nn_site("all_gather_v", group), fmt::format("output_splits has {} entries, expected {}",
                                                       output_splits.size(), group.size()));
-  return joined(AllGatherVFn{{}, group, output_splits, grad}.apply({x}), group)[0];
+  return joined(AllGatherVFn{{}, caller, group, output_splits, grad}.apply({x}), group)[0];
 }
 
-std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group) {
+std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group,
+                           dist::Caller caller) {
   check_defined("gather", group, x, "x");
   check_root("gather", group, dst, "dst");
-  return joined(GatherFn{{}, group, dst}.apply({x}), group);
+  return joined(GatherFn{{}, caller, group, dst}.apply({x}), group);
 }
 
-Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group) {
+Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group,
+               dist::Caller caller) {
   check_root("scatter", group, src, "src");
   if (static_cast<int>(xs.size()) != group.size())
     raise(nn_site("scatter", group),
@@ -584,45 +604,48 @@ Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group
                       "used on src only)",
                       xs.size(), group.size()));
   for (const auto& t : xs) check_defined("scatter", group, t, "xs[i]");
-  return joined(ScatterFn{{}, group, src}.apply(xs), group)[0];
+  return joined(ScatterFn{{}, caller, group, src}.apply(xs), group)[0];
 }
 
-Tensor reduce_scatter(const std::vector<Tensor>& xs, const ProcessGroup& group, ReduceOp op) {
+Tensor reduce_scatter(const std::vector<Tensor>& xs, const ProcessGroup& group, ReduceOp op,
+                      dist::Caller caller) {
   refuse_nonlinear("reduce_scatter", group, op);
   for (const auto& t : xs) check_defined("reduce_scatter", group, t, "xs[i]");
-  return joined(ReduceScatterFn{{}, group, op}.apply(xs), group)[0];
+  return joined(ReduceScatterFn{{}, caller, group, op}.apply(xs), group)[0];
 }
 
-Tensor reduce_scatter_single(const Tensor& x, const ProcessGroup& group, ReduceOp op) {
+Tensor reduce_scatter_single(const Tensor& x, const ProcessGroup& group, ReduceOp op,
+                             dist::Caller caller) {
   refuse_nonlinear("reduce_scatter_single", group, op);
   check_defined("reduce_scatter_single", group, x, "x");
-  return joined(ReduceScatterSingleFn{{}, group, op}.apply({x}), group)[0];
+  return joined(ReduceScatterSingleFn{{}, caller, group, op}.apply({x}), group)[0];
 }
 
 Tensor reduce_scatter_v(const Tensor& x, const Splits& input_splits, const ProcessGroup& group,
-                        ReduceOp op) {
+                        ReduceOp op, dist::Caller caller) {
   refuse_nonlinear("reduce_scatter_v", group, op);
   check_defined("reduce_scatter_v", group, x, "x");
-  return joined(ReduceScatterVFn{{}, group, input_splits, op}.apply({x}), group)[0];
+  return joined(ReduceScatterVFn{{}, caller, group, input_splits, op}.apply({x}), group)[0];
 }
 
 std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup& group,
-                               const std::vector<Shape>& output_shapes) {
+                               const std::vector<Shape>& output_shapes, dist::Caller caller) {
   for (const auto& t : xs) check_defined("all_to_all", group, t, "xs[i]");
-  AllToAllFn fn{{}, group, output_shapes, {}};
+  AllToAllFn fn{{}, caller, group, output_shapes, {}};
   for (const auto& t : xs) fn.in_shapes.push_back(t.shape());
   return joined(std::move(fn).apply(xs), group);
 }
 
 Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Splits& input_splits,
-                         const ProcessGroup& group) {
+                         const ProcessGroup& group, dist::Caller caller) {
   check_defined("all_to_all_single", group, x, "x");
-  return joined(AllToAllSingleFn{{}, group, output_splits, input_splits, {}}.apply({x}), group)[0];
+  return joined(AllToAllSingleFn{{}, caller, group, output_splits, input_splits, {}}.apply({x}),
+                group)[0];
 }
 
-Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group) {
+Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group, dist::Caller caller) {
   check_defined("copy_to_tp_region", group, x, "x");
-  return joined(CopyToTpRegionFn{{}, group}.apply({x}), group)[0];
+  return joined(CopyToTpRegionFn{{}, caller, group}.apply({x}), group)[0];
 }
 
 Tensor cat_or_empty(const std::vector<Tensor>& rows, const Tensor& anchor, int64_t width) {

@@ -6,7 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "diffcomm/autograd/autograd.hpp"
+#include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/distributed/collectives.hpp"
+#include "diffcomm/nn/canonical_all_reduce.hpp"
+#include "diffcomm/nn/functional.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "diffcomm/tensor/error.hpp"
 #include "diffcomm/tensor/tensor.hpp"
@@ -134,6 +138,54 @@ TEST(SimDeadlock, TheReportNamesEachPendingCallsFileAndLine) {
                                 " of 3): all_reduce("
                                 "float32, in=[2], op=sum) at " +
                                 file + ":" + std::to_string(line) + "\n");
+}
+
+// The differentiable ops and new_group name the user's line too, not the
+// library's: a pending nn:: forward call, the backward of an nn:: op (at the
+// line of its forward call), and a sub-group being created.
+TEST(SimDeadlock, NnOpsAndNewGroupNameTheUsersLine) {
+  const std::string file = __FILE__;
+  auto pending_at = [&](int line) { return "at " + file + ":" + std::to_string(line) + "\n"; };
+  {
+    World w(options(2, 3));
+    int line = 0;
+    expect_deadlock(w,
+                    [&](Rank& r) {
+                      if (r.rank() == 1) return;
+                      line = __LINE__ + 1;
+                      (void)nn::all_reduce(f32({1, 2}), r.world());
+                    },
+                    {0}, {1}, {});
+    EXPECT_CONTAINS(w.error_messages()[0], pending_at(line));
+  }
+  {
+    World w(options(2, 4));
+    int line = 0;
+    expect_deadlock(w,
+                    [&](Rank& r) {
+                      Tensor x = f32({1, 2});
+                      x.set_requires_grad(true);
+                      line = __LINE__ + 1;
+                      Tensor y = nn::canonical_all_reduce(x, r.world());
+                      if (r.rank() == 0) (void)grad({sum(y)}, {x});  // rank 1 skips backward
+                    },
+                    {0}, {1}, {});
+    EXPECT_CONTAINS(w.error_messages()[0], "all_reduce #2");
+    EXPECT_CONTAINS(w.error_messages()[0], pending_at(line));
+  }
+  {
+    World w(options(2, 5));
+    int line = 0;
+    expect_deadlock(w,
+                    [&](Rank& r) {
+                      if (r.rank() == 1) return;
+                      line = __LINE__ + 1;
+                      (void)r.world().new_group({0, 1});
+                    },
+                    {0}, {1}, {});
+    EXPECT_CONTAINS(w.error_messages()[0], "new_group #0");
+    EXPECT_CONTAINS(w.error_messages()[0], pending_at(line));
+  }
 }
 
 // A mismatch names where each member made its call, grouped by call site.
@@ -319,17 +371,38 @@ TEST(SimMismatch, AllToAllShapes) {
 }
 
 TEST(SimMismatch, SendRecvShape) {
+  int send_line = 0, recv_line = 0;
+  const std::string file = __FILE__;
   expect_group_mismatch(
-      [](const ProcessGroup& g) {
-        if (g.rank() == 0)
+      [&](const ProcessGroup& g) {
+        if (g.rank() == 0) {
+          send_line = __LINE__ + 1;
           dist::send(g, zeros({2}), 1, 4);
-        else {
+        } else {
           Tensor t = zeros({3});
+          recv_line = __LINE__ + 1;
           dist::recv(g, t, 0, 4);
         }
       },
       {"rank 0 (global 2) sends float32[2] (tag 4)", "rank 1 (global 0) receives into float32[3]",
        "shape or dtype differs", "on group 'g'"});
+  // Where each side called (issue [4/7] item 5): checked after the run, once
+  // the lines are known.
+  World w(options(3, 7));
+  std::exception_ptr e = run_catching(w, [&](Rank& r) {
+    if (r.rank() == 0) {
+      send_line = __LINE__ + 1;
+      dist::send(r.world(), zeros({2}), 1, 4);
+    } else if (r.rank() == 1) {
+      Tensor t = zeros({3});
+      recv_line = __LINE__ + 1;
+      dist::recv(r.world(), t, 0, 4);
+    }
+  });
+  ASSERT_TRUE(holds<CollectiveMismatch>(e)) << what_of(e);
+  EXPECT_CONTAINS(what_of(e), "called at: " + file + ":" + std::to_string(send_line) +
+                                  " (rank 0), " + file + ":" + std::to_string(recv_line) +
+                                  " (rank 1)");
 }
 
 TEST(SimMismatch, NewGroupMemberLists) {

@@ -146,7 +146,8 @@ namespace detail {
 /// members_are_ranks: `fingerprint` is new_group's rank list (for reports).
 std::shared_ptr<Backend> split_backend(const ProcessGroup& group, int color, int key,
                                        const std::vector<int64_t>& fingerprint,
-                                       bool members_are_ranks = false);
+                                       bool members_are_ranks = false,
+                                       Caller caller = Caller::here());
 }  // namespace detail
 
 /// Even split of `rows` into `parts` blocks; throws InvalidArgument (naming

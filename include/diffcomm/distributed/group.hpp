@@ -13,6 +13,7 @@
 
 #include "diffcomm/autograd/autograd.hpp"
 #include "diffcomm/distributed/backend.hpp"
+#include "diffcomm/distributed/caller.hpp"
 #include "diffcomm/distributed/flight_recorder.hpp"
 #include "diffcomm/distributed/stats.hpp"
 
@@ -122,13 +123,15 @@ class ProcessGroup {
   /// CollectiveMismatch otherwise). Returns nullopt on non-members.
   /// Throws InvalidArgument on duplicates or out-of-range ranks.
   /// Follows torch.distributed.new_group.
-  std::optional<ProcessGroup> new_group(const std::vector<int>& ranks, std::string name = "") const;
+  /// caller: the call site its flight-recorder entry and reports name.
+  std::optional<ProcessGroup> new_group(const std::vector<int>& ranks, std::string name = "",
+                                        Caller caller = Caller::here()) const;
 
   /// Collective over this group (MPI_Comm_split semantics): members with the
   /// same color >= 0 form a group ordered by (key, rank). `fingerprint` must
   /// be equal on every member; `name` names this rank's new group.
   std::optional<ProcessGroup> split(int color, int key, const std::vector<int64_t>& fingerprint,
-                                    std::string name) const;
+                                    std::string name, Caller caller = Caller::here()) const;
 
  private:
   friend struct detail::SchedulerAccess;  // reads state_'s address (stats.hpp)

@@ -50,10 +50,12 @@ Tensor canonical_sum(const Tensor& chunks);
 /// Those bits do depend on size() (a sum over ranks' gradients), which is
 /// why the canonical form is the forward: it is what reduces gradients.
 ///
+/// caller: recorded by every collective it makes (functional.hpp).
 /// Throws InvalidArgument (naming the op, rank and group) for an undefined
 /// or 0-d tensor, k == 0, or an op other than Sum/Avg; mismatched k or shapes
 /// across members fail in the collectives as any mismatched call does.
 Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group,
-                            ReduceOp op = ReduceOp::Sum);
+                            ReduceOp op = ReduceOp::Sum,
+                            dist::Caller caller = dist::Caller::here());
 
 }  // namespace diffcomm::nn

@@ -20,6 +20,9 @@
 // all_reduce_ / broadcast_), with the same bits as these ops.
 // Errors: InvalidArgument for bad arguments (before any communication),
 // plus whatever the backend raises (see dist/collectives.hpp).
+// Call sites: every op takes a defaulted `caller` (dist/caller.hpp), the
+// line that called the op; every collective its forward and backward make
+// records it, so reports name the user's line, not this library's.
 #include <vector>
 
 #include "diffcomm/distributed/collectives.hpp"
@@ -51,27 +54,32 @@ enum class GatherGrad { Partial, Replicated };
 /// element is NaN: G is split evenly among those ranks, the others get 0.
 /// Product: dx_r = (sum_s g_s) * prod_{s != r} x_s, exact when some
 /// x_s are zero. Max/Min/Product backward runs on CPU tensors.
-Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op = ReduceOp::Sum);
+Tensor all_reduce(const Tensor& x, const ProcessGroup& group, ReduceOp op = ReduceOp::Sum,
+                  dist::Caller caller = dist::Caller::here());
 
 /// y = x of src on every rank. dx = sum of g over members on src, zeros
 /// elsewhere (a reduce to src).
-Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group);
+Tensor broadcast(const Tensor& x, int src, const ProcessGroup& group,
+                 dist::Caller caller = dist::Caller::here());
 
 /// y = reduce of x on dst; zeros (x's shape) on other ranks.
 /// Sum: dx = g of dst on every rank (a broadcast); Avg: that over size();
 /// premul_sum(f): f times that. Max/Min/Product (NaN rule included): as
 /// all_reduce, with G = g of dst.
-Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op = ReduceOp::Sum);
+Tensor reduce(const Tensor& x, int dst, const ProcessGroup& group, ReduceOp op = ReduceOp::Sum,
+              dist::Caller caller = dist::Caller::here());
 
 /// y[s] = x of member s (size() tensors of x's shape).
 /// Partial: dx = reduce_scatter(g, Sum) — one collective. Replicated: dx = g[rank].
 std::vector<Tensor> all_gather(const Tensor& x, const ProcessGroup& group,
-                               GatherGrad grad = GatherGrad::Partial);
+                               GatherGrad grad = GatherGrad::Partial,
+                               dist::Caller caller = dist::Caller::here());
 
 /// y [size()*R, ...] = rows of every member concatenated (x is [R, ...]).
 /// Partial: dx = reduce_scatter_single(g). Replicated: dx = g rows of this rank.
 Tensor all_gather_single(const Tensor& x, const ProcessGroup& group,
-                         GatherGrad grad = GatherGrad::Partial);
+                         GatherGrad grad = GatherGrad::Partial,
+                         dist::Caller caller = dist::Caller::here());
 
 /// y [sum(output_splits), ...] = concatenation of the members' x; member s
 /// has output_splits[s] rows (equal on every rank).
@@ -79,39 +87,44 @@ Tensor all_gather_single(const Tensor& x, const ProcessGroup& group,
 /// Throws InvalidArgument (naming the op and the size) before allocating when
 /// output_splits are negative, overflow, or ask for more than kMaxTensorBytes.
 Tensor all_gather_v(const Tensor& x, const Splits& output_splits, const ProcessGroup& group,
-                    GatherGrad grad = GatherGrad::Partial);
+                    GatherGrad grad = GatherGrad::Partial,
+                    dist::Caller caller = dist::Caller::here());
 
 /// On dst y[s] = x of member s; on other ranks size() zero tensors.
 /// dx = g[rank] of dst (a scatter from dst).
-std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group);
+std::vector<Tensor> gather(const Tensor& x, int dst, const ProcessGroup& group,
+                           dist::Caller caller = dist::Caller::here());
 
 /// y = xs[rank] of src. Every rank passes size() tensors of the output shape;
 /// on ranks other than src their values are ignored and get zero gradients.
 /// dxs on src = the members' g (a gather to src); zeros elsewhere.
-Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group);
+Tensor scatter(const std::vector<Tensor>& xs, int src, const ProcessGroup& group,
+               dist::Caller caller = dist::Caller::here());
 
 /// y = reduce over members s of xs[rank] of s (xs: size() tensors of y's shape).
 /// Sum: dxs[j] = g of member j (an all_gather). Avg: that over size();
 /// premul_sum(f): f times that. Max/Min/Product: InvalidArgument.
 Tensor reduce_scatter(const std::vector<Tensor>& xs, const ProcessGroup& group,
-                      ReduceOp op = ReduceOp::Sum);
+                      ReduceOp op = ReduceOp::Sum, dist::Caller caller = dist::Caller::here());
 
 /// x [size()*R, ...] -> y [R, ...]. Backward: all_gather_single (over size() for Avg,
 /// times f for premul_sum(f)).
 Tensor reduce_scatter_single(const Tensor& x, const ProcessGroup& group,
-                             ReduceOp op = ReduceOp::Sum);
+                             ReduceOp op = ReduceOp::Sum,
+                             dist::Caller caller = dist::Caller::here());
 
 /// x [sum(input_splits), ...] -> y [input_splits[rank], ...].
 /// Backward: all_gather_v(g, input_splits) (over size() for Avg, times f for
 /// premul_sum(f)).
 Tensor reduce_scatter_v(const Tensor& x, const Splits& input_splits, const ProcessGroup& group,
-                        ReduceOp op = ReduceOp::Sum);
+                        ReduceOp op = ReduceOp::Sum, dist::Caller caller = dist::Caller::here());
 
 /// y[s] = xs[rank] of member s. output_shapes[s] is the shape of y[s] (the
 /// shape of xs[rank] on member s); empty means "same as xs[s] here".
 /// Backward: all_to_all of the gradients.
 std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup& group,
-                               const std::vector<Shape>& output_shapes = {});
+                               const std::vector<Shape>& output_shapes = {},
+                               dist::Caller caller = dist::Caller::here());
 
 /// Rows routed by splits (torch.distributed.nn.all_to_all_single): x's blocks
 /// of input_splits[j] rows go to member j; y has output_splits[s] rows from
@@ -119,7 +132,7 @@ std::vector<Tensor> all_to_all(const std::vector<Tensor>& xs, const ProcessGroup
 /// splits swapped; dx has x's shape even when row totals differ.
 /// Output sizes from splits are checked as in all_gather_v before allocating.
 Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Splits& input_splits,
-                         const ProcessGroup& group);
+                         const ProcessGroup& group, dist::Caller caller = dist::Caller::here());
 
 /// Megatron's "copy to tensor-model-parallel region" (f in the Megatron-LM
 /// paper): y = x (identity; x is a replica held equally by every member), and
@@ -127,7 +140,8 @@ Tensor all_to_all_single(const Tensor& x, const Splits& output_splits, const Spl
 /// the complete, equal gradient. This is what makes the receivers of an
 /// exchange "replicas" in the sense of GatherGrad::Replicated /
 /// ReceiverGrad::ReplicatedOverTp.
-Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group);
+Tensor copy_to_tp_region(const Tensor& x, const ProcessGroup& group,
+                         dist::Caller caller = dist::Caller::here());
 
 /// cat(rows) when rows is non-empty; otherwise a [0, width] tensor of
 /// anchor's dtype and device that keeps an autograd edge to anchor (its

@@ -259,7 +259,8 @@ std::string compare_p2p(const CallDesc& send, int src, int src_global, const Cal
   if (send.dtype == recv.dtype && sent == into) return "";
   return fmt::format("{} sends {}{} (tag {}) but {} receives into {}{}: shape or dtype differs",
                      rank_label(src, src_global), dtype_name(send.dtype), shape_str(sent), send.tag,
-                     rank_label(dst, dst_global), dtype_name(recv.dtype), shape_str(into));
+                     rank_label(dst, dst_global), dtype_name(recv.dtype), shape_str(into)) +
+         call_sites({send.caller, recv.caller}, {src_global, dst_global});
 }
 
 }  // namespace diffcomm::dist
