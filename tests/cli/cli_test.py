@@ -639,6 +639,37 @@ def step_out_of_fiber_stacks_names_the_cause(cli):
 
 
 @scenario
+def step_out_of_memory_while_ranks_are_set_up_is_reported(cli):
+    """Issue [4/7] item 4: under an address-space limit just above what the
+    1024 fiber stacks take (256 MiB), ranks run out of memory while they are
+    set up (backend, flight recorder, world group) or in their step. Every
+    limit must end in a report and exit 1; a setup failure aborted the process
+    (std::terminate, SIGABRT) before. The sweep crosses the limits where setup
+    fails (280-310 MB on the development machine, Debug build). Not under
+    AddressSanitizer (its shadow memory needs the address space)."""
+    if "ASAN_OPTIONS" in os.environ:
+        print("skipped: an address-space limit cannot apply under AddressSanitizer")
+        return
+    import resource  # noqa: PLC0415
+
+    argv = [cli.exe, "step", "--ranks", "1024", "--batch", "1", "--images-per-sample", "1",
+            "--memory-limit", "100"]
+    setups = 0
+    for mb in range(265, 340, 10):
+        def limit(mb=mb):
+            resource.setrlimit(resource.RLIMIT_AS, (mb << 20, mb << 20))
+
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S,
+                           stdin=subprocess.DEVNULL, preexec_fn=limit)
+        r = Result(argv, p.returncode, p.stdout, p.stderr)
+        expect(r.rc == FAILED and "run ended: " in r.out + r.err,
+               f"under a {mb} MiB limit: expected exit {FAILED} with a report\n{r.describe()}")
+        setups += "could not set up the rank before its function ran" in r.out + r.err
+    if setups == 0:
+        print("note: no limit of the sweep failed during rank setup on this machine")
+
+
+@scenario
 def step_equivalence_names_the_factor(cli):
     # The forced Partial convention on TP replicas is tp x the reference (see
     # step_check_fails_exit_1): --equivalence names the factor and the mesh dim.

@@ -154,6 +154,30 @@ RankExit call_rank_function(const std::function<void(Rank&)>& fn, Rank& rank) {
   return exit;
 }
 
+// Allocated before any rank runs: the message of a rank whose setup failed
+// for lack of memory cannot count on allocating its own.
+const auto kSetupOutOfMemory = std::make_shared<const std::string>(
+    "out of memory setting up the rank (its backend, flight recorder and world group) before "
+    "its function ran");
+
+// "could not set up the rank ...: <what>" (the report prefixes the rank),
+// or the preallocated message when even that cannot be allocated. Never
+// throws.
+std::shared_ptr<const std::string> setup_failure_message(const std::exception_ptr& error) noexcept {
+  try {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      return std::make_shared<const std::string>(
+          fmt::format("could not set up the rank before its function ran (its backend, flight "
+                      "recorder and world group): {}",
+                      e.what()));
+    }
+  } catch (...) {
+  }
+  return kSetupOutOfMemory;
+}
+
 // What World::run throws: the class of the first failure's kind with the
 // run's failures added, so `catch (const Deadlock&)` (or any kind's class)
 // and `catch (const RunFailures&)` both match it. The kind is chosen at run
@@ -260,28 +284,44 @@ std::vector<boost::fibers::fiber> World::Impl::start_ranks(
 void World::Impl::run_rank(World* world, const std::function<void(Rank&)>& fn,
                            const std::shared_ptr<SimGroup>& world_group, int r) {
   algo->on_resumed();
-  auto backend = std::make_shared<detail::SimBackend>(this, world_group, r, running);
-  const uint64_t z = rank_seed(options.seed, r);
-  // The flight recorder reads the rank's simulated clock, not the
-  // wall clock: deterministic, and free.
   RankState& state = ranks[static_cast<std::size_t>(r)];
-  auto recorder = std::make_shared<dist::FlightRecorder>(
-      [](const void* s) { return static_cast<const RankState*>(s)->clock_us * 1e-6; }, &state);
-  const dist::FlightRecorder* recorder_ptr = recorder.get();
-  Rank rank(world, r, dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)), z);
+  const dist::FlightRecorder* recorder_ptr = nullptr;
+  std::unique_ptr<Rank> rank;  // (Rank's constructor is World's: no optional::emplace)
+  RankExit exit;
+  try {
+    auto backend = std::make_shared<detail::SimBackend>(this, world_group, r, running);
+    // The flight recorder reads the rank's simulated clock, not the
+    // wall clock: deterministic, and free.
+    auto recorder = std::make_shared<dist::FlightRecorder>(
+        [](const void* s) { return static_cast<const RankState*>(s)->clock_us * 1e-6; }, &state);
+    recorder_ptr = recorder.get();
+    rank.reset(new Rank(world, r,
+                        dist::ProcessGroup(backend, "world", state.stats, std::move(recorder)),
+                        rank_seed(options.seed, r)));
+  } catch (...) {
+    // The rank's setup failed before its function ran (out of memory under
+    // a limit): an exception must not leave the fiber (std::terminate), so
+    // it is the rank's error like any of its function's. Nothing in a
+    // handler may yield (Boost 1.74).
+    exit.error = std::current_exception();
+  }
   // What this rank touches first when resumed in a world-group call,
   // for the scheduler to prefetch. The fiber never returns to the
   // ready set once these objects die (it ends without yielding), so
   // no stale hint is read; withdrawing them anyway keeps that true
   // if the exit path ever yields.
-  const auto group_hot = dist::detail::SchedulerAccess::hot_addresses(rank.world());
-  algo->set_hints(r, {{group_hot[0], group_hot[1], &state}, recorder_ptr, state.stats.get()});
   struct WithdrawHints {
     detail::SeededAlgorithm* algo;
     int rank;
     ~WithdrawHints() { algo->set_hints(rank, {}); }
   } withdraw_hints{algo, r};
-  RankExit exit = call_rank_function(fn, rank);
+  if (rank) {
+    const auto group_hot = dist::detail::SchedulerAccess::hot_addresses(rank->world());
+    algo->set_hints(r, {{group_hot[0], group_hot[1], &state}, recorder_ptr, state.stats.get()});
+    exit = call_rank_function(fn, *rank);
+  } else {
+    exit.message = setup_failure_message(exit.error);
+  }
   errors[static_cast<std::size_t>(r)] = exit.error;
   on_rank_exit(r, exit.error, std::move(exit.message));
   static_cast<detail::FiberProps*>(boost::fibers::context::active()->get_properties())
