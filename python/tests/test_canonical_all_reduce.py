@@ -68,6 +68,8 @@ def test_bad_arguments_name_the_op():
         dsim.run(2, lambda r, g: dt.canonical_all_reduce(torch.zeros(()), group=g))
     with pytest.raises(diffcomm.InvalidArgument, match="max is not canonical"):
         dsim.run(1, lambda r, g: dt.canonical_all_reduce(torch.zeros(2), "max", group=g))
+    with pytest.raises(diffcomm.CollectiveMismatch, match="members hold different numbers"):
+        dsim.run(2, lambda r, g: dt.canonical_all_reduce(torch.zeros(1 + r, 3), group=g))
 
 
 def one_process_bits():

@@ -74,8 +74,7 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
     Tensor send = as_is ? x.view_as_shape({members, S})
                         : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
     Tensor recv = empty({C, S}, x.dtype(), x.device());
-    dist::all_to_all_single(group, recv, send, {}, {},
-                            caller);  // row q*k + j: global chunk q*k + j
+    exchange_slices(recv, send, k, n);  // row q*k + j: global chunk q*k + j
     forward_call = group.last_call();
     Tensor mine = tree(recv);
     Tensor gathered = empty({members, S}, x.dtype(), x.device());
@@ -84,6 +83,23 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
     Tensor total = n == members * S ? flat : flat.row_view(0, n).copy_data();
     if (op == ReduceOp::Avg) total = scale(total, 1.0 / static_cast<double>(C));
     return {total.view_as_shape(trailing(x.shape()))};
+  }
+  // The all_to_all_single of the forward. Its splits and row size come from
+  // k and the chunk size alone, so a mismatch in it means members disagree
+  // on those: reported in this op's terms (the step named as detail).
+  void exchange_slices(const Tensor& recv, const Tensor& send, int64_t k, int64_t n) {
+    try {
+      dist::all_to_all_single(group, recv, send, {}, {}, caller);
+    } catch (const CollectiveMismatch& e) {
+      ErrorSite s = e.site();
+      s.op = fmt::format("nn::{}", kOp);
+      s.step = "all_to_all_single";
+      raise<CollectiveMismatch>(
+          std::move(s), fmt::format("members hold different numbers or shapes of chunks (each "
+                                    "holds C / size() chunks of one shape; this rank: {} of {} "
+                                    "elements): {}",
+                                    k, n, e.detail()));
+    }
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
