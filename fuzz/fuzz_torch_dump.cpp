@@ -15,15 +15,20 @@
 #include "diffcomm/tensor/error.hpp"
 
 namespace {
-// One directory per fuzzing process, holding the one file each input becomes.
+// One directory per fuzzing process, holding the one file each input becomes;
+// removed when the process exits (libFuzzer ends a timed run with exit()).
+struct ScratchDir {
+  std::filesystem::path path = std::filesystem::temp_directory_path() /
+                               ("diffcomm_fuzz_torch_dump_" + std::to_string(getpid()));
+  ScratchDir() { std::filesystem::create_directories(path); }
+  ~ScratchDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
 const std::filesystem::path& dir() {
-  static const std::filesystem::path d = [] {
-    auto p = std::filesystem::temp_directory_path() /
-             ("diffcomm_fuzz_torch_dump_" + std::to_string(getpid()));
-    std::filesystem::create_directories(p);
-    return p;
-  }();
-  return d;
+  static const ScratchDir d;
+  return d.path;
 }
 }  // namespace
 
