@@ -103,7 +103,9 @@ void bind_nn(nb::module_& m) {
         return canonical_all_reduce(x, g, op);
       },
       "chunks"_a, "group"_a, "op"_a = sum, release());
-  nn.def("canonical_sum", &canonical_sum, "chunks"_a, release());
+  nn.def(
+      "canonical_sum", [](const Tensor& x, ReduceOp op) { return canonical_sum(x, op); },
+      "chunks"_a, "op"_a = sum, release());
   nn.def("cat_or_empty", &cat_or_empty, "rows"_a, "anchor"_a, "width"_a, release());
 }
 

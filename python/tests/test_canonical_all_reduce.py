@@ -38,9 +38,7 @@ def spread(c, n, dtype, seed=5):
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_simulated_world_sizes_1_to_8_give_the_bits_of_one_process(dtype, op):
     chunks = spread(840, 5, dtype)
-    one = dt.canonical_sum(chunks)
-    if op == "avg":
-        one = one * torch.tensor(1.0 / 840, dtype=dtype)
+    one = dt.canonical_sum(chunks, op)
     plain = set()
     for w in range(1, 9):
         k = 840 // w
@@ -68,8 +66,19 @@ def test_bad_arguments_name_the_op():
         dsim.run(2, lambda r, g: dt.canonical_all_reduce(torch.zeros(()), group=g))
     with pytest.raises(diffcomm.InvalidArgument, match="max is not canonical"):
         dsim.run(1, lambda r, g: dt.canonical_all_reduce(torch.zeros(2), "max", group=g))
-    with pytest.raises(diffcomm.CollectiveMismatch, match="members hold different numbers"):
+    with pytest.raises(diffcomm.CollectiveMismatch, match="members must hold the same number"):
         dsim.run(2, lambda r, g: dt.canonical_all_reduce(torch.zeros(1 + r, 3), group=g))
+    # Shapes whose slices fit and ops that differ were wrong sums without an error.
+    with pytest.raises(diffcomm.CollectiveMismatch, match=r"chunks of \[4\]"):
+        dsim.run(2, lambda r, g: dt.canonical_all_reduce(torch.zeros(2, 3 + r), group=g))
+    with pytest.raises(diffcomm.CollectiveMismatch, match="op avg"):
+        dsim.run(2, lambda r, g: dt.canonical_all_reduce(torch.ones(2, 3), ["sum", "avg"][r],
+                                                         group=g))
+    with pytest.raises(diffcomm.InvalidArgument, match="avg is undefined for integer"):
+        dsim.run(1, lambda r, g: dt.canonical_all_reduce(torch.ones(2, 3, dtype=torch.int64),
+                                                         "avg", group=g))
+    with pytest.raises(diffcomm.InvalidArgument, match="torch.stack a list first"):
+        dt.canonical_sum([torch.ones(2), torch.ones(2)])
 
 
 def one_process_bits():

@@ -11,6 +11,9 @@
 #include "diffcomm/nn/canonical_all_reduce.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
 
 #include "diffcomm/autograd/autograd.hpp"
 #include "diffcomm/autograd/ops.hpp"
@@ -74,7 +77,7 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
     Tensor send = as_is ? x.view_as_shape({members, S})
                         : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
     Tensor recv = empty({C, S}, x.dtype(), x.device());
-    exchange_slices(recv, send, k, n);  // row q*k + j: global chunk q*k + j
+    dist::all_to_all_single(group, recv, send, {}, {}, caller);  // row q*k + j: chunk q*k + j
     forward_call = group.last_call();
     Tensor mine = tree(recv);
     Tensor gathered = empty({members, S}, x.dtype(), x.device());
@@ -83,23 +86,6 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
     Tensor total = n == members * S ? flat : flat.row_view(0, n).copy_data();
     if (op == ReduceOp::Avg) total = scale(total, 1.0 / static_cast<double>(C));
     return {total.view_as_shape(trailing(x.shape()))};
-  }
-  // The all_to_all_single of the forward. Its splits and row size come from
-  // k and the chunk size alone, so a mismatch in it means members disagree
-  // on those: reported in this op's terms (the step named as detail).
-  void exchange_slices(const Tensor& recv, const Tensor& send, int64_t k, int64_t n) {
-    try {
-      dist::all_to_all_single(group, recv, send, {}, {}, caller);
-    } catch (const CollectiveMismatch& e) {
-      ErrorSite s = e.site();
-      s.op = fmt::format("nn::{}", kOp);
-      s.step = "all_to_all_single";
-      raise<CollectiveMismatch>(
-          std::move(s), fmt::format("members hold different numbers or shapes of chunks (each "
-                                    "holds C / size() chunks of one shape; this rank: {} of {} "
-                                    "elements): {}",
-                                    k, n, e.detail()));
-    }
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
@@ -118,31 +104,96 @@ struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
   dist::CallId forward_call{};  // named by every call backward() makes
 };
 
-void check_chunks(const ProcessGroup* g, const Tensor& chunks, const char* name) {
-  const auto fail = [&](const std::string& why) {
-    if (g) raise(site(*g), why);
-    raise(name, why);
-  };
-  if (!chunks.defined()) fail("chunks is undefined");
-  if (chunks.dim() == 0) fail("chunks is 0-d; it needs one row (dim 0) per chunk");
-  if (chunks.size(0) == 0) fail(fmt::format("chunks is {}: no chunk on this rank", chunks.str()));
+// What is wrong with this rank's arguments, "" when nothing is.
+std::string local_problem(const Tensor& chunks, ReduceOp op) {
+  if (chunks.dim() == 0) return "chunks is 0-d; it needs one row (dim 0) per chunk";
+  if (chunks.size(0) == 0) return fmt::format("chunks is {}: no chunk on this rank", chunks.str());
+  if (op != ReduceOp::Sum && op != ReduceOp::Avg)
+    return fmt::format("reduce op {} is not canonical here; use sum or avg",
+                       dist::reduce_op_name(op));
+  if (op == ReduceOp::Avg && !is_floating(chunks.dtype()))
+    return fmt::format("avg is undefined for integer dtype {} (use sum)",
+                       dtype_name(chunks.dtype()));
+  return "";
+}
+
+// One member's arguments as the agreement step exchanges them: whether it
+// refused its own, its chunk count, op, dtype and chunk shape (up to
+// kShownDims dims shown; every dim in the hash).
+constexpr int kShownDims = 4;
+constexpr int64_t kWidth = 6 + kShownDims;
+std::vector<int64_t> agreement_row(const Tensor& chunks, ReduceOp op, bool refused) {
+  std::vector<int64_t> row(kWidth, 0);
+  row[0] = refused ? 1 : 0;
+  row[1] = chunks.dim() == 0 ? -1 : chunks.size(0);
+  row[2] = op == ReduceOp::Sum ? 0 : op == ReduceOp::Avg ? 1 : 2;
+  row[3] = static_cast<int64_t>(chunks.dtype());
+  row[4] = chunks.dim() - 1;
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the trailing dims
+  for (int64_t d = 1; d < chunks.dim(); ++d) {
+    h = (h ^ static_cast<uint64_t>(chunks.size(d))) * 0x100000001b3ull;
+    if (d <= kShownDims) row[static_cast<std::size_t>(5 + d)] = chunks.size(d);
+  }
+  row[5] = static_cast<int64_t>(h & 0x7fffffffffffffffull);
+  return row;
+}
+
+std::string describe_row(const int64_t* r) {
+  if (r[0] != 0) return "refused its own arguments";
+  std::vector<int64_t> dims(r + 6, r + 6 + std::min<int64_t>(r[4], kShownDims));
+  return fmt::format("{} chunks of [{}{}] {}, op {}", r[1], fmt::join(dims, ", "),
+                     r[4] > kShownDims ? ", ..." : "", dtype_name(static_cast<DType>(r[3])),
+                     r[2] == 0   ? "sum"
+                     : r[2] == 1 ? "avg"
+                                 : "other");
+}
+
+// The agreement step: members exchange their arguments (one small
+// all_gather_single) before any data moves. Without it, members whose
+// chunk shapes or ops differ could still fit the slices the collectives
+// move (they only see ceil(n / size()) elements per slice) and get wrong
+// sums without an error; a member that refuses its own arguments would
+// leave its peers waiting. Every member raises: InvalidArgument for its
+// own arguments, CollectiveMismatch naming the first member that differs.
+void agree(const ProcessGroup& g, const Tensor& chunks, ReduceOp op, dist::Caller caller) {
+  const std::string problem = local_problem(chunks, op);
+  const std::vector<int64_t> mine = agreement_row(chunks, op, !problem.empty());
+  Tensor row = empty({1, kWidth}, DType::Int64);
+  std::copy(mine.begin(), mine.end(), row.data<int64_t>());
+  Tensor all = empty({g.size(), kWidth}, DType::Int64, chunks.device());
+  dist::all_gather_single(g, all, row.to(chunks.device()), caller);
+  if (!problem.empty()) raise(site(g), problem);
+  const Tensor host = all.to(Device::cpu());
+  const int64_t* rows = host.data<int64_t>();
+  for (int m = 0; m < g.size(); ++m) {
+    const int64_t* r = rows + m * kWidth;
+    if (std::equal(r, r + kWidth, mine.data())) continue;
+    ErrorSite s = site(g);
+    s.step = "agreement";
+    raise<CollectiveMismatch>(
+        std::move(s),
+        fmt::format("members must hold the same number of chunks of one shape and dtype and "
+                    "pass the same op: rank {} (global {}) {}, this rank {}",
+                    m, g.global_rank(m), describe_row(r), describe_row(mine.data())));
+  }
 }
 
 }  // namespace
 
-Tensor canonical_sum(const Tensor& chunks) {
-  check_chunks(nullptr, chunks, "canonical_sum");
+Tensor canonical_sum(const Tensor& chunks, ReduceOp op) {
+  if (!chunks.defined()) raise("canonical_sum", "chunks is undefined");
+  if (const std::string problem = local_problem(chunks, op); !problem.empty())
+    raise("canonical_sum", problem);
   const int64_t k = chunks.size(0), n = chunks.row_numel();
-  return tree(chunks.detach().copy_data().view_as_shape({k, n}))
-      .view_as_shape(trailing(chunks.shape()));
+  Tensor total = tree(chunks.detach().copy_data().view_as_shape({k, n}));
+  if (op == ReduceOp::Avg) total = scale(total, 1.0 / static_cast<double>(k));
+  return total.view_as_shape(trailing(chunks.shape()));
 }
 
 Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group, ReduceOp op,
                             dist::Caller caller) {
-  check_chunks(&group, chunks, kOp);
-  if (op != ReduceOp::Sum && op != ReduceOp::Avg)
-    raise(site(group), fmt::format("reduce op {} is not canonical here; use sum or avg",
-                                   dist::reduce_op_name(op)));
+  if (!chunks.defined()) raise(site(group), "chunks is undefined");
+  agree(group, chunks, op, caller);
   std::vector<Tensor> outs = CanonicalAllReduceFn{{}, caller, group, op}.apply({chunks});
   if (outs[0].defined()) Cohort::add(group.cohort(), outs[0].grad_fn());
   return outs[0];

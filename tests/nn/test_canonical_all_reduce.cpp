@@ -139,12 +139,90 @@ TEST(CanonicalAllReduce, BadArgumentsAreRefusedNamingTheOpRankAndGroup) {
       1, [](sim::Rank& rk) { nn::canonical_all_reduce(zeros({2}), rk.world(), ReduceOp::Max); });
   EXPECT_NE(e.find("reduce op max is not canonical"), std::string::npos) << e;
   EXPECT_THROW(nn::canonical_sum(Tensor{}), InvalidArgument);
-  // Members disagreeing on the number of chunks: a mismatch in the op's own
-  // terms, not a hang.
-  e = error_of(2, on_every_rank([](sim::Rank& rk) { return zeros({1 + rk.rank(), 4}); }));
-  EXPECT_NE(e.find("nn::canonical_all_reduce"), std::string::npos) << e;
-  EXPECT_NE(e.find("all_to_all_single step"), std::string::npos) << e;
-  EXPECT_NE(e.find("members hold different numbers or shapes of chunks"), std::string::npos) << e;
+  // Members that disagree, whatever the slices would fit, get
+  // CollectiveMismatch from the agreement step (found by a new user: [2, 3]
+  // against [2, 4] chunks, or sum against avg, gave wrong sums silently).
+  auto mismatch_of = [](auto make_x, auto op_of) {
+    sim::World world = make_world(2);
+    std::vector<std::string> kinds(2), messages(2);
+    world.run([&](sim::Rank& rk) {
+      const auto r = static_cast<std::size_t>(rk.rank());
+      try {
+        nn::canonical_all_reduce(make_x(rk), rk.world(), op_of(rk));
+      } catch (const CollectiveMismatch& e) {
+        kinds[r] = "CollectiveMismatch";
+        messages[r] = e.what();
+      } catch (const InvalidArgument& e) {
+        kinds[r] = "InvalidArgument";
+        messages[r] = e.what();
+      }
+    });
+    return std::pair{kinds, messages};
+  };
+  auto sum_op = [](sim::Rank&) { return ReduceOp(ReduceOp::Sum); };
+  {
+    auto [kinds, msgs] = mismatch_of(
+        [](sim::Rank& rk) {
+          return zeros({2, 3 + rk.rank()}, DType::Float64);
+        },
+        sum_op);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(kinds[static_cast<std::size_t>(r)], "CollectiveMismatch") << msgs[0];
+      EXPECT_NE(msgs[static_cast<std::size_t>(r)].find("agreement step"), std::string::npos);
+    }
+    EXPECT_NE(msgs[0].find("rank 1 (global 1) 2 chunks of [4] float64, op sum, this rank 2 "
+                           "chunks of [3] float64, op sum"),
+              std::string::npos)
+        << msgs[0];
+  }
+  {
+    auto [kinds, msgs] = mismatch_of(
+        [](sim::Rank&) {
+          return zeros({2, 3});
+        },
+        [](sim::Rank& rk) {
+          return rk.rank() == 0 ? ReduceOp(ReduceOp::Sum) : ReduceOp(ReduceOp::Avg);
+        });
+    EXPECT_EQ(kinds, (std::vector<std::string>{"CollectiveMismatch", "CollectiveMismatch"}));
+    EXPECT_NE(msgs[0].find("op avg"), std::string::npos) << msgs[0];
+  }
+  {  // one member without chunks: it refuses, its peer learns at once
+    auto [kinds, msgs] = mismatch_of(
+        [](sim::Rank& rk) {
+          return zeros({rk.rank() == 0 ? 0 : 2, 3});
+        },
+        sum_op);
+    EXPECT_EQ(kinds, (std::vector<std::string>{"InvalidArgument", "CollectiveMismatch"}));
+    EXPECT_NE(msgs[0].find("no chunk on this rank"), std::string::npos) << msgs[0];
+    EXPECT_NE(msgs[1].find("rank 0 (global 0) refused its own arguments"), std::string::npos)
+        << msgs[1];
+  }
+  {  // members holding different chunk counts
+    auto [kinds, msgs] = mismatch_of(
+        [](sim::Rank& rk) {
+          return zeros({1 + rk.rank(), 4});
+        },
+        sum_op);
+    EXPECT_EQ(kinds, (std::vector<std::string>{"CollectiveMismatch", "CollectiveMismatch"}));
+  }
+  // Avg of integers has no meaning here, as in all_reduce.
+  e = error_of(1, [](sim::Rank& rk) {
+    nn::canonical_all_reduce(zeros({2, 3}, DType::Int64), rk.world(), ReduceOp::Avg);
+  });
+  EXPECT_NE(e.find("avg is undefined for integer dtype int64"), std::string::npos) << e;
+  EXPECT_THROW(nn::canonical_sum(zeros({2}, DType::Int32), ReduceOp::Avg), InvalidArgument);
+  // canonical_sum with Avg is the single-rank reference of the op's Avg.
+  sim::World world = make_world(2);
+  std::vector<std::vector<double>> avg(2);
+  const Tensor all = from_vector({1e16, 1.0, -1e16, 3.0}, {4}, DType::Float64);
+  world.run([&](sim::Rank& rk) {
+    avg[static_cast<std::size_t>(rk.rank())] =
+        nn::canonical_all_reduce(all.row_view(2 * rk.rank(), 2).copy_data(), rk.world(),
+                                 ReduceOp::Avg)
+            .to_vector();
+  });
+  EXPECT_EQ(avg[0], nn::canonical_sum(all, ReduceOp::Avg).to_vector());
+  EXPECT_EQ(avg[1], avg[0]);
 }
 
 }  // namespace

@@ -170,7 +170,7 @@ TEST(SimDeadlock, NnOpsAndNewGroupNameTheUsersLine) {
                       if (r.rank() == 0) (void)grad({sum(y)}, {x});  // rank 1 skips backward
                     },
                     {0}, {1}, {});
-    EXPECT_CONTAINS(w.error_messages()[0], "all_reduce #2");
+    EXPECT_CONTAINS(w.error_messages()[0], "all_reduce #3");  // after agreement, a2a, gather
     EXPECT_CONTAINS(w.error_messages()[0], pending_at(line));
   }
   {

@@ -24,10 +24,13 @@ using dist::ReduceOp;
 /// row out (m odd) is kept after them, until one row is left:
 ///   C = 4: (x0 + x2) + (x1 + x3);  C = 3: (x0 + x1) + x2.
 /// Additions in chunks' dtype (bfloat16/float16 round each addition, as
-/// add() does). Any device add() supports. Not differentiable (the tree of
-/// canonical_all_reduce's forward; tests and single-rank references call it).
-/// Throws InvalidArgument for an undefined or 0-d tensor or C == 0.
-Tensor canonical_sum(const Tensor& chunks);
+/// add() does). Avg: the sum times 1/C, as scale() computes it (in the dtype;
+/// float32 for bfloat16/float16, rounded once). Any device add() supports.
+/// Not differentiable (the tree of canonical_all_reduce's forward: the
+/// single-rank reference of its result, op included).
+/// Throws InvalidArgument for an undefined or 0-d tensor, C == 0, an op
+/// other than Sum/Avg, or Avg on an integer dtype.
+Tensor canonical_sum(const Tensor& chunks, ReduceOp op = ReduceOp::Sum);
 
 /// y [...] = canonical_sum of the chunks of every member, on every member.
 ///
@@ -36,11 +39,18 @@ Tensor canonical_sum(const Tensor& chunks);
 /// chunks are contiguous); k and the trailing shape must agree on every
 /// member. The result's bits are those of canonical_sum over all C chunks on
 /// one rank, for every group size that divides C (float formats included:
-/// each element sees the same additions in the same order). Avg divides the
-/// sum by C (not by size()). Only Sum and Avg.
+/// each element sees the same additions in the same order). Avg is the sum
+/// times 1/C (not 1/size()), exactly canonical_sum(all chunks, Avg). Only Sum
+/// and Avg (Avg on floating dtypes only).
 ///
-/// Cost: one all_to_all_single (this rank receives k * size() slices of
-/// ceil(N / size()) elements, N = elements per chunk: about k*N) and one
+/// Agreement: before any data moves, members exchange k, the chunk shape,
+/// the dtype and the op (one all_gather_single of a few int64), so members
+/// that differ get CollectiveMismatch naming the first that differs, and a
+/// member whose own arguments are refused raises InvalidArgument while its
+/// peers get CollectiveMismatch at once (no wait for a deadline).
+///
+/// Cost: the agreement's small all_gather_single, one all_to_all_single (this rank receives k *
+/// size() slices of ceil(N / size()) elements, N = elements per chunk: about k*N) and one
 /// all_gather_single (about N): k*N + N received, against ~2N for a ring
 /// all_reduce; for k = 1 it is the same traffic as reduce-scatter +
 /// all-gather.
@@ -52,8 +62,8 @@ Tensor canonical_sum(const Tensor& chunks);
 ///
 /// caller: recorded by every collective it makes (functional.hpp).
 /// Throws InvalidArgument (naming the op, rank and group) for an undefined
-/// or 0-d tensor, k == 0, or an op other than Sum/Avg; mismatched k or shapes
-/// across members fail in the collectives as any mismatched call does.
+/// or 0-d tensor, k == 0, an op other than Sum/Avg or Avg on integers;
+/// CollectiveMismatch when members disagree (above).
 Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group,
                             ReduceOp op = ReduceOp::Sum,
                             dist::Caller caller = dist::Caller::here());

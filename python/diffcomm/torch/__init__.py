@@ -493,20 +493,27 @@ def canonical_all_reduce(chunks: torch.Tensor, op: Any = "sum",
     ``chunks`` ``[k, ...]`` holds this rank's partials for the logical chunks
     ``[rank*k, (rank+1)*k)`` of ``C = k * world size`` (e.g. the gradient of
     each of its micro-batches). The result ``[...]``, on every rank, is
-    ``canonical_sum`` of all C chunks: each element added over the chunks in one
-    fixed tree, so 1, 2, 4 or 8 ranks holding the same C chunks give the same
-    bits. ``op``: ``"sum"`` or ``"avg"`` (divides by C). Backward: every local
-    chunk gets ``all_reduce(grad)``. Semantics, cost and the tree:
-    ``include/diffcomm/nn/canonical_all_reduce.hpp``; how to use it for
-    data-parallel gradients: docs/python.md."""
+    ``canonical_sum(all C chunks, op)``: each element added over the chunks in
+    one fixed tree, so 1, 2, 4 or 8 ranks holding the same C chunks give the
+    same bits. ``op``: ``"sum"`` or ``"avg"`` (the sum times 1/C; floating
+    dtypes). Members first exchange k, the chunk shape, dtype and op: a member
+    that differs gives ``CollectiveMismatch`` on every rank. Backward: every
+    local chunk gets ``all_reduce(grad)`` (times 1/C for avg). Semantics, cost
+    and the tree: ``include/diffcomm/nn/canonical_all_reduce.hpp``; how to use
+    it for data-parallel gradients: docs/python.md."""
     g, o = group_or_default(group), reduce_op(op)
     out = apply_one(lambda t: _nn.canonical_all_reduce(t, g, o), chunks,
                     op="canonical_all_reduce", group=g)
     return finish(out, async_op, "canonical_all_reduce")
 
 
-def canonical_sum(chunks: torch.Tensor) -> torch.Tensor:
-    """``canonical_all_reduce``'s tree on one process: ``[C, ...] -> [...]``,
-    the single-rank reference (not differentiable; needs no process group)."""
+def canonical_sum(chunks: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+    """``canonical_all_reduce``'s result computed on one process from all C
+    chunks ``[C, ...] -> [...]`` (``op`` ``"sum"`` or ``"avg"``): the
+    single-rank reference, bit for bit. Not differentiable (the result does
+    not require grad); needs no process group."""
+    if not isinstance(chunks, torch.Tensor):
+        raise InvalidArgument(f"canonical_sum: chunks must be a torch.Tensor, got "
+                              f"{type(chunks).__name__} (torch.stack a list first)")
     d = to_diffcomm(chunks.detach())
-    return from_diffcomm(_nn.canonical_sum(d))
+    return from_diffcomm(_nn.canonical_sum(d, reduce_op(op)))
