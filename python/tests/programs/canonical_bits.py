@@ -30,9 +30,9 @@ def digest(t: torch.Tensor) -> str:
 
 def main() -> None:
     backend = sys.argv[1]
-    if backend == "torch":
-        import torch.distributed as tdist  # noqa: PLC0415
+    import torch.distributed as tdist  # noqa: PLC0415
 
+    if backend == "torch":
         tdist.init_process_group("gloo")
     dt.init_process_group(backend)
     rank, world = dt.get_rank(), dt.get_world_size()
@@ -51,6 +51,14 @@ def main() -> None:
             raise SystemExit(f"rank {rank}: group size {s}: bits differ from group rank 0's")
         if rank == 0:
             print(f"BITS {s} {digest(y)}", flush=True)
+    # Leave as a torch job should: torch 2.x's gloo threads, still running at
+    # interpreter exit, ended a rank with "terminate called without an active
+    # exception" (SIGABRT) once in CI. The barrier first: no rank tears down
+    # while a peer still reads its last broadcast.
+    dt.get_world().barrier()
+    dt.destroy_process_group()
+    if backend == "torch":
+        tdist.destroy_process_group()
 
 
 if __name__ == "__main__":
