@@ -19,18 +19,14 @@
 #include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/tensor/error.hpp"
+#include "nn/nn_site.hpp"
 
 namespace diffcomm::nn {
 namespace {
 
 constexpr const char* kOp = "canonical_all_reduce";
 
-ErrorSite site(const ProcessGroup& g) {
-  return {.op = fmt::format("nn::{}", kOp),
-          .group = g.name(),
-          .rank = g.rank(),
-          .group_size = g.size()};
-}
+ErrorSite site(const ProcessGroup& g) { return detail::nn_site(kOp, g); }
 
 Shape trailing(const Shape& s) { return Shape(s.begin() + 1, s.end()); }
 

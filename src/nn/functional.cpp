@@ -11,6 +11,7 @@
 #include "diffcomm/autograd/autograd.hpp"
 #include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/tensor/error.hpp"
+#include "nn/nn_site.hpp"
 
 namespace diffcomm::nn {
 namespace {
@@ -31,11 +32,7 @@ Tensor scaled(const Tensor& t, ReduceOp op, int n) {
   return a == 1.0 ? t : scale(t, a);
 }
 
-// Where nn::`op` was called on `g`: "nn::op on group 'g' (rank r of n)".
-ErrorSite nn_site(const char* op, const ProcessGroup& g) {
-  return {
-      .op = fmt::format("nn::{}", op), .group = g.name(), .rank = g.rank(), .group_size = g.size()};
-}
+using detail::nn_site;
 
 void check_defined(const char* op, const ProcessGroup& g, const Tensor& t, const char* role) {
   if (!t.defined()) raise(nn_site(op, g), fmt::format("{} is undefined", role));
