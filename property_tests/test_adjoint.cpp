@@ -28,6 +28,9 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
+#include <numeric>
+
 #include "diffcomm/nn/canonical_all_reduce.hpp"
 #include "diffcomm/nn/functional.hpp"
 #include "support.hpp"
@@ -61,6 +64,8 @@ enum class Op {
   ReduceScatterVPremulSum,
   CanonicalAllReduceSum,
   CanonicalAllReduceAvg,
+  CanonicalAllReduceV,
+  CanonicalReduceScatter,
 };
 
 const char* op_text(Op op) {
@@ -90,6 +95,8 @@ const char* op_text(Op op) {
     case Op::ReduceScatterVPremulSum: return "reduce_scatter_v(premul_sum(-0.375))";
     case Op::CanonicalAllReduceSum: return "canonical_all_reduce(sum)";
     case Op::CanonicalAllReduceAvg: return "canonical_all_reduce(avg)";
+    case Op::CanonicalAllReduceV: return "canonical_all_reduce_v(sum)";
+    case Op::CanonicalReduceScatter: return "canonical_reduce_scatter";
   }
   return "?";
 }
@@ -189,6 +196,30 @@ Case gen_case(Op op) {
       c.row_shape = gen_row_shape();
       c.rows = *rc::gen::inRange<int64_t>(1, 4);
       break;
+    case Op::CanonicalAllReduceV: {  // splits: chunks per member; matrix[m]: member m's ids
+      c.row_shape = gen_row_shape();
+      c.splits = gen_splits(n);
+      std::vector<int64_t> ids(static_cast<std::size_t>(total(c.splits)));
+      std::iota(ids.begin(), ids.end(), int64_t{0});
+      const auto keys =
+          *rc::gen::container<std::vector<int>>(ids.size(), rc::gen::arbitrary<int>());
+      std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
+        return keys[static_cast<std::size_t>(a)] < keys[static_cast<std::size_t>(b)];
+      });
+      std::size_t at = 0;
+      for (int64_t k : c.splits) {
+        c.matrix.emplace_back(
+            ids.begin() + static_cast<std::ptrdiff_t>(at),
+            ids.begin() + static_cast<std::ptrdiff_t>(at + static_cast<std::size_t>(k)));
+        at += static_cast<std::size_t>(k);
+      }
+      break;
+    }
+    case Op::CanonicalReduceScatter:  // shape: [k chunks, rows per member, ...]
+      c.row_shape = gen_row_shape();
+      c.rows = *rc::gen::inRange<int64_t>(1, 4);
+      c.shape = {*rc::gen::inRange<int64_t>(1, 4)};
+      break;
   }
   return c;
 }
@@ -278,6 +309,17 @@ Applied apply(Op op, const Case& c, const dist::ProcessGroup& g, DType dt, Gener
       leaves(with_rows(c.rows, c.row_shape), 1);
       a.outputs = {nn::canonical_all_reduce(a.inputs[0], g, reduce_op(op))};
       break;
+    case Op::CanonicalAllReduceV:
+      leaves(with_rows(c.splits[me], c.row_shape), 1);
+      a.outputs = {nn::canonical_all_reduce_v(a.inputs[0], c.matrix, g)};
+      break;
+    case Op::CanonicalReduceScatter: {
+      Shape s{c.shape[0], n * c.rows};
+      s.insert(s.end(), c.row_shape.begin(), c.row_shape.end());
+      leaves(s, 1);
+      a.outputs = {nn::canonical_reduce_scatter(a.inputs[0], g)};
+      break;
+    }
   }
   return a;
 }
@@ -378,6 +420,8 @@ DIFFCOMM_ADJOINT_PROPS(ReduceScatterSinglePremulSum, ReduceScatterSinglePremulSu
 DIFFCOMM_ADJOINT_PROPS(ReduceScatterVPremulSum, ReduceScatterVPremulSum)
 DIFFCOMM_ADJOINT_PROPS(CanonicalAllReduceSum, CanonicalAllReduceSum)
 DIFFCOMM_ADJOINT_PROPS(CanonicalAllReduceAvg, CanonicalAllReduceAvg)
+DIFFCOMM_ADJOINT_PROPS(CanonicalAllReduceV, CanonicalAllReduceV)
+DIFFCOMM_ADJOINT_PROPS(CanonicalReduceScatter, CanonicalReduceScatter)
 
 }  // namespace
 }  // namespace diffcomm::prop

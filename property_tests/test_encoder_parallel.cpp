@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <tuple>
@@ -107,11 +108,11 @@ std::string describe_batch(const ep::Batch& b) {
 std::string describe(const StepCase& c) {
   const auto& m = c.cfg.decoder;
   std::string s = fmt::format(
-      "world_seed={} step_seed={} dp={} cp={} tp={} sp={} sp_chunks={} layout={} buckets={} "
-      "encoder_cp={} token_divisor={}",
-      c.world_seed, c.cfg.seed, c.cfg.dp, m.cp, m.tp, m.sp, c.cfg.sp_chunks,
-      ep::cp_layout_name(m.layout), c.cfg.encoder.buckets, c.cfg.encoder.encoder_cp,
-      c.token_divisor);
+      "world_seed={} step_seed={} dtype={} grad_block_rows={} dp={} cp={} tp={} sp={} "
+      "sp_chunks={} layout={} buckets={} encoder_cp={} token_divisor={}",
+      c.world_seed, c.cfg.seed, dtype_name(c.cfg.dtype), c.cfg.grad_block_rows, c.cfg.dp, m.cp,
+      m.tp, m.sp, c.cfg.sp_chunks, ep::cp_layout_name(m.layout), c.cfg.encoder.buckets,
+      c.cfg.encoder.encoder_cp, c.token_divisor);
   for (std::size_t d = 0; d < c.per_dp.size(); ++d)
     s += fmt::format(" | dp{}:{}", d, describe_batch(c.per_dp[d]));
   return s;
@@ -138,7 +139,10 @@ ep::StepConfig gen_config(int max_dp, int max_cp, int max_tp) {
   cfg.hidden = 4;
   cfg.in_features = 3;
   cfg.ffn = 12;  // divisible by every tp in 1..4
-  cfg.dtype = DType::Float64;
+  // Every dtype: the step's sums are canonical and the reference emulates
+  // the dtype's roundings, so every one must match bit for bit.
+  cfg.dtype = *rc::gen::element(DType::Float64, DType::Float32, DType::BFloat16, DType::Float16);
+  cfg.grad_block_rows = *rc::gen::element<int64_t>(1, 3, 64, 1000);
   cfg.seed = *rc::gen::arbitrary<uint64_t>();
   return cfg;
 }
@@ -297,11 +301,19 @@ void check_plan_and_routing(const StepCase& c, const std::vector<ep::StepRankRes
 void check_reference(const StepCase& c, const std::vector<ep::StepRankResult>& ranks,
                      const ep::StepReference& ref) {
   const ep::StepCheck chk = ep::check_step(c.cfg, c.per_dp, ranks, ref);
-  if (chk.forward_max_abs_diff != 0.0 || !(chk.grad_max_rel_diff <= 1e-12) || !chk.passed)
+  if (chk.forward_max_abs_diff != 0.0 || chk.grad_max_rel_diff != 0.0 || chk.loss_rel_diff != 0.0 ||
+      !chk.passed)
     RC_FAIL(fmt::format(
-        "distributed step != single-rank reference: forward max |diff| {} (want 0), encoder "
-        "grad max rel diff {} (want <= 1e-12), loss rel diff {} [{}]",
+        "distributed step != single-rank reference: forward max |diff| {}, encoder grad max rel "
+        "diff {}, loss rel diff {} (want 0, 0, 0) [{}]",
         chk.forward_max_abs_diff, chk.grad_max_rel_diff, chk.loss_rel_diff, describe(c)));
+  // Bits, not only values: every rank's gradient holds the reference's bytes.
+  for (const auto& r : ranks) {
+    const Tensor want = from_vector(ref.encoder_grad, r.encoder_grad.shape(), c.cfg.dtype);
+    if (std::memcmp(want.data_ptr(), r.encoder_grad.data_ptr(), want.nbytes()) != 0)
+      RC_FAIL(fmt::format("rank {}: encoder gradient bytes differ from the reference [{}]", r.rank,
+                          describe(c)));
+  }
 }
 
 void classify(const StepCase& c, const std::vector<ep::StepRankResult>& ranks) {

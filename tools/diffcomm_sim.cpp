@@ -166,6 +166,11 @@ void add_step_options(CLI::App& app, StepArgs& a) {
                  "with --sp: all-gathers of each shard's rows per step (default 4; more: less "
                  "memory at the SP collectives, more calls, the same gradients)")
       ->check(CLI::Range(1, ep::kMaxSpChunks));
+  app.add_option("--grad-block-rows", a.grad_block_rows,
+                 "rows per block of an image for the encoder gradient's canonical sum (default "
+                 "64; part of the result's definition: every mesh gives the same bits for one "
+                 "value)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--cp-layout", a.cp_layout, "contiguous or zigzag")
       ->check(CLI::IsMember({"contiguous", "zigzag"}));
   app.add_option("--encoder-buckets", a.encoder_buckets,
@@ -333,6 +338,7 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
   std::string s = fmt::format("diffcomm-sim step --ranks {} --cp {} --tp {}", a.ranks, a.cp, a.tp);
   if (a.sp) s += " --sp";
   if (a.sp && a.sp_chunks != ep::kDefaultSpChunks) s += fmt::format(" --sp-chunks {}", a.sp_chunks);
+  if (a.grad_block_rows != 64) s += fmt::format(" --grad-block-rows {}", a.grad_block_rows);
   s += fmt::format(
       " --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
       "--hidden {} --ffn {} --dtype {} --seed {}",

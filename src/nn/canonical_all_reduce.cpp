@@ -19,6 +19,7 @@
 #include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/tensor/error.hpp"
+#include "nn/canonical_tree.hpp"
 #include "nn/nn_site.hpp"
 
 namespace diffcomm::nn {
@@ -54,56 +55,85 @@ Tensor slices_by_member(const Tensor& flat, int64_t k, int64_t n, int members, i
   return out;
 }
 
+// [k, ...]: k copies of g (a chunk's gradient when every chunk gets g).
+Tensor repeat_rows(const Tensor& g, int64_t k) {
+  Shape one{1};
+  one.insert(one.end(), g.shape().begin(), g.shape().end());
+  if (k == 0) {
+    one[0] = 0;
+    return zeros(one, g.dtype(), g.device());
+  }
+  std::vector<Tensor> copies(static_cast<std::size_t>(k), g.view_as_shape(one));
+  return cat(copies);
+}
+
+int64_t chunk_count(const ChunkIds& ids, int64_t k, int members) {
+  if (ids.empty()) return k * members;
+  int64_t C = 0;
+  for (const auto& m : ids) C += static_cast<int64_t>(m.size());
+  return C;
+}
+
 struct CanonicalAllReduceFn : Function<CanonicalAllReduceFn> {
   static constexpr const char* kName = "CanonicalAllReduceBackward";
   dist::Caller caller;  // the user's call site: every call forward and backward makes
   ProcessGroup group;
   ReduceOp op;
+  ChunkIds ids;             // empty: the contiguous rule
   int64_t chunks_here = 0;  // k
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
     const Tensor& x = in[0];
-    const int members = group.size();
-    const int64_t k = x.size(0), n = x.row_numel(), C = k * members;
+    const int64_t k = x.size(0), n = x.row_numel();
     chunks_here = k;
-    // One slice of ceil(n / members) elements per member (a group of one runs
-    // the same path: its calls are recorded like any group's).
-    const int64_t S = (n + members - 1) / members;
-    // One chunk per rank and n divisible by members: x is that layout already.
-    const bool as_is = k == 1 && n == members * S;
-    Tensor send = as_is ? x.view_as_shape({members, S})
-                        : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
-    Tensor recv = empty({C, S}, x.dtype(), x.device());
-    dist::all_to_all_single(group, recv, send, {}, {}, caller);  // row q*k + j: chunk q*k + j
-    forward_call = group.last_call();
-    Tensor mine = tree(recv);
-    Tensor gathered = empty({members, S}, x.dtype(), x.device());
-    dist::all_gather_single(group, gathered, mine, caller);
-    Tensor flat = gathered.view_as_shape({members * S});
-    Tensor total = n == members * S ? flat : flat.row_view(0, n).copy_data();
-    if (op == ReduceOp::Avg) total = scale(total, 1.0 / static_cast<double>(C));
+    Tensor total = detail::canonical_all_reduce_tree(x.view_as_shape({k, n}), ids, group, caller,
+                                                     &forward_call);
+    if (op == ReduceOp::Avg)
+      total = scale(total, 1.0 / static_cast<double>(chunk_count(ids, k, group.size())));
     return {total.view_as_shape(trailing(x.shape()))};
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
     const ProcessGroup::BackwardOf tie(group, forward_call);
     Tensor g = empty_like(grads[0]);
     dist::all_reduce_into(group, g, grads[0], ReduceOp::Sum, caller);
-    if (op == ReduceOp::Avg) g = scale(g, 1.0 / static_cast<double>(chunks_here * group.size()));
-    std::vector<Tensor> copies(static_cast<std::size_t>(chunks_here),
-                               g.view_as_shape(with_row(g.shape())));
-    return {cat(copies)};
-  }
-  static Shape with_row(const Shape& s) {
-    Shape out{1};
-    out.insert(out.end(), s.begin(), s.end());
-    return out;
+    if (op == ReduceOp::Avg)
+      g = scale(g, 1.0 / static_cast<double>(chunk_count(ids, chunks_here, group.size())));
+    return {repeat_rows(g, chunks_here)};
   }
   dist::CallId forward_call{};  // named by every call backward() makes
 };
 
+struct CanonicalReduceScatterFn : Function<CanonicalReduceScatterFn> {
+  static constexpr const char* kName = "CanonicalReduceScatterBackward";
+  dist::Caller caller;
+  ProcessGroup group;
+  int64_t chunks_here = 0;
+  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
+    const Tensor& x = in[0];  // [k, members * R, ...]
+    const int members = group.size();
+    const int64_t k = x.size(0), n = x.row_numel(), S = n / members;
+    chunks_here = k;
+    Tensor mine =
+        detail::canonical_slice(x.view_as_shape({k, n}), S, {}, group, caller, &forward_call);
+    Shape out = trailing(x.shape());
+    out[0] /= members;
+    return {mine.view_as_shape(out)};
+  }
+  std::vector<Tensor> backward(const std::vector<Tensor>& grads) {
+    const ProcessGroup::BackwardOf tie(group, forward_call);
+    Shape full = grads[0].shape();
+    full[0] *= group.size();
+    Tensor g = empty(full, grads[0].dtype(), grads[0].device());
+    dist::all_gather_single(group, g, grads[0], caller);
+    return {repeat_rows(g, chunks_here)};
+  }
+  dist::CallId forward_call{};
+};
+
 // What is wrong with this rank's arguments, "" when nothing is.
-std::string local_problem(const Tensor& chunks, ReduceOp op) {
+std::string local_problem(const Tensor& chunks, ReduceOp op, bool may_be_empty = false) {
   if (chunks.dim() == 0) return "chunks is 0-d; it needs one row (dim 0) per chunk";
-  if (chunks.size(0) == 0) return fmt::format("chunks is {}: no chunk on this rank", chunks.str());
+  if (chunks.size(0) == 0 && !may_be_empty)
+    return fmt::format("chunks is {}: no chunk on this rank", chunks.str());
   if (op != ReduceOp::Sum && op != ReduceOp::Avg)
     return fmt::format("reduce op {} is not canonical here; use sum or avg",
                        dist::reduce_op_name(op));
@@ -113,15 +143,49 @@ std::string local_problem(const Tensor& chunks, ReduceOp op) {
   return "";
 }
 
+// FNV-1a over the table (its shape and every id), 62 bits.
+int64_t ids_hash(const ChunkIds& ids) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mixin = [&](uint64_t v) { h = (h ^ v) * 0x100000001b3ull; };
+  for (const auto& m : ids) {
+    mixin(m.size());
+    for (int64_t id : m) mixin(static_cast<uint64_t>(id));
+  }
+  return static_cast<int64_t>(h & 0x3fffffffffffffffull);
+}
+
+// What is wrong with a chunk-id table on this rank, "" when nothing is.
+std::string ids_problem(const Tensor& chunks, const ChunkIds& ids, int rank, int members) {
+  if (static_cast<int>(ids.size()) != members)
+    return fmt::format("chunk_ids has {} rows for {} members", ids.size(), members);
+  const auto& mine = ids[static_cast<std::size_t>(rank)];
+  if (chunks.dim() > 0 && chunks.size(0) != static_cast<int64_t>(mine.size()))
+    return fmt::format("chunks is {} but chunk_ids[{}] lists {} ids", chunks.str(), rank,
+                       mine.size());
+  std::size_t C = 0;
+  for (const auto& m : ids) C += m.size();
+  std::vector<char> seen(C, 0);
+  for (std::size_t m = 0; m < ids.size(); ++m)
+    for (int64_t id : ids[m]) {
+      if (id < 0 || static_cast<std::size_t>(id) >= C || seen[static_cast<std::size_t>(id)] != 0)
+        return fmt::format(
+            "chunk_ids must list 0..{} once each over the members; member {} lists {}{}", C - 1, m,
+            id, id >= 0 && static_cast<std::size_t>(id) < C ? " twice" : " (out of range)");
+      seen[static_cast<std::size_t>(id)] = 1;
+    }
+  return "";
+}
+
 // One member's arguments as the agreement step exchanges them: whether it
 // refused its own, its chunk count, op, dtype and chunk shape (up to
 // kShownDims dims shown; every dim in the hash).
 constexpr int kShownDims = 4;
 constexpr int64_t kWidth = 6 + kShownDims;
-std::vector<int64_t> agreement_row(const Tensor& chunks, ReduceOp op, bool refused) {
+std::vector<int64_t> agreement_row(const Tensor& chunks, ReduceOp op, bool refused,
+                                   const ChunkIds& ids) {
   std::vector<int64_t> row(kWidth, 0);
   row[0] = refused ? 1 : 0;
-  row[1] = chunks.dim() == 0 ? -1 : chunks.size(0);
+  row[1] = chunks.dim() == 0 ? -1 : ids.empty() ? chunks.size(0) : -2 - ids_hash(ids);
   row[2] = op == ReduceOp::Sum ? 0 : op == ReduceOp::Avg ? 1 : 2;
   row[3] = static_cast<int64_t>(chunks.dtype());
   row[4] = chunks.dim() - 1;
@@ -137,7 +201,9 @@ std::vector<int64_t> agreement_row(const Tensor& chunks, ReduceOp op, bool refus
 std::string describe_row(const int64_t* r) {
   if (r[0] != 0) return "refused its own arguments";
   std::vector<int64_t> dims(r + 6, r + 6 + std::min<int64_t>(r[4], kShownDims));
-  return fmt::format("{} chunks of [{}{}] {}, op {}", r[1], fmt::join(dims, ", "),
+  const std::string count =
+      r[1] >= -1 ? fmt::format("{} chunks", r[1]) : fmt::format("chunk-id table #{:x}", -2 - r[1]);
+  return fmt::format("{} of [{}{}] {}, op {}", count, fmt::join(dims, ", "),
                      r[4] > kShownDims ? ", ..." : "", dtype_name(static_cast<DType>(r[3])),
                      r[2] == 0   ? "sum"
                      : r[2] == 1 ? "avg"
@@ -151,9 +217,9 @@ std::string describe_row(const int64_t* r) {
 // sums without an error; a member that refuses its own arguments would
 // leave its peers waiting. Every member raises: InvalidArgument for its
 // own arguments, CollectiveMismatch naming the first member that differs.
-void agree(const ProcessGroup& g, const Tensor& chunks, ReduceOp op, dist::Caller caller) {
-  const std::string problem = local_problem(chunks, op);
-  const std::vector<int64_t> mine = agreement_row(chunks, op, !problem.empty());
+void agree(const ProcessGroup& g, const Tensor& chunks, ReduceOp op, dist::Caller caller,
+           const std::string& problem, const ChunkIds& ids = {}) {
+  const std::vector<int64_t> mine = agreement_row(chunks, op, !problem.empty(), ids);
   Tensor row = empty({1, kWidth}, DType::Int64);
   std::copy(mine.begin(), mine.end(), row.data<int64_t>());
   Tensor all = empty({g.size(), kWidth}, DType::Int64, chunks.device());
@@ -168,13 +234,67 @@ void agree(const ProcessGroup& g, const Tensor& chunks, ReduceOp op, dist::Calle
     s.step = "agreement";
     raise<CollectiveMismatch>(
         std::move(s),
-        fmt::format("members must hold the same number of chunks of one shape and dtype and "
-                    "pass the same op: rank {} (global {}) {}, this rank {}",
+        fmt::format("members must hold the same number of chunks (or chunk-id table) of one "
+                    "shape and dtype and pass the same op: rank {} (global {}) {}, this rank {}",
                     m, g.global_rank(m), describe_row(r), describe_row(mine.data())));
   }
 }
 
 }  // namespace
+
+namespace detail {
+
+// The scatter half of every canonical collective: member s's slice
+// [s*S, (s+1)*S) of the canonical sum, as [1, S] on member s. x is [k, n]
+// (n <= size()*S) with this rank's k chunks; ids[m] lists member m's chunk
+// ids in the order it holds them (empty: the contiguous rule, chunks
+// [m*k, (m+1)*k)). Returns the call id of its collective in *call.
+Tensor canonical_slice(const Tensor& x, int64_t S, const ChunkIds& ids, const ProcessGroup& group,
+                       dist::Caller caller, dist::CallId* call) {
+  const int members = group.size();
+  const int64_t k = x.size(0), n = x.size(1);
+  dist::Splits in_splits, out_splits;
+  int64_t C = k * members;
+  if (!ids.empty()) {
+    C = 0;
+    for (const auto& m : ids) {
+      out_splits.push_back(static_cast<int64_t>(m.size()));
+      C += static_cast<int64_t>(m.size());
+    }
+    in_splits.assign(static_cast<std::size_t>(members), k);
+  }
+  // One chunk per rank and n == members * S: x is that layout already.
+  const bool as_is = k == 1 && n == members * S && ids.empty();
+  Tensor send = as_is ? x.view_as_shape({members, S})
+                      : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
+  Tensor recv = empty({C, S}, x.dtype(), x.device());
+  dist::all_to_all_single(group, recv, send, out_splits, in_splits, caller);
+  if (call != nullptr) *call = group.last_call();
+  if (C == 0) return zeros({1, S}, x.dtype(), x.device());
+  if (!ids.empty()) {  // rows arrive member by member: put them in chunk-id order
+    Tensor ordered = empty({C, S}, x.dtype(), x.device());
+    int64_t row = 0;
+    for (const auto& m : ids)
+      for (int64_t id : m) ordered.row_view(id, 1).copy_(recv.row_view(row++, 1));
+    recv = ordered;
+  }
+  return tree(recv);
+}
+
+// The canonical sum of every member's chunks, on every member: x [k, n] ->
+// [n] (Sum; the caller scales for Avg).
+Tensor canonical_all_reduce_tree(const Tensor& x, const ChunkIds& ids, const ProcessGroup& group,
+                                 dist::Caller caller, dist::CallId* call) {
+  const int members = group.size();
+  const int64_t n = x.size(1), S = (n + members - 1) / members;
+  Tensor mine = canonical_slice(x, S, ids, group, caller, call);
+  Tensor gathered = empty({members, S}, x.dtype(), x.device());
+  dist::all_gather_single(group, gathered, mine, caller);
+  Tensor flat = gathered.view_as_shape({members * S});
+  return n == members * S ? flat : flat.row_view(0, n).copy_data();
+}
+
+}  // namespace detail
 
 Tensor canonical_sum(const Tensor& chunks, ReduceOp op) {
   if (!chunks.defined()) raise("canonical_sum", "chunks is undefined");
@@ -189,8 +309,34 @@ Tensor canonical_sum(const Tensor& chunks, ReduceOp op) {
 Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group, ReduceOp op,
                             dist::Caller caller) {
   if (!chunks.defined()) raise(site(group), "chunks is undefined");
-  agree(group, chunks, op, caller);
-  std::vector<Tensor> outs = CanonicalAllReduceFn{{}, caller, group, op}.apply({chunks});
+  agree(group, chunks, op, caller, local_problem(chunks, op));
+  std::vector<Tensor> outs = CanonicalAllReduceFn{{}, caller, group, op, {}}.apply({chunks});
+  if (outs[0].defined()) Cohort::add(group.cohort(), outs[0].grad_fn());
+  return outs[0];
+}
+
+Tensor canonical_all_reduce_v(const Tensor& chunks, const ChunkIds& chunk_ids,
+                              const ProcessGroup& group, ReduceOp op, dist::Caller caller) {
+  if (!chunks.defined()) raise(site(group), "chunks is undefined");
+  std::string problem = local_problem(chunks, op, /*may_be_empty=*/true);
+  if (problem.empty()) problem = ids_problem(chunks, chunk_ids, group.rank(), group.size());
+  if (problem.empty() && chunk_count(chunk_ids, 0, group.size()) == 0 && op == ReduceOp::Avg)
+    problem = "avg over no chunks (chunk_ids is empty)";
+  agree(group, chunks, op, caller, problem, chunk_ids.empty() ? ChunkIds{{}} : chunk_ids);
+  std::vector<Tensor> outs = CanonicalAllReduceFn{{}, caller, group, op, chunk_ids}.apply({chunks});
+  if (outs[0].defined()) Cohort::add(group.cohort(), outs[0].grad_fn());
+  return outs[0];
+}
+
+Tensor canonical_reduce_scatter(const Tensor& chunks, const ProcessGroup& group,
+                                dist::Caller caller) {
+  if (!chunks.defined()) raise(site(group), "chunks is undefined");
+  std::string problem = local_problem(chunks, ReduceOp::Sum);
+  if (problem.empty() && (chunks.dim() < 2 || chunks.size(1) % group.size() != 0))
+    problem = fmt::format("chunks is {}: needs [k, R, ...] with R divisible by the {} members",
+                          chunks.str(), group.size());
+  agree(group, chunks, ReduceOp::Sum, caller, problem);
+  std::vector<Tensor> outs = CanonicalReduceScatterFn{{}, caller, group}.apply({chunks});
   if (outs[0].defined()) Cohort::add(group.cohort(), outs[0].grad_fn());
   return outs[0];
 }

@@ -19,6 +19,7 @@
 #include "diffcomm/autograd/ops.hpp"
 #include "diffcomm/distributed/collectives.hpp"
 #include "diffcomm/encoder_parallel/contracts.hpp"
+#include "diffcomm/encoder_parallel/exact_sum.hpp"
 #include "diffcomm/encoder_parallel/exchange.hpp"
 #include "diffcomm/encoder_parallel/merge.hpp"
 #include "diffcomm/encoder_parallel/training_step.hpp"
@@ -95,6 +96,50 @@ TEST(TrainingStep, DesignExampleMatchesReferenceInEveryMode) {
   }
 }
 
+// Issue 50: the same micro-batches on every mesh give the same gradient and
+// loss bits (the step's sums are canonical), in float64 and float32, and
+// they are the reference's bits (tolerance 0).
+TEST(TrainingStep, EveryMeshGivesTheSameBits) {
+  const std::vector<ep::Batch> per_dp = {design_example(), five_images()};
+  const std::vector<std::pair<ep::DecoderMesh, ep::EncoderLayout>> meshes = {
+      {mesh_of(1, 1, false), encoder_layout(1, 1)},
+      {mesh_of(1, 2, false), encoder_layout(2, 1)},
+      {mesh_of(1, 4, true), encoder_layout(2, 2)},
+      {mesh_of(1, 4, false), encoder_layout(1, 4)},
+      {mesh_of(2, 2, true), encoder_layout(4, 1)},
+      {mesh_of(2, 2, false), encoder_layout(1, 4)},
+      {mesh_of(2, 2, true, ep::CpLayout::Zigzag), encoder_layout(2, 2)},
+  };
+  for (const DType dt : {DType::Float64, DType::Float32}) {
+    std::optional<std::vector<double>> grad;
+    std::optional<double> loss;
+    for (const auto& [mesh, enc] : meshes) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " cp " + std::to_string(mesh.cp) + " tp " +
+                   std::to_string(mesh.tp) + (mesh.sp ? " sp" : ""));
+      auto cfg = step_config(2, mesh, enc);
+      cfg.dtype = dt;
+      cfg.grad_block_rows = 3;  // images of 4..12 rows: several blocks each
+      const auto ranks = run_steps(cfg, per_dp);
+      const auto chk = ep::check_step(cfg, per_dp, ranks, ep::reference_step(cfg, per_dp));
+      EXPECT_TRUE(chk.passed);
+      EXPECT_EQ(chk.grad_max_rel_diff, 0.0);
+      EXPECT_EQ(chk.loss_rel_diff, 0.0);
+      ep::ExactSum total;
+      for (const auto& r : ranks) {
+        total.add(ep::ExactSum::from_partials(r.loss_partials, r.loss_special));
+        EXPECT_EQ(r.encoder_grad.to_vector(), ranks[0].encoder_grad.to_vector());
+      }
+      if (!grad) {
+        grad = ranks[0].encoder_grad.to_vector();
+        loss = total.value();
+        continue;
+      }
+      EXPECT_EQ(ranks[0].encoder_grad.to_vector(), *grad);
+      EXPECT_EQ(total.value(), *loss);
+    }
+  }
+}
+
 TEST(TrainingStep, DegenerateBatches) {
   // An empty micro-batch, a sample of length 0, a zero-token image, and an
   // image filling its whole sample, on meshes of every mode.
@@ -116,17 +161,18 @@ TEST(TrainingStep, DegenerateBatches) {
 }
 
 // SP's all-gather in pieces (StepConfig::sp_chunks): a shard of n rows goes
-// through min(sp_chunks, n) all-gathers, and one reduce-scatter each in the
-// backward, and every rank's encoder gradient and decoder input are bit for
-// bit those of one all-gather (each row's products and each element's
-// reduction order over the TP ranks do not depend on the pieces). The loss
-// is summed per piece: equal up to float64 rounding.
+// through min(sp_chunks, n) all-gathers, and one canonical reduce-scatter
+// (an all_to_all_single) each in the backward, and every rank's encoder
+// gradient, decoder input and loss are bit for bit those of one all-gather
+// (each row's products and each element's canonical tree do not depend on
+// the pieces; the loss is an exact sum).
 TEST(TrainingStep, SpChunksSplitTheAllGatherAndKeepTheGradientBits) {
   const std::vector<ep::Batch> per_dp = {design_example(), five_images()};
   for (const auto& m : {mesh_of(1, 4, true), mesh_of(2, 2, true, ep::CpLayout::Zigzag)}) {
     SCOPED_TRACE("cp " + std::to_string(m.cp) + " tp " + std::to_string(m.tp));
     auto cfg = step_config(2, m, encoder_layout(2, 2));
     std::vector<ep::StepRankResult> whole;
+    std::vector<uint64_t> gathers, all_to_alls;  // per rank, with one piece
     for (const int chunks : {1, 2, 3, 1000}) {
       SCOPED_TRACE("sp_chunks " + std::to_string(chunks));
       cfg.sp_chunks = chunks;
@@ -143,9 +189,16 @@ TEST(TrainingStep, SpChunksSplitTheAllGatherAndKeepTheGradientBits) {
         const int64_t rows = ranks[r].decoder_input.size(0);
         const auto pieces =
             static_cast<uint64_t>(std::max<int64_t>(1, std::min<int64_t>(chunks, rows)));
-        EXPECT_EQ(world.stats(static_cast<int>(r)).total("all_gather_single").calls, pieces)
+        const auto& stats = world.stats(static_cast<int>(r));
+        EXPECT_EQ(stats.total("reduce_scatter_single").calls, 0u) << "rank " << r;
+        if (chunks == 1) {
+          gathers.push_back(stats.total("all_gather_single").calls);
+          all_to_alls.push_back(stats.total("all_to_all_single").calls);
+          continue;
+        }
+        EXPECT_EQ(stats.total("all_gather_single").calls, gathers[r] + pieces - 1)
             << "rank " << r << ", " << rows << " rows";
-        EXPECT_EQ(world.stats(static_cast<int>(r)).total("reduce_scatter_single").calls, pieces)
+        EXPECT_EQ(stats.total("all_to_all_single").calls, all_to_alls[r] + pieces - 1)
             << "rank " << r;
       }
       EXPECT_TRUE(ep::check_step(cfg, per_dp, ranks, ep::reference_step(cfg, per_dp)).passed);
@@ -157,7 +210,7 @@ TEST(TrainingStep, SpChunksSplitTheAllGatherAndKeepTheGradientBits) {
         EXPECT_EQ(ranks[r].encoder_grad.to_vector(), whole[r].encoder_grad.to_vector())
             << "rank " << r;
         EXPECT_EQ(ranks[r].decoder_input.to_vector(), whole[r].decoder_input.to_vector());
-        EXPECT_NEAR(ranks[r].loss, whole[r].loss, 1e-12 * std::max(1.0, std::abs(whole[r].loss)));
+        EXPECT_EQ(ranks[r].loss, whole[r].loss);
       }
     }
   }

@@ -51,6 +51,12 @@ struct StepConfig {
   /// [1, kMaxSpChunks] (fewer when the shard has fewer rows). More pieces:
   /// less memory held at the SP collectives, more calls; same gradients.
   int sp_chunks = kDefaultSpChunks;
+  /// Rows per block of an image's feature rows for the encoder gradient: dW
+  /// is summed per block (one matmul over the block's rows), then over the
+  /// blocks by the canonical tree (docs/semantics.md, "The training step,
+  /// exact"). Part of the result's definition, like the seed: every mesh
+  /// gives the same bits for one value. Encoder-CP slices hold whole blocks.
+  int64_t grad_block_rows = 64;
   /// The exchange's receiver-gradient convention. Unset: receiver_grad_for
   /// the mesh (the correct one). Set, it is forced on every rank — a way to
   /// watch the wrong convention fail the reference check (tp x the gradient).
@@ -68,7 +74,12 @@ struct StepRankResult {
   Tensor routed_rows;  ///< rows the exchange delivered (detached); undefined unless kept
   std::vector<EncoderWorkItem> received_items;
   Tensor encoder_grad;  ///< dL/dW summed over the world (same on every rank)
-  double loss = 0;      ///< this rank's loss term, accumulated in float64 for every dtype
+  double loss = 0;      ///< this rank's loss terms' exact sum, rounded once (float64, every dtype)
+  /// The exact sum of this rank's loss terms (ExactSum::partials, special):
+  /// check_step adds every rank's exactly, so the step's loss is one
+  /// rounding of the exact total, whatever the mesh.
+  std::vector<double> loss_partials;
+  double loss_special = 0;
   std::string plan_fingerprint;
 };
 

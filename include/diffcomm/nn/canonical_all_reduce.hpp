@@ -18,6 +18,10 @@ namespace diffcomm::nn {
 using dist::ProcessGroup;
 using dist::ReduceOp;
 
+/// chunk_ids[m]: the ids of the chunks member m holds, in the order of its
+/// chunks' rows (canonical_all_reduce_v).
+using ChunkIds = std::vector<std::vector<int64_t>>;
+
 /// The canonical tree over dim 0: chunks [C, ...] -> [...], every element
 /// summed over the C chunks as follows. With m rows left (m = C first), the
 /// first floor(m/2) rows are replaced by row i + row i + floor(m/2), the odd
@@ -67,5 +71,38 @@ Tensor canonical_sum(const Tensor& chunks, ReduceOp op = ReduceOp::Sum);
 Tensor canonical_all_reduce(const Tensor& chunks, const ProcessGroup& group,
                             ReduceOp op = ReduceOp::Sum,
                             dist::Caller caller = dist::Caller::here());
+
+/// canonical_all_reduce for chunks owned unevenly: member m holds the chunks
+/// chunk_ids[m] (any ids, in any order; 0 to C-1 listed exactly once over all
+/// members), so its chunks are [chunk_ids[m].size(), ...] (zero rows allowed:
+/// a member holding no chunk still calls). chunk_ids is replicated metadata,
+/// equal on every member (like all_gather_v's output_splits). The result is
+/// canonical_sum of the C chunks in id order on every member, so any
+/// assignment of the chunks to any number of members gives the same bits.
+/// C == 0 gives zeros of the chunk shape (Sum). Same agreement step (the
+/// table's hash in place of k), cost (this member receives C slices of
+/// ceil(N / size()) elements) and backward (dchunks[j] = all_reduce(g)) as
+/// canonical_all_reduce.
+/// Throws InvalidArgument for a table that does not have size() rows, does
+/// not list 0..C-1 once each, or lists another number of ids for this
+/// member than chunks has rows, plus canonical_all_reduce's errors;
+/// CollectiveMismatch when members' tables, shapes, dtypes or ops differ.
+Tensor canonical_all_reduce_v(const Tensor& chunks, const ChunkIds& chunk_ids,
+                              const ProcessGroup& group, ReduceOp op = ReduceOp::Sum,
+                              dist::Caller caller = dist::Caller::here());
+
+/// y [R, ...] = this member's rows of the canonical sum (Sum) of every
+/// member's chunks: chunks [k, size()*R, ...] holds the chunks [rank*k,
+/// (rank+1)*k) as in canonical_all_reduce, and member m gets rows [m*R,
+/// (m+1)*R) of canonical_sum over all C = k*size() chunks — the bits of one
+/// rank's canonical_sum, row for row, for every size() that divides C. The
+/// canonical form of reduce_scatter_single (Megatron's sequence-parallel
+/// input gradient). Cost: one all_to_all_single (k*size()*R rows received)
+/// after the agreement step. Backward: dchunks[j] = all_gather_single(g) for
+/// every local chunk j (the adjoint).
+/// Throws InvalidArgument when chunks is not [k >= 1, R*size(), ...] plus
+/// canonical_all_reduce's errors; CollectiveMismatch when members differ.
+Tensor canonical_reduce_scatter(const Tensor& chunks, const ProcessGroup& group,
+                                dist::Caller caller = dist::Caller::here());
 
 }  // namespace diffcomm::nn

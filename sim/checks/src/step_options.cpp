@@ -31,6 +31,7 @@ void check_each(const StepOptions& o) {
   range("hidden", o.hidden, 1, int64_t{1} << 20);
   range("ffn", o.ffn, 1, int64_t{1} << 20);
   range("sp-chunks", o.sp_chunks, 1, ep::kMaxSpChunks);
+  range("grad-block-rows", o.grad_block_rows, 1, int64_t{1} << 20);
   auto one_of = [](const char* flag, const std::string& v, std::initializer_list<const char*> ok) {
     if (std::none_of(ok.begin(), ok.end(), [&](const char* k) { return v == k; }))
       throw InvalidArgument(
@@ -105,6 +106,7 @@ ep::StepConfig StepOptions::config() const {
   cfg.in_features = 16;
   cfg.ffn = ffn;
   cfg.sp_chunks = sp_chunks;
+  cfg.grad_block_rows = grad_block_rows;
   cfg.dtype = parse_dtype(dtype);
   cfg.seed = seed;
   if (receiver_grad == "partial") cfg.receiver_grad = ep::ReceiverGrad::Partial;
