@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <numeric>
 
 #include "diffcomm/autograd/autograd.hpp"
@@ -265,6 +266,13 @@ void check_column_linear(DType dt) {
   const Tensor dY =
       from_vector(spread_values(static_cast<std::size_t>(rows * F), gen), {rows, F}, dt);
   const std::vector<double> x = X.to_vector(), a = A.to_vector(), dy = dY.to_vector();
+  // Half the cases add a term to dx after the tree (dx_addend): D over the
+  // gathered rows; without SP each member must ask only for its elements.
+  const bool with_addend = *rc::gen::arbitrary<bool>();
+  const Tensor D =
+      from_vector(spread_values(static_cast<std::size_t>(rows * in), gen), {rows, in}, dt);
+  const std::vector<double> d = D.to_vector();
+  std::vector<int64_t> asked(static_cast<std::size_t>(N), 0);  // elements each member asked for
   auto at = [](const std::vector<double>& v, int64_t i, int64_t j, int64_t ld) {
     return v[static_cast<std::size_t>(i * ld + j)];
   };
@@ -292,7 +300,9 @@ void check_column_linear(DType dt) {
         for (int64_t cc = b * w; cc < (b + 1) * w; ++cc) s += at(dy, i, cc, F) * at(a, p, cc, F);
         blocks.push_back(static_cast<T>(s));
       }
-      dx_ref[static_cast<std::size_t>(i * in + p)] = static_cast<double>(reference_tree(blocks));
+      T v = reference_tree(blocks);
+      if (with_addend) v = static_cast<T>(v + static_cast<T>(at(d, i, p, in)));
+      dx_ref[static_cast<std::size_t>(i * in + p)] = static_cast<double>(v);
     }
   // Every member's y, dx, dweight.
   struct Got {
@@ -313,10 +323,24 @@ void check_column_linear(DType dt) {
     Tensor wr = columns(A, r);
     xr.set_requires_grad(true);
     wr.set_requires_grad(true);
-    const Tensor y = nn::canonical_column_parallel_linear(xr, wr, rk.world(), sp, w);
+    std::function<Tensor(int64_t, int64_t)> addend;
+    if (with_addend)
+      addend = [&, r](int64_t begin, int64_t count) {
+        asked[static_cast<std::size_t>(r)] += count;
+        const int64_t offset = sp ? r * R * in : 0;  // SP: this member's rows
+        return D.view_as_shape({rows * in}).row_view(offset + begin, count).copy_data();
+      };
+    const Tensor y = nn::canonical_column_parallel_linear(xr, wr, rk.world(), sp, w, addend);
     const std::vector<Tensor> g = diffcomm::grad({y}, {xr, wr}, {columns(dY, r)});
     got[static_cast<std::size_t>(r)] = {y.to_vector(), g[0].to_vector(), g[1].to_vector()};
   });
+  if (with_addend) {  // the addend is evaluated once per element overall
+    int64_t total_asked = 0;
+    for (int64_t a_r : asked) total_asked += a_r;
+    if (total_asked != rows * in)
+      RC_FAIL(fmt::format("{}: members asked for {} addend elements, dx has {}", what, total_asked,
+                          rows * in));
+  }
   // The adjoint identities in float64 (y is bilinear in x and A):
   // <y, dy> = <x, dx> = <A, dA>, summed over members.
   double lhs = 0, rhs_x = 0, rhs_a = 0, scale_sum = 0;
@@ -346,11 +370,13 @@ void check_column_linear(DType dt) {
         if (v != dx_ref[static_cast<std::size_t>((first + i) * in + p)])
           RC_FAIL(
               fmt::format("{}: rank {} dx[{}, {}] differs from the canonical tree", what, r, i, p));
-        if (sp || r == 0) rhs_x += at(x, first + i, p, in) * v;  // a replica's x counts once
+        if (!with_addend && (sp || r == 0))  // a replica's x counts once
+          rhs_x += at(x, first + i, p, in) * v;
       }
   }
   const double tol = 1e-9 * std::max(1.0, scale_sum);
-  if (dt == DType::Float64 && (std::abs(lhs - rhs_x) > tol || std::abs(lhs - rhs_a) > tol))
+  if (dt == DType::Float64 &&
+      ((!with_addend && std::abs(lhs - rhs_x) > tol) || std::abs(lhs - rhs_a) > tol))
     RC_FAIL(fmt::format("{}: adjoint identity: <y, dy> {}, <x, dx> {}, <A, dA> {}", what, lhs,
                         rhs_x, rhs_a));
 }

@@ -108,11 +108,12 @@ std::string describe_batch(const ep::Batch& b) {
 std::string describe(const StepCase& c) {
   const auto& m = c.cfg.decoder;
   std::string s = fmt::format(
-      "world_seed={} step_seed={} dtype={} grad_block_rows={} dp={} cp={} tp={} sp={} "
+      "world_seed={} step_seed={} dtype={} grad_block_rows={} ffn_blocks={} dp={} cp={} tp={} "
+      "sp={} "
       "sp_chunks={} layout={} buckets={} encoder_cp={} token_divisor={}",
-      c.world_seed, c.cfg.seed, dtype_name(c.cfg.dtype), c.cfg.grad_block_rows, c.cfg.dp, m.cp,
-      m.tp, m.sp, c.cfg.sp_chunks, ep::cp_layout_name(m.layout), c.cfg.encoder.buckets,
-      c.cfg.encoder.encoder_cp, c.token_divisor);
+      c.world_seed, c.cfg.seed, dtype_name(c.cfg.dtype), c.cfg.grad_block_rows, c.cfg.ffn_blocks,
+      c.cfg.dp, m.cp, m.tp, m.sp, c.cfg.sp_chunks, ep::cp_layout_name(m.layout),
+      c.cfg.encoder.buckets, c.cfg.encoder.encoder_cp, c.token_divisor);
   for (std::size_t d = 0; d < c.per_dp.size(); ++d)
     s += fmt::format(" | dp{}:{}", d, describe_batch(c.per_dp[d]));
   return s;
@@ -138,7 +139,11 @@ ep::StepConfig gen_config(int max_dp, int max_cp, int max_tp) {
   cfg.encoder.buckets = n / cfg.encoder.encoder_cp;
   cfg.hidden = 4;
   cfg.in_features = 3;
-  cfg.ffn = 12;  // divisible by every tp in 1..4
+  cfg.ffn = 12;                 // divisible by every tp in 1..4
+  std::vector<int64_t> blocks;  // dX's column blocks: divide ffn, multiples of tp
+  for (int64_t g = 1; g <= cfg.ffn; ++g)
+    if (cfg.ffn % g == 0 && g % cfg.decoder.tp == 0) blocks.push_back(g);
+  cfg.ffn_blocks = *rc::gen::elementOf(blocks);
   // Every dtype: the step's sums are canonical and the reference emulates
   // the dtype's roundings, so every one must match bit for bit.
   cfg.dtype = *rc::gen::element(DType::Float64, DType::Float32, DType::BFloat16, DType::Float16);

@@ -171,6 +171,11 @@ void add_step_options(CLI::App& app, StepArgs& a) {
                  "64; part of the result's definition: every mesh gives the same bits for one "
                  "value)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--ffn-blocks", a.ffn_blocks,
+                 "column blocks of the decoder's input gradient's canonical sum (default 4; "
+                 "must divide --ffn and be a multiple of --tp; one value gives one result for "
+                 "every such tp)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_option("--cp-layout", a.cp_layout, "contiguous or zigzag")
       ->check(CLI::IsMember({"contiguous", "zigzag"}));
   app.add_option("--encoder-buckets", a.encoder_buckets,
@@ -339,6 +344,7 @@ std::string step_command_line(const StepArgs& a, uint64_t seed) {
   if (a.sp) s += " --sp";
   if (a.sp && a.sp_chunks != ep::kDefaultSpChunks) s += fmt::format(" --sp-chunks {}", a.sp_chunks);
   if (a.grad_block_rows != 64) s += fmt::format(" --grad-block-rows {}", a.grad_block_rows);
+  if (a.ffn_blocks != 4) s += fmt::format(" --ffn-blocks {}", a.ffn_blocks);
   s += fmt::format(
       " --cp-layout {} --encoder-buckets {} --encoder-cp {} --batch {} --images-per-sample {} "
       "--hidden {} --ffn {} --dtype {} --seed {}",

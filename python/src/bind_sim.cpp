@@ -72,6 +72,7 @@ void bind_sim(nb::module_& m) {
       .def_rw("sp", &StepOptions::sp)
       .def_rw("sp_chunks", &StepOptions::sp_chunks)
       .def_rw("grad_block_rows", &StepOptions::grad_block_rows)
+      .def_rw("ffn_blocks", &StepOptions::ffn_blocks)
       .def_rw("cp_layout", &StepOptions::cp_layout)
       .def_rw("encoder_buckets", &StepOptions::encoder_buckets)
       .def_rw("encoder_cp", &StepOptions::encoder_cp)

@@ -1,15 +1,30 @@
-// Exact summation of doubles (header: include/diffcomm/encoder_parallel/exact_sum.hpp).
+// Exact summation of doubles in fixed point (header:
+// include/diffcomm/encoder_parallel/exact_sum.hpp).
 //
-// Invariant: partials_ are finite, non-zero, non-overlapping and increasing in
-// magnitude, and their exact (real) sum is the sum of the finite terms added.
-// Adding x walks the partials with the error-free two-sum (hi + lo == y + x
-// exactly), keeping every non-zero rounding error as a partial.
+// Bit position p of the fixed-point number weighs 2^(p - 1074). A finite
+// double is m * 2^(p - 1074) with m < 2^53 and p its lowest bit's position
+// (0 for subnormals); m << (p % 32) spans at most 85 bits, added as three
+// 32-bit pieces to limbs p/32 .. p/32 + 2. Limbs are int64, so 2^30 additions
+// of at most 2^32 each fit before carries must be propagated.
 #include "diffcomm/encoder_parallel/exact_sum.hpp"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
-#include <utility>
 
 namespace diffcomm::encoder_parallel {
+namespace {
+
+__extension__ using U128 = unsigned __int128;  // GCC and Clang
+constexpr int64_t kCarryEvery = int64_t{1} << 30;
+constexpr uint64_t kLow32 = 0xffffffffull;
+
+int highest_bit(U128 v) {  // v != 0
+  const auto hi = static_cast<uint64_t>(v >> 64);
+  return hi != 0 ? 127 - std::countl_zero(hi) : 63 - std::countl_zero(static_cast<uint64_t>(v));
+}
+
+}  // namespace
 
 void ExactSum::add(double x) {
   if (!std::isfinite(x)) {
@@ -17,51 +32,90 @@ void ExactSum::add(double x) {
     has_special_ = true;
     return;
   }
-  std::size_t kept = 0;
-  for (double y : partials_) {
-    if (std::fabs(x) < std::fabs(y)) std::swap(x, y);
-    const double hi = x + y;
-    const double lo = y - (hi - x);  // exact: |x| >= |y|
-    if (lo != 0) partials_[kept++] = lo;
-    x = hi;
+  const auto bits = std::bit_cast<uint64_t>(x);
+  const auto biased = static_cast<int>((bits >> 52) & 0x7ff);
+  uint64_t m = bits & ((uint64_t{1} << 52) - 1);
+  if (m == 0 && biased == 0) return;  // +-0
+  int p = 0;
+  if (biased != 0) {
+    m |= uint64_t{1} << 52;
+    p = biased - 1;
   }
-  partials_.resize(kept);
-  if (x != 0) partials_.push_back(x);
+  const U128 v = static_cast<U128>(m) << (p & 31);
+  const int i = p >> 5;
+  const auto lo = static_cast<int64_t>(static_cast<uint64_t>(v) & kLow32);
+  const auto mid = static_cast<int64_t>(static_cast<uint64_t>(v >> 32) & kLow32);
+  const auto hi = static_cast<int64_t>(static_cast<uint64_t>(v >> 64));
+  if ((bits >> 63) != 0) {
+    limb_[i] -= lo, limb_[i + 1] -= mid, limb_[i + 2] -= hi;
+  } else {
+    limb_[i] += lo, limb_[i + 1] += mid, limb_[i + 2] += hi;
+  }
+  if (++adds_ == kCarryEvery) carry();
+}
+
+void ExactSum::carry() {
+  for (int i = 0; i + 1 < kLimbs; ++i) {
+    const int64_t c = limb_[i] >> 32;  // floor division by 2^32
+    limb_[i] -= c * (int64_t{1} << 32);
+    limb_[i + 1] += c;
+  }
+  adds_ = 0;
 }
 
 void ExactSum::add(const ExactSum& other) {
-  for (double p : other.partials_) add(p);
+  ExactSum o = other;
+  o.carry();
+  carry();
+  for (int i = 0; i < kLimbs; ++i) limb_[i] += o.limb_[i];
+  adds_ = 2;  // each limb below the top < 2^33 now
   if (other.has_special_) add(other.special_);
 }
 
-ExactSum ExactSum::from_partials(const std::vector<double>& partials, double special) {
+std::vector<int64_t> ExactSum::limbs() const {
+  ExactSum c = *this;
+  c.carry();
+  return {c.limb_.begin(), c.limb_.end()};
+}
+
+ExactSum ExactSum::from_limbs(const std::vector<int64_t>& limbs, double special) {
   ExactSum s;
-  for (double p : partials) s.add(p);
-  if (special != 0) s.add(special);
+  for (std::size_t i = 0; i < limbs.size() && i < static_cast<std::size_t>(kLimbs); ++i)
+    s.limb_[i] = limbs[i];
+  s.adds_ = kCarryEvery / 2;  // unknown history: carry soon
+  s.carry();
+  if (special != 0 || std::isnan(special)) s.add(special);
   return s;
 }
 
 double ExactSum::value() const {
   if (has_special_) return special_;
-  std::size_t n = partials_.size();
-  if (n == 0) return 0.0;
-  // From the largest partial down, until an addition is inexact; the sum of
-  // the rest then only decides a tie (lo exactly half an ulp of hi).
-  double hi = partials_[--n], lo = 0;
-  while (n > 0) {
-    const double x = hi, y = partials_[--n];
-    hi = x + y;
-    lo = y - (hi - x);
-    if (lo != 0) break;
+  ExactSum c = *this;
+  c.carry();
+  const bool negative = c.limb_[kLimbs - 1] < 0;
+  if (negative) {  // the magnitude: negate, then carry again
+    for (int64_t& l : c.limb_) l = -l;
+    c.carry();
   }
-  // The partials below n have the sign of lo: the exact sum is past the
-  // half-way point, so round away from hi (hi + 2 lo lands on the neighbour
-  // when lo is exactly half an ulp).
-  if (n > 0 && ((lo < 0 && partials_[n - 1] < 0) || (lo > 0 && partials_[n - 1] > 0))) {
-    const double y = lo * 2, x = hi + y;
-    if (y == x - hi) hi = x;
-  }
-  return hi;
+  int h = kLimbs - 1;
+  while (h >= 0 && c.limb_[h] == 0) --h;
+  if (h < 0) return 0.0;
+  // The top three limbs exactly, and whether anything below them is set.
+  auto at = [&](int i) { return i >= 0 ? static_cast<uint64_t>(c.limb_[i]) : uint64_t{0}; };
+  const U128 top =
+      (static_cast<U128>(at(h)) << 64) | (static_cast<U128>(at(h - 1)) << 32) | at(h - 2);
+  bool sticky = false;
+  for (int i = 0; i < h - 2; ++i) sticky = sticky || c.limb_[i] != 0;
+  const int base = 32 * (h - 2);  // position of top's bit 0
+  const int msb = base + highest_bit(top);
+  const int lsb = std::max(msb - 52, 0);  // the result's last bit (subnormals: position 0)
+  const int shift = lsb - base;           // >= 12: top holds limb h's nonzero bits above 64
+  U128 mant = top >> shift;
+  const U128 rem = top & ((U128{1} << shift) - 1), half = U128{1} << (shift - 1);
+  if (rem > half || (rem == half && (sticky || (mant & 1) != 0))) ++mant;
+  // ldexp is exact here (the result is a double) or overflows to inf.
+  const double r = std::ldexp(static_cast<double>(static_cast<uint64_t>(mant)), lsb - 1074);
+  return negative ? -r : r;
 }
 
 }  // namespace diffcomm::encoder_parallel

@@ -171,23 +171,6 @@ Tensor draw_rows(const std::vector<std::pair<int64_t, int64_t>>& tokens,
   return out;
 }
 
-// <E, U> for the drawn positional rows U of this shard (data: no gradient).
-// U is as large as the shard and is drawn again in the backward instead of
-// being saved: in a simulated world every rank holds what it saves from
-// forward to backward at once (issue 27: 85 MB of a 1024-rank step's peak).
-// The draws are deterministic and the products are dot's (value <E, U>,
-// gradient g U), so the bits are those of dot(E, U).
-struct PositionalTermFn : Function<PositionalTermFn> {
-  static constexpr const char* kName = "PositionalTermBackward";
-  std::function<Tensor()> draw_u;
-  std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    return {dot(in[0], draw_u())};  // detached inputs: records nothing
-  }
-  std::vector<Tensor> backward(const std::vector<Tensor>& g) {
-    return {scale(draw_u(), g[0].item())};
-  }
-};
-
 // out[j] = out[j] + a[0] B[0, j] + a[1] B[1, j] + ... + a[k-1] B[k-1, j]
 // (left to right) for j < n; a[p] is a[p * lda], B[p, j] is b[p * ldb + j].
 // The reference's sums are all of this form. Blocks of 16 outputs keep their
@@ -243,6 +226,12 @@ void validate(const StepConfig& cfg, const std::vector<Batch>& per_dp) {
                       cfg.hidden, cfg.in_features, cfg.ffn, cfg.decoder.tp));
   if (!is_floating(cfg.dtype))
     raise("training step", fmt::format("dtype {} is not floating point", dtype_name(cfg.dtype)));
+  if (cfg.ffn_blocks < 1 || cfg.ffn % cfg.ffn_blocks != 0 || cfg.ffn_blocks % cfg.decoder.tp != 0)
+    raise("training step",
+          fmt::format("ffn_blocks {} must divide ffn {} and be a multiple of tp {}: dX is the "
+                      "canonical sum of ffn_blocks column blocks and each TP rank holds whole "
+                      "blocks (pick a multiple of tp that divides ffn)",
+                      cfg.ffn_blocks, cfg.ffn, cfg.decoder.tp));
   if (cfg.grad_block_rows < 1)
     raise("training step", fmt::format("grad_block_rows {} must be >= 1", cfg.grad_block_rows));
   if (cfg.sp_chunks < 1 || cfg.sp_chunks > kMaxSpChunks)
@@ -269,86 +258,91 @@ struct RankContext {
 
 // The encoder's output on this rank: the records it produces (its bucket's
 // features, assembled on the bucket's first encoder-CP rank), the prototype
-// anchoring an empty send, and the leaf whose gradient is this rank's blocks'
-// partial dW (one [in_features, hidden] copy of W per block).
+// anchoring an empty send, and where the backward leaves this rank's blocks'
+// partial dW.
 struct Encoded {
   std::vector<EncoderFeature> records;
   Tensor features;
-  Tensor W_blocks;
+  std::shared_ptr<Tensor> block_grads;
 };
 
-// F = P W block by block: the input is W_blocks [blocks, in, hidden] (copies of
-// W), block b's rows use copy b, so the backward gives each block's partial
-// dW = P_b^T dF_b (one matmul over the block's rows) instead of their sum.
-// The rows' products are those of one matmul of all rows (a row's sum over
-// in_features does not depend on the other rows).
+// F = P W, whose backward gives each block's partial dW = P_b^T dF_b (one
+// matmul over the block's rows), [blocks, in, hidden], instead of their sum.
+// The partials leave through block_grads, not as W's gradient: W's gradient
+// is their canonical sum with every other rank's blocks (run_step). A
+// per-block copy of W as the leaf would say the same in autograd's terms, at
+// a copy of W per block held by every rank through the step (23 MB of the
+// 1024-rank step).
 struct BlockLinearFn : Function<BlockLinearFn> {
   static constexpr const char* kName = "BlockLinearBackward";
-  Tensor P;                     // [rows, in] data
-  std::vector<int64_t> blocks;  // rows per block
+  std::function<Tensor()> draw_p;  // [rows, in] data, drawn forward and again backward
+  std::vector<int64_t> blocks;     // rows per block
+  std::shared_ptr<Tensor> block_grads;
   std::vector<Tensor> forward(const std::vector<Tensor>& in) {
-    const int64_t I = in[0].size(1), H = in[0].size(2);
-    std::vector<Tensor> parts;
-    int64_t row = 0;
-    for (std::size_t b = 0; b < blocks.size(); ++b) {
-      const Tensor w = in[0].row_view(static_cast<int64_t>(b), 1).view_as_shape({I, H});
-      parts.push_back(matmul(P.row_view(row, blocks[b]), w));  // detached: records nothing
-      row += blocks[b];
-    }
-    if (parts.empty()) return {empty({0, H}, in[0].dtype())};
-    return {parts.size() == 1 ? parts[0] : cat(parts)};
+    return {matmul(draw_p(), in[0])};  // detached inputs: records nothing
   }
   std::vector<Tensor> backward(const std::vector<Tensor>& g) {
+    const Tensor P = draw_p();
     const int64_t I = P.size(1), H = g[0].size(1);
-    std::vector<Tensor> parts;
+    Tensor out = empty({static_cast<int64_t>(blocks.size()), I, H}, g[0].dtype());
     int64_t row = 0;
-    for (int64_t n : blocks) {
-      parts.push_back(
-          matmul(transpose(P.row_view(row, n)), g[0].row_view(row, n)).view_as_shape({1, I, H}));
+    for (std::size_t b = 0; b < blocks.size(); ++b) {
+      const int64_t n = blocks[b];
+      out.row_view(static_cast<int64_t>(b), 1)
+          .copy_(matmul(transpose(P.row_view(row, n)), g[0].row_view(row, n))
+                     .view_as_shape({1, I, H}));
       row += n;
     }
-    if (parts.empty()) return {zeros({0, I, H}, g[0].dtype())};
-    return {cat(parts)};
+    *block_grads = out;
+    return {Tensor{}};  // W's share arrives by block_grads
   }
 };
 
 // ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
-Encoded encode(const RankContext& rc) {
+// Rows [lo, hi) of bucket b's encoder inputs (its items' patches
+// concatenated in bucket order), [hi - lo, in_features].
+Tensor bucket_rows(const RankContext& rc, int bucket, int64_t lo, int64_t hi) {
+  const StepConfig& cfg = rc.cfg;
+  std::vector<double> rows;
+  rows.reserve(static_cast<std::size_t>((hi - lo) * cfg.in_features));
+  int64_t at = 0;  // first row of the item
+  for (int64_t id : rc.plan.buckets[static_cast<std::size_t>(bucket)]) {
+    const int64_t n = rc.plan.items[static_cast<std::size_t>(id)].output_rows;
+    const int64_t a = std::max(lo, at), b = std::min(hi, at + n);
+    if (a < b) {
+      const Drawn p = rc.syn.patches(rc.dp_rank, id, n);
+      rows.insert(rows.end(), p->begin() + (a - at) * cfg.in_features,
+                  p->begin() + (b - at) * cfg.in_features);
+    }
+    at += n;
+  }
+  return from_vector(rows, {hi - lo, cfg.in_features}, cfg.dtype);
+}
+
+Encoded encode(const RankContext& rc, const Tensor& W) {
   const StepConfig& cfg = rc.cfg;
   const ExchangePlan& plan = rc.plan;
   const int ecp = cfg.encoder.encoder_cp;
   const int bucket = rc.e / ecp, j = rc.e % ecp;
   const auto& items = plan.buckets[static_cast<std::size_t>(bucket)];
-  std::vector<double> p_all;
-  for (int64_t id : items) {
-    const auto& it = plan.items[static_cast<std::size_t>(id)];
-    const Drawn p = rc.syn.patches(rc.dp_rank, id, it.output_rows);
-    p_all.insert(p_all.end(), p->begin(), p->end());
-  }
   // Encoder-CP slices hold whole gradient blocks (grad_blocks.hpp).
   auto slice = [&](int k) {
     return detail::encoder_slice(plan, bucket, k, ecp, cfg.grad_block_rows);
   };
   const detail::EncoderSlice mine = slice(j);
   const int64_t lo = mine.row_begin, hi = mine.row_end;
-  // P holds this rank's slice; the rows drawn are not kept across collectives.
-  Tensor P = from_vector(std::vector<double>(p_all.begin() + lo * cfg.in_features,
-                                             p_all.begin() + hi * cfg.in_features),
-                         {hi - lo, cfg.in_features}, cfg.dtype);
-  std::vector<double>().swap(p_all);
   Encoded out;
-  {
-    const Drawn w = rc.syn.W();
-    const auto nb = static_cast<int64_t>(mine.blocks.size());
-    std::vector<double> copies;
-    copies.reserve(static_cast<std::size_t>(nb) * w->size());
-    for (int64_t b = 0; b < nb; ++b) copies.insert(copies.end(), w->begin(), w->end());
-    out.W_blocks = from_vector(copies, {nb, cfg.in_features, cfg.hidden}, cfg.dtype);
-    out.W_blocks.set_requires_grad(true);
-  }
+  out.block_grads = std::make_shared<Tensor>();  // set by the backward
   std::vector<int64_t> block_rows;
   for (const auto& b : mine.blocks) block_rows.push_back(b.rows);
-  out.features = BlockLinearFn{{}, P, block_rows}.apply({out.W_blocks})[0];
+  // P (this rank's slice of the inputs) is drawn again by the backward
+  // rather than kept: held from forward to backward by every rank at once,
+  // it was 9 % of the 1024-rank step's peak (the draws are deterministic).
+  out.features = BlockLinearFn{{},
+                               [&rc, bucket, lo, hi] { return bucket_rows(rc, bucket, lo, hi); },
+                               block_rows,
+                               out.block_grads}
+                     .apply({W})[0];
   if (ecp > 1) {
     auto enc_group = rc.exchange.split(bucket, j, {ecp},
                                        fmt::format("{}.encoder_cp{}", rc.exchange.name(), bucket));
@@ -464,42 +458,54 @@ Tensor decode_and_loss(const RankContext& rc, Tensor E, const ShardLayout& layou
       a_cols.push_back(a[static_cast<std::size_t>(r * cfg.ffn + c)]);
   const Tensor A_t = from_vector(a_cols, {cfg.hidden, cols}, cfg.dtype);
   std::vector<Tensor> X = decoder_inputs(cfg, E);
-  // The positional term <E, U> on every rank: E's gradient U + dX is then
-  // the complete gradient on every TP replica (Megatron's copy_to_tp_region
-  // gives each replica that sum through its all-reduce; here dX is already
-  // whole, so U is added after the canonical reduction, not inside it). U's
-  // rows are drawn without a collective and dropped at once
-  // (PositionalTermFn draws them again in the backward, so this lambda
-  // captures only what outlives the step's backward: rc's referents and
-  // layout). Recorded before the decoder's linear, its backward runs after
-  // the SP reduce-scatters, so no rank holds its shard-sized gradient across
-  // them.
-  auto draw_u = [&rc, &layout] {
+  // The positional term <E, U>: its gradient U is not a node of the graph
+  // but the linear's dx_addend, added to dX after the canonical sum, so
+  // every TP replica's E gets U + dX (Megatron's copy_to_tp_region gives
+  // each replica that sum through its all-reduce) while, without SP, each
+  // replica draws only the 1/tp of U it reduces. U's rows are drawn when
+  // needed and dropped at once (issue 27: in a simulated world every rank
+  // holds what it keeps across a collective).
+  const std::vector<std::pair<int64_t, int64_t>>& tokens = layout.tokens();
+  auto draw_u = [&rc, &tokens](int64_t first_row, int64_t rows) {
+    const std::vector<std::pair<int64_t, int64_t>> some(tokens.begin() + first_row,
+                                                        tokens.begin() + first_row + rows);
     const int d = rc.dp_rank;
     return draw_rows(
-        layout.tokens(), [&](int64_t b, int64_t t) { return rc.syn.u_row(d, b, t); }, rc.cfg.hidden,
+        some, [&](int64_t b, int64_t t) { return rc.syn.u_row(d, b, t); }, rc.cfg.hidden,
         rc.cfg.dtype);
   };
-  Tensor eu = PositionalTermFn{{}, draw_u}.apply({E})[0];
+  // The loss's terms on this rank: e.u where it is counted (every SP rank
+  // owns its rows; without SP, TP rank 0 counts the replicas' rows).
   ExactSum loss_terms;
-  if (sp || rc.tp_rank == 0) add_products(loss_terms, E, draw_u());
+  if (sp || rc.tp_rank == 0) add_products(loss_terms, E, draw_u(0, E.size(0)));
+  const int64_t H = cfg.hidden;
   // Each piece's gathered rows are freed inside the linear: its backward
   // needs A_t only. The loss sums the pieces' |Y|^2.
   Tensor yy;
+  int64_t first_row = 0;  // of the piece, in the shard
   for (Tensor& piece : X) {
-    const Tensor Y = nn::canonical_column_parallel_linear(piece, A_t, tp_group, sp);
+    // U's elements [begin, begin + count) of this piece, flattened [rows, H].
+    auto u_elements = [draw_u, first_row, H](int64_t begin, int64_t count) {
+      const int64_t r0 = begin / H, r1 = (begin + count + H - 1) / H;
+      const Tensor rows = draw_u(first_row + r0, r1 - r0);
+      return rows.view_as_shape({(r1 - r0) * H}).row_view(begin - r0 * H, count).copy_data();
+    };
+    const int64_t rows = piece.size(0);
+    const Tensor Y = nn::canonical_column_parallel_linear(piece, A_t, tp_group, sp,
+                                                          cfg.ffn / cfg.ffn_blocks, u_elements);
+    first_row += rows;
     piece = Tensor{};
     add_products(loss_terms, Y, Y, 0.5);
     const Tensor yy_piece = dot(Y, Y);
     yy = yy.defined() ? add(yy, yy_piece) : yy_piece;
   }
   X.clear();
-  res.loss_partials = loss_terms.partials();
+  res.loss_limbs = loss_terms.limbs();
   res.loss_special = loss_terms.special();
   res.loss = loss_terms.value();
   // In float16 the graph's scalar overflows (|Y|^2 > 65504 on the default
-  // mesh), while its gradient (Y, U) does not depend on that value.
-  return add(scale(yy, 0.5), eu);  // the dot nodes keep what their backward needs
+  // mesh), while its gradient (Y) does not depend on that value.
+  return scale(yy, 0.5);  // the dot nodes keep what their backward needs
 }
 
 }  // namespace
@@ -538,17 +544,19 @@ StepRankResult run_step(const dist::ProcessGroup& world, const StepConfig& cfg,
   // partial gradients cross the reductions.
   Tensor partials;
   {
-    Encoded encoded = encode(rc);
-    const Tensor W_blocks = encoded.W_blocks;
+    Tensor W = from_vector(*syn.W(), {cfg.in_features, cfg.hidden}, cfg.dtype);
+    W.set_requires_grad(true);
+    Encoded encoded = encode(rc, W);
+    const std::shared_ptr<Tensor> block_grads = encoded.block_grads;
     Tensor E = exchange_and_merge(rc, std::move(encoded), layout, keep_routed_rows, res);
     Tensor loss = decode_and_loss(rc, std::move(E), layout, mesh.group("tp"), res);
-    // The blocks' dW alone, without accumulating a .grad() into every leaf
-    // (the text embeddings' gradient would be one more shard-sized buffer
-    // held to the end); same engine, same order, same collectives as
-    // backward().
-    partials = grad({loss}, {W_blocks})[0];
-    if (!partials.defined()) partials = zeros(W_blocks.shape(), cfg.dtype);
-    partials = partials.copy_data();
+    // The backward, without accumulating a .grad() into every leaf (the
+    // text embeddings' gradient would be one more shard-sized buffer held
+    // to the end); same engine, same order, same collectives as backward().
+    // Its result is W's share outside the blocks: none (BlockLinearFn).
+    (void)grad({loss}, {W});
+    partials = *block_grads;
+    if (!partials.defined()) partials = zeros({0, cfg.in_features, cfg.hidden}, cfg.dtype);
   }  // every tensor of the step is freed here, before the reductions yield
   // dW = the canonical tree over the dp micro-batches of the canonical tree
   // over each micro-batch's blocks (grad_blocks.hpp): the same bits for
@@ -605,6 +613,7 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
   const double* const W = W_drawn->data();
   const double* const A = A_drawn->data();
   const int64_t H = cfg.hidden, I = cfg.in_features, Fn = cfg.ffn, B = cfg.grad_block_rows;
+  const int64_t G = cfg.ffn_blocks, w = Fn / G;  // dX's column blocks, w columns each
   const Rounder round = rounder_for(cfg.dtype);
   // Every value below is what the step's tensors hold: each sum is a plain
   // loop in float64 (0, then + a_p b_p in increasing p, as matmul sums)
@@ -617,7 +626,7 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
       At[static_cast<std::size_t>(c * H + h)] = A[static_cast<std::size_t>(h * Fn + c)];
   StepReference ref;
   ExactSum loss;
-  std::vector<double> y(static_cast<std::size_t>(Fn)), leaves(static_cast<std::size_t>(Fn * H));
+  std::vector<double> y(static_cast<std::size_t>(Fn)), leaves(static_cast<std::size_t>(G * H));
   std::vector<double> F, micro_batches;
   for (int d = 0; d < cfg.dp; ++d) {
     const Batch& batch = per_dp[static_cast<std::size_t>(d)];
@@ -645,7 +654,7 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
         imgs.push_back(std::move(img));
       }
       // The loss's terms, and dE = U + dX on image rows (the only ones dW
-      // reads): dX = the tree over the ffn columns of y_c A[:, c]^T.
+      // reads): dX = the tree over the column blocks of y_b A[:, b]^T.
       std::vector<double> dE(E.size());
       std::vector<char> image_row(static_cast<std::size_t>(s.seq_len), 0);
       for (const Img& img : imgs) std::fill_n(image_row.begin() + img.start, img.tokens, char{1});
@@ -666,12 +675,12 @@ StepReference reference_step(const StepConfig& cfg, const std::vector<Batch>& pe
           ref.loss_scale += term;
         }
         if (image_row[static_cast<std::size_t>(t)] == 0) continue;
-        for (int64_t c = 0; c < Fn; ++c)
-          for (int64_t h = 0; h < H; ++h)
-            leaves[static_cast<std::size_t>(c * H + h)] =
-                y[static_cast<std::size_t>(c)] * At[static_cast<std::size_t>(c * H + h)];
+        std::fill(leaves.begin(), leaves.end(), 0.0);
+        for (int64_t g = 0; g < G; ++g)  // leaf g = sum over its w columns c of y_c A[:, c]
+          accumulate_rows(y.data() + g * w, 1, w, At.data() + g * w * H, H, leaves.data() + g * H,
+                          H);
         round(leaves.data(), leaves.size());
-        const std::vector<double> back = tree_sum(leaves, Fn, H, round);
+        const std::vector<double> back = tree_sum(leaves, G, H, round);
         double* const de = dE.data() + t * H;
         for (int64_t h = 0; h < H; ++h) de[h] = u[h] + back[static_cast<std::size_t>(h)];
         round(de, static_cast<std::size_t>(H));
@@ -710,7 +719,7 @@ StepCheck check_step(const StepConfig& cfg, const std::vector<Batch>& per_dp,
   for (double v : ref.encoder_grad) ref_max = std::max(ref_max, std::abs(v));
   ExactSum total;
   for (const auto& r : ranks) {
-    total.add(ExactSum::from_partials(r.loss_partials, r.loss_special));
+    total.add(ExactSum::from_limbs(r.loss_limbs, r.loss_special));
     const auto got = r.decoder_input.to_vector();
     for (std::size_t k = 0; k < r.shard_tokens.size(); ++k) {
       const auto [b, t] = r.shard_tokens[k];

@@ -32,7 +32,7 @@ ErrorSite site(const ProcessGroup& g) { return detail::nn_site(kOp, g); }
 Shape trailing(const Shape& s) { return Shape(s.begin() + 1, s.end()); }
 
 // The tree of canonical_sum on a [m, n] tensor (m >= 1): [1, n].
-Tensor tree(Tensor level) {
+Tensor tree(Tensor level) {  // level is consumed: each level frees the one before
   while (level.size(0) > 1) {
     const int64_t m = level.size(0), h = m / 2;
     Tensor sums = add(level.row_view(0, h), level.row_view(h, h));
@@ -249,7 +249,7 @@ namespace detail {
 // (n <= size()*S) with this rank's k chunks; ids[m] lists member m's chunk
 // ids in the order it holds them (empty: the contiguous rule, chunks
 // [m*k, (m+1)*k)). Returns the call id of its collective in *call.
-Tensor canonical_slice(const Tensor& x, int64_t S, const ChunkIds& ids, const ProcessGroup& group,
+Tensor canonical_slice(Tensor x, int64_t S, const ChunkIds& ids, const ProcessGroup& group,
                        dist::Caller caller, dist::CallId* call) {
   const int members = group.size();
   const int64_t k = x.size(0), n = x.size(1);
@@ -263,32 +263,44 @@ Tensor canonical_slice(const Tensor& x, int64_t S, const ChunkIds& ids, const Pr
     }
     in_splits.assign(static_cast<std::size_t>(members), k);
   }
-  // One chunk per rank and n == members * S: x is that layout already.
-  const bool as_is = k == 1 && n == members * S && ids.empty();
-  Tensor send = as_is ? x.view_as_shape({members, S})
-                      : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
   Tensor recv = empty({C, S}, x.dtype(), x.device());
-  dist::all_to_all_single(group, recv, send, out_splits, in_splits, caller);
-  if (call != nullptr) *call = group.last_call();
-  if (C == 0) return zeros({1, S}, x.dtype(), x.device());
+  {
+    // One chunk per rank and n == members * S: x is that layout already.
+    const bool as_is = k == 1 && n == members * S && ids.empty();
+    Tensor send = as_is ? x.view_as_shape({members, S})
+                        : slices_by_member(x.view_as_shape({k * n}), k, n, members, S);
+    if (!as_is) x = Tensor{};  // the slices are a copy: x is not needed while this rank waits
+    dist::all_to_all_single(group, recv, send, out_splits, in_splits, caller);
+    if (call != nullptr) *call = group.last_call();
+  }
+  x = Tensor{};
+  if (C == 0) return zeros({1, S}, recv.dtype(), recv.device());
   if (!ids.empty()) {  // rows arrive member by member: put them in chunk-id order
-    Tensor ordered = empty({C, S}, x.dtype(), x.device());
+    Tensor ordered = empty({C, S}, recv.dtype(), recv.device());
     int64_t row = 0;
     for (const auto& m : ids)
       for (int64_t id : m) ordered.row_view(id, 1).copy_(recv.row_view(row++, 1));
     recv = ordered;
   }
-  return tree(recv);
+  return tree(std::move(recv));
 }
 
-// The canonical sum of every member's chunks, on every member: x [k, n] ->
-// [n] (Sum; the caller scales for Avg).
-Tensor canonical_all_reduce_tree(const Tensor& x, const ChunkIds& ids, const ProcessGroup& group,
-                                 dist::Caller caller, dist::CallId* call) {
+Tensor canonical_all_reduce_tree(Tensor x, const ChunkIds& ids, const ProcessGroup& group,
+                                 dist::Caller caller, dist::CallId* call, const Addend& addend) {
   const int members = group.size();
   const int64_t n = x.size(1), S = (n + members - 1) / members;
-  Tensor mine = canonical_slice(x, S, ids, group, caller, call);
-  Tensor gathered = empty({members, S}, x.dtype(), x.device());
+  const DType dtype = x.dtype();
+  const Device device = x.device();
+  Tensor mine = canonical_slice(std::move(x), S, ids, group, caller, call);
+  if (addend) {
+    const int64_t begin = std::min<int64_t>(group.rank() * S, n),
+                  count = std::min<int64_t>(S, n - begin);
+    if (count > 0) {
+      Tensor head = add(mine.view_as_shape({S}).row_view(0, count), addend(begin, count));
+      mine.view_as_shape({S}).row_view(0, count).copy_(head);
+    }
+  }
+  Tensor gathered = empty({members, S}, dtype, device);
   dist::all_gather_single(group, gathered, mine, caller);
   Tensor flat = gathered.view_as_shape({members * S});
   return n == members * S ? flat : flat.row_view(0, n).copy_data();

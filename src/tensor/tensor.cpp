@@ -11,6 +11,7 @@
 #include <limits>
 #include <new>
 #include <numbers>
+#include <optional>
 #include <random>
 
 #include "diffcomm/tensor/error.hpp"
@@ -595,7 +596,11 @@ const Ziggurat& ziggurat() {
 }  // namespace
 
 struct Generator::State {
-  std::mt19937_64 engine;
+  // Seeded on first use: seeding a Mersenne Twister fills 312 words, which
+  // dominated the training step's many short normal() streams (one per
+  // positional row) that never read it.
+  std::optional<std::mt19937_64> engine;
+  uint64_t engine_seed = 0;
   // normal(): Philox keyed by the seed, one counter per generator (block
   // number); `buf` holds the words of kPhiloxLanes blocks, used in order.
   std::array<uint32_t, 2> key{};
@@ -616,11 +621,14 @@ struct Generator::State {
 };
 
 Generator::Generator(uint64_t seed) : seed_(seed), state_(std::make_shared<State>()) {
-  state_->engine.seed(seed);
+  state_->engine_seed = seed;
   state_->key = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
 }
 
-uint64_t Generator::next_u64() { return state_->engine(); }
+uint64_t Generator::next_u64() {
+  if (!state_->engine) state_->engine.emplace(state_->engine_seed);
+  return (*state_->engine)();
+}
 
 double Generator::uniform() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
 

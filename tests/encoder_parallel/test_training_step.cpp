@@ -56,6 +56,7 @@ ep::StepConfig step_config(int dp, const ep::DecoderMesh& m, const ep::EncoderLa
   cfg.hidden = 4;
   cfg.in_features = 3;
   cfg.ffn = 12;
+  cfg.ffn_blocks = 12;  // dX's canonical blocks: one per column, every tp in 1..4 holds whole ones
   cfg.seed = 99;
   return cfg;
 }
@@ -126,7 +127,7 @@ TEST(TrainingStep, EveryMeshGivesTheSameBits) {
       EXPECT_EQ(chk.loss_rel_diff, 0.0);
       ep::ExactSum total;
       for (const auto& r : ranks) {
-        total.add(ep::ExactSum::from_partials(r.loss_partials, r.loss_special));
+        total.add(ep::ExactSum::from_limbs(r.loss_limbs, r.loss_special));
         EXPECT_EQ(r.encoder_grad.to_vector(), ranks[0].encoder_grad.to_vector());
       }
       if (!grad) {

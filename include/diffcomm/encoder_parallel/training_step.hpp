@@ -9,20 +9,26 @@
 //    parameter (replicated on every rank; its gradient is what we check);
 //  - the exchange routes features to decoder owners; merge_into_decoder
 //    writes them over the text embeddings of this rank's shard;
-//  - decoder (Megatron-style): without SP, E enters the TP region by
-//    "copy to TP region" (identity forward, all-reduce of the gradient over
-//    TP); with SP, by an all-gather over TP (reduce-scatter backward); then
-//    a column-parallel linear Y = X @ A[:, cols of this TP rank]. With SP the
-//    shard's rows go through all-gather and linear in StepConfig::sp_chunks
-//    pieces, one after the other, so a rank holds one piece's gathered rows
-//    (forward) and input gradient (backward) at a time; every row's products
-//    and every element's reduction order are the same for any sp_chunks, so
-//    the gradients are bit for bit those of one all-gather (only the loss's
-//    float64 sum over rows is grouped per piece);
-//  - loss = sum over tokens of <E_row, U(sample, token)> + 0.5 |Y|^2, the
-//    first term counted once per token (on the TP rank 0 replica without SP).
-// Reference: one rank, closed form in float64 with plain loops:
-//   dW = sum over images P_i^T (U_rows + E_rows A A^T).
+//  - decoder (Megatron-style): a column-parallel linear Y = X @ A[:, cols of
+//    this TP rank] (nn::canonical_column_parallel_linear): without SP X is
+//    the replicated shard, with SP the shard's rows all-gathered over TP, in
+//    StepConfig::sp_chunks pieces one after the other (a rank holds one
+//    piece's gathered rows, forward, and input gradient, backward, at a
+//    time; the bits do not depend on the pieces);
+//  - loss = sum over tokens of <E_row, U(sample, token)> + 0.5 |Y|^2.
+// Every sum has an order fixed by the data, not the mesh (docs/semantics.md,
+// "The training step, exact"), so every rank's result equals the reference
+// bit for bit, for every mesh and dtype:
+//  - dX = dY A^T: one matmul per block of ffn / ffn_blocks columns, the
+//    canonical tree over the blocks;
+//  - dE = U + dX on every TP replica (the positional term is in every
+//    replica's graph; the reported loss counts it once);
+//  - dW: per block of grad_block_rows rows of an image (one matmul), the
+//    canonical tree over a micro-batch's blocks in item order, then over the
+//    dp micro-batches;
+//  - the reported loss: the exact sum of its terms, rounded once (ExactSum).
+// Reference: one rank, the same values with plain float64 loops, each
+// rounded to the dtype where a tensor of the step holds it.
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -57,6 +63,12 @@ struct StepConfig {
   /// exact"). Part of the result's definition, like the seed: every mesh
   /// gives the same bits for one value. Encoder-CP slices hold whole blocks.
   int64_t grad_block_rows = 64;
+  /// Column blocks of the decoder's ffn columns for its input gradient: dX
+  /// is one matmul per block of ffn / ffn_blocks columns, combined by the
+  /// canonical tree over the blocks. Every tp dividing ffn_blocks gives the
+  /// same bits (each TP rank holds whole blocks); more blocks admit more tp
+  /// sizes, and a TP rank sends ffn_blocks / tp partials of dX instead of one.
+  int64_t ffn_blocks = 4;
   /// The exchange's receiver-gradient convention. Unset: receiver_grad_for
   /// the mesh (the correct one). Set, it is forced on every rank — a way to
   /// watch the wrong convention fail the reference check (tp x the gradient).
@@ -75,10 +87,10 @@ struct StepRankResult {
   std::vector<EncoderWorkItem> received_items;
   Tensor encoder_grad;  ///< dL/dW summed over the world (same on every rank)
   double loss = 0;      ///< this rank's loss terms' exact sum, rounded once (float64, every dtype)
-  /// The exact sum of this rank's loss terms (ExactSum::partials, special):
+  /// The exact sum of this rank's loss terms (ExactSum::limbs, special):
   /// check_step adds every rank's exactly, so the step's loss is one
   /// rounding of the exact total, whatever the mesh.
-  std::vector<double> loss_partials;
+  std::vector<int64_t> loss_limbs;
   double loss_special = 0;
   std::string plan_fingerprint;
 };

@@ -10,6 +10,8 @@
 // depends on the TP size. Here the columns are cut into fixed blocks, each
 // block's product is one matmul, and the blocks are combined by the canonical
 // tree over the block index (canonical_all_reduce.hpp).
+#include <functional>
+
 #include "diffcomm/distributed/group.hpp"
 #include "diffcomm/tensor/tensor.hpp"
 
@@ -33,6 +35,13 @@ using dist::ProcessGroup;
 /// blocks: canonical_all_reduce without SP (every replica gets the whole dx),
 /// canonical_reduce_scatter with SP (this member's rows). So dx has the bits
 /// of the single-rank computation for every size() that divides C.
+/// dx_addend (optional): a term added to dx after the canonical sum, as
+/// dx_addend(begin, count) -> the elements [begin, begin + count) of the
+/// flattened dx (this member's rows with SP) as a 1-d tensor of x's dtype;
+/// without SP each member asks only for the elements it reduces, so a term
+/// every replica needs (the gradient of another use of the replicated x) is
+/// computed once overall instead of once per member. dx = tree + addend,
+/// added in x's dtype.
 /// dweight (when weight requires grad) = x_full^T dy, no communication.
 /// Memory: backward holds cols/block_cols partials of dx's shape (with SP:
 /// of the gathered rows).
@@ -43,6 +52,7 @@ using dist::ProcessGroup;
 Tensor canonical_column_parallel_linear(const Tensor& x, const Tensor& weight,
                                         const ProcessGroup& group, bool sequence_parallel,
                                         int64_t block_cols = 1,
+                                        std::function<Tensor(int64_t, int64_t)> dx_addend = nullptr,
                                         dist::Caller caller = dist::Caller::here());
 
 }  // namespace diffcomm::nn

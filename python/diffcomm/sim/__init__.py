@@ -103,13 +103,14 @@ def _step_options(ranks: Optional[int] = None, dp: Optional[int] = None, cp: int
                   images_per_sample: int = 2, hidden: int = 32, ffn: int = 32,
                   dtype: str = "float64", seed: int = 0, images: Optional[str] = None,
                   receiver_grad: str = "auto", model: str = "qwen2vl",
-                  sp_chunks: int = 4, grad_block_rows: int = 64) -> "_core.sim.StepOptions":
+                  sp_chunks: int = 4, grad_block_rows: int = 64,
+                  ffn_blocks: int = 4) -> "_core.sim.StepOptions":
     """The C++ StepOptions (sim/step_options.hpp) from keywords; its
     resolved() fills the defaults and checks the options, as the CLI does."""
     o = _core.sim.StepOptions()
     o.ranks, o.dp = ranks or 0, dp or 0
     o.cp, o.tp, o.sp, o.sp_chunks, o.cp_layout = cp, tp, sp, sp_chunks, cp_layout
-    o.grad_block_rows = grad_block_rows
+    o.grad_block_rows, o.ffn_blocks = grad_block_rows, ffn_blocks
     o.encoder_buckets, o.encoder_cp = encoder_buckets or 0, encoder_cp
     o.batch, o.images_per_sample, o.hidden, o.ffn = batch, images_per_sample, hidden, ffn
     o.dtype, o.seed, o.receiver_grad, o.model = dtype, seed, receiver_grad, model
@@ -126,6 +127,7 @@ def step(
     sp: bool = False,
     sp_chunks: int = 4,
     grad_block_rows: int = 64,
+    ffn_blocks: int = 4,
     cp_layout: str = "contiguous",
     encoder_buckets: Optional[int] = None,
     encoder_cp: int = 1,
@@ -152,7 +154,7 @@ def step(
     step."""
     options = _step_options(ranks, dp, cp, tp, sp, cp_layout, encoder_buckets, encoder_cp, batch,
                             images_per_sample, hidden, ffn, dtype, seed, images, receiver_grad,
-                            model, sp_chunks, grad_block_rows)
+                            model, sp_chunks, grad_block_rows, ffn_blocks)
     js, text, code = _core.sim.step(options, fault, trace or "", equivalence)
     rep = StepReport(json.loads(js))
     rep.text = text

@@ -32,6 +32,7 @@ void check_each(const StepOptions& o) {
   range("ffn", o.ffn, 1, int64_t{1} << 20);
   range("sp-chunks", o.sp_chunks, 1, ep::kMaxSpChunks);
   range("grad-block-rows", o.grad_block_rows, 1, int64_t{1} << 20);
+  range("ffn-blocks", o.ffn_blocks, 1, int64_t{1} << 20);
   auto one_of = [](const char* flag, const std::string& v, std::initializer_list<const char*> ok) {
     if (std::none_of(ok.begin(), ok.end(), [&](const char* k) { return v == k; }))
       throw InvalidArgument(
@@ -83,6 +84,11 @@ StepOptions StepOptions::resolved() const {
         a.encoder_buckets, a.encoder_cp, exchange, a.cp > 1 ? "cp*tp" : "tp"));
   if (a.ffn % a.tp != 0)
     throw InvalidArgument(fmt::format("--ffn {} is not a multiple of --tp {}", a.ffn, a.tp));
+  if (a.ffn % a.ffn_blocks != 0 || a.ffn_blocks % a.tp != 0)
+    throw InvalidArgument(fmt::format(
+        "--ffn-blocks {} must divide --ffn {} and be a multiple of --tp {} (dX is the canonical "
+        "sum of that many column blocks and each TP rank holds whole blocks)",
+        a.ffn_blocks, a.ffn, a.tp));
   if (int64_t{a.dp} * a.batch * a.images_per_sample > kMaxImagesPerStep)
     throw InvalidArgument(
         fmt::format("--batch {} x --images-per-sample {} x dp {} images exceed the limit of {} "
@@ -107,6 +113,7 @@ ep::StepConfig StepOptions::config() const {
   cfg.ffn = ffn;
   cfg.sp_chunks = sp_chunks;
   cfg.grad_block_rows = grad_block_rows;
+  cfg.ffn_blocks = ffn_blocks;
   cfg.dtype = parse_dtype(dtype);
   cfg.seed = seed;
   if (receiver_grad == "partial") cfg.receiver_grad = ep::ReceiverGrad::Partial;

@@ -24,6 +24,7 @@ struct StepOptions {
   bool sp = false;
   int sp_chunks = encoder_parallel::kDefaultSpChunks;  ///< StepConfig::sp_chunks
   int64_t grad_block_rows = 64;                        ///< StepConfig::grad_block_rows
+  int64_t ffn_blocks = 4;                              ///< StepConfig::ffn_blocks
   std::string cp_layout = "contiguous";                ///< or "zigzag"
   int encoder_buckets = 0;                             ///< 0: exchange group size / encoder_cp
   int encoder_cp = 1;
