@@ -271,8 +271,7 @@ struct Encoded {
 // The partials leave through block_grads, not as W's gradient: W's gradient
 // is their canonical sum with every other rank's blocks (run_step). A
 // per-block copy of W as the leaf would say the same in autograd's terms, at
-// a copy of W per block held by every rank through the step (23 MB of the
-// 1024-rank step).
+// a copy of W per block held by every rank through the step.
 struct BlockLinearFn : Function<BlockLinearFn> {
   static constexpr const char* kName = "BlockLinearBackward";
   std::function<Tensor()> draw_p;  // [rows, in] data, drawn forward and again backward
@@ -298,7 +297,6 @@ struct BlockLinearFn : Function<BlockLinearFn> {
   }
 };
 
-// ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
 // Rows [lo, hi) of bucket b's encoder inputs (its items' patches
 // concatenated in bucket order), [hi - lo, in_features].
 Tensor bucket_rows(const RankContext& rc, int bucket, int64_t lo, int64_t hi) {
@@ -319,6 +317,7 @@ Tensor bucket_rows(const RankContext& rc, int bucket, int64_t lo, int64_t hi) {
   return from_vector(rows, {hi - lo, cfg.in_features}, cfg.dtype);
 }
 
+// ---- encoder: bucket b computed by its encoder-CP ranks, assembled on the producer
 Encoded encode(const RankContext& rc, const Tensor& W) {
   const StepConfig& cfg = rc.cfg;
   const ExchangePlan& plan = rc.plan;
