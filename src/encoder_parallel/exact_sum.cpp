@@ -82,8 +82,7 @@ ExactSum ExactSum::from_limbs(const std::vector<int64_t>& limbs, double special)
   ExactSum s;
   for (std::size_t i = 0; i < limbs.size() && i < static_cast<std::size_t>(kLimbs); ++i)
     s.limb_[i] = limbs[i];
-  s.adds_ = kCarryEvery / 2;  // unknown history: carry soon
-  s.carry();
+  s.carry();  // limbs from elsewhere: bring every one below the top into [0, 2^32)
   if (special != 0 || std::isnan(special)) s.add(special);
   return s;
 }

@@ -253,14 +253,10 @@ Tensor canonical_slice(Tensor x, int64_t S, const ChunkIds& ids, const ProcessGr
                        dist::Caller caller, dist::CallId* call) {
   const int members = group.size();
   const int64_t k = x.size(0), n = x.size(1);
-  dist::Splits in_splits, out_splits;
-  int64_t C = k * members;
+  const int64_t C = chunk_count(ids, k, members);
+  dist::Splits in_splits, out_splits;  // empty: even blocks (the contiguous rule)
   if (!ids.empty()) {
-    C = 0;
-    for (const auto& m : ids) {
-      out_splits.push_back(static_cast<int64_t>(m.size()));
-      C += static_cast<int64_t>(m.size());
-    }
+    for (const auto& m : ids) out_splits.push_back(static_cast<int64_t>(m.size()));
     in_splits.assign(static_cast<std::size_t>(members), k);
   }
   Tensor recv = empty({C, S}, x.dtype(), x.device());
