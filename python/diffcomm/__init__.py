@@ -8,7 +8,7 @@ Submodules:
 
 Errors: every exception diffcomm raises derives from diffcomm.Error, a RuntimeError
 (InvalidArgument, also a ValueError; CollectiveMismatch; Deadlock; RankFailure; Timeout, also a
-TimeoutError; BackendError).
+TimeoutError; BackendError; ResourceExhausted, also a MemoryError).
 """
 from . import _core
 from ._core import (
@@ -24,6 +24,7 @@ from ._core import (
     ProcessGroup,
     RankFailure,
     ReduceOp,
+    ResourceExhausted,
     Tensor,
     Timeout,
     __version__,
@@ -87,6 +88,7 @@ __all__ = [
     "Timeout",
     "RankFailure",
     "ReduceOp",
+    "ResourceExhausted",
     "Tensor",
     "__version__",
     "backward",

@@ -144,12 +144,13 @@ PyObject* new_error_class(nb::module_& m, const char* name, PyObject* bases) {
 }
 
 // The Python builtin a kind also derives from, so that Python's own except
-// clauses catch it: InvalidArgument is a ValueError, Timeout a TimeoutError;
-// nullptr for the others.
+// clauses catch it: InvalidArgument is a ValueError, Timeout a TimeoutError,
+// ResourceExhausted a MemoryError; nullptr for the others.
 PyObject* builtin_of(dc::ErrorKind k) {
   switch (k) {
     case dc::ErrorKind::InvalidArgument: return PyExc_ValueError;
     case dc::ErrorKind::Timeout: return PyExc_TimeoutError;
+    case dc::ErrorKind::ResourceExhausted: return PyExc_MemoryError;
     default: return nullptr;
   }
 }
@@ -168,7 +169,8 @@ void bind_errors(nb::module_& m) {
   error_classes[kind(dc::ErrorKind::Error)] = base;
   for (dc::ErrorKind k :
        {dc::ErrorKind::InvalidArgument, dc::ErrorKind::CollectiveMismatch, dc::ErrorKind::Deadlock,
-        dc::ErrorKind::RankFailure, dc::ErrorKind::Timeout, dc::ErrorKind::BackendError}) {
+        dc::ErrorKind::RankFailure, dc::ErrorKind::Timeout, dc::ErrorKind::BackendError,
+        dc::ErrorKind::ResourceExhausted}) {
     PyObject* bases = base;
     nb::object pair;
     if (PyObject* builtin = builtin_of(k)) {

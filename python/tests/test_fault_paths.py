@@ -1,7 +1,7 @@
 """Fault paths of Python programs (issue [7/8]): a job whose rank times out
 ends at interpreter exit instead of hanging in MPI_Finalize; bad deadlines
 are refused; a world whose rank threads or fiber stacks cannot be had raises
-BackendError instead of aborting; one thread per group."""
+ResourceExhausted instead of aborting; one thread per group."""
 import os
 import shutil
 import subprocess
@@ -71,7 +71,7 @@ def run_limited(code, timeout=120):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc: Linux")
-def test_rank_threads_beyond_the_address_space_raise_backend_error():
+def test_rank_threads_beyond_the_address_space_raise_resource_exhausted():
     # 4096 rank threads of 8 MiB stacks under +256 MiB: the OS refuses one.
     proc = run_limited("""
         limit_to(256)
@@ -79,16 +79,16 @@ def test_rank_threads_beyond_the_address_space_raise_backend_error():
         try:
             sim.run(4096, lambda rank, group: None, isolation="thread")
             print("RAN")
-        except diffcomm.BackendError as e:
-            print("BACKEND", e)
+        except diffcomm.ResourceExhausted as e:
+            print("EXHAUSTED", e)
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "BACKEND diffcomm.sim.run: cannot start the thread of rank" in proc.stdout, proc.stdout
+    assert "EXHAUSTED diffcomm.sim.run: cannot start the thread of rank" in proc.stdout, proc.stdout
     assert "of 4096" in proc.stdout and "8388608 bytes" in proc.stdout, proc.stdout
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc: Linux")
-def test_fiber_stacks_beyond_the_address_space_raise_backend_error():
+def test_fiber_stacks_beyond_the_address_space_raise_resource_exhausted():
     # The limit is set once the 1024 rank threads run, so what fails is the
     # world's fiber stacks (1024 x 64 KiB proxy stacks, 68 MiB with guards).
     proc = run_limited("""
@@ -102,11 +102,12 @@ def test_fiber_stacks_beyond_the_address_space_raise_backend_error():
         try:
             sim.run(1024, lambda rank, group: None, isolation="thread")
             print("RAN")
-        except diffcomm.BackendError as e:
-            print("BACKEND", e)
+        except diffcomm.ResourceExhausted as e:
+            print("EXHAUSTED", isinstance(e, MemoryError), e)
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "BACKEND" in proc.stdout and "cannot allocate the fiber stack of rank" in proc.stdout, (
+    assert "EXHAUSTED True" in proc.stdout, proc.stdout + proc.stderr
+    assert "cannot allocate the fiber stack of rank" in proc.stdout, (
         proc.stdout + proc.stderr)
     assert "of 1024 (65536 bytes each" in proc.stdout, proc.stdout
 

@@ -79,10 +79,12 @@ def test_errors_are_runtime_errors_and_python_builtins_catch_theirs():
     ValueError and Timeout a TimeoutError, so Python's own except clauses catch them."""
     assert issubclass(diffcomm.Error, RuntimeError)
     for cls in (diffcomm.InvalidArgument, diffcomm.CollectiveMismatch, diffcomm.Deadlock,
-                diffcomm.RankFailure, diffcomm.Timeout, diffcomm.BackendError):
+                diffcomm.RankFailure, diffcomm.Timeout, diffcomm.BackendError,
+                diffcomm.ResourceExhausted):
         assert issubclass(cls, diffcomm.Error) and issubclass(cls, RuntimeError), cls
     assert issubclass(diffcomm.InvalidArgument, ValueError)
     assert issubclass(diffcomm.Timeout, TimeoutError)
+    assert issubclass(diffcomm.ResourceExhausted, MemoryError)
     assert not issubclass(diffcomm.Deadlock, (ValueError, TimeoutError))
     with pytest.raises(ValueError, match="unknown reduce op 'median'") as info:
         diffcomm.ReduceOp("median")  # raised in C++, translated by the binding
@@ -92,3 +94,18 @@ def test_errors_are_runtime_errors_and_python_builtins_catch_theirs():
         raise diffcomm.Timeout("all_reduce #3 on group 'world': timed out after 5 s")
     except TimeoutError as e:
         assert str(e) == "all_reduce #3 on group 'world': timed out after 5 s"
+
+
+@pytest.mark.skipif("ASAN_OPTIONS" in os.environ, reason="AddressSanitizer aborts on such requests")
+def test_a_tensor_beyond_memory_is_resource_exhausted_naming_its_bytes():
+    """Issue [4/7] item 4: out of memory is a ResourceExhausted (also a MemoryError) that names
+    what was being allocated and how much, here and from a simulated rank."""
+    with pytest.raises(MemoryError, match="cannot allocate 140737488355328 bytes") as info:
+        _core.zeros([1 << 45], "float32")
+    assert type(info.value) is diffcomm.ResourceExhausted
+    for isolation in ("thread", "process"):
+        with pytest.raises(diffcomm.ResourceExhausted,
+                           match="cannot allocate 140737488355328 bytes") as info:
+            sim.run(2, lambda rank, group: _core.zeros([1 << 45 if rank == 1 else 1], "float32"),
+                    isolation=isolation)
+        assert info.value.rank == 1, isolation

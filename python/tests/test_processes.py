@@ -267,7 +267,7 @@ def test_cuda_on_cpu_survives_importing_torch_dynamo_and_megatron_inside_fn():
         out.stdout + out.stderr
 
 
-def test_running_out_of_file_descriptors_is_a_backend_error():
+def test_running_out_of_file_descriptors_is_resource_exhausted():
     # Each rank process takes a socket and a memfd in the caller. In a
     # subprocess whose descriptor limit cannot hold 64 ranks.
     program = (
@@ -275,9 +275,9 @@ def test_running_out_of_file_descriptors_is_a_backend_error():
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
         "try:\n"
         "    sim.run(64, lambda r, g: None, isolation='process')\n"
-        "except diffcomm.BackendError as e:\n"
-        "    print('BACKEND', e)\n")
+        "except diffcomm.ResourceExhausted as e:\n"
+        "    print('EXHAUSTED', e)\n")
     out = _python(program)
-    assert "BACKEND diffcomm.sim.run: cannot make the socket and memfd of rank" in out.stdout, \
+    assert "EXHAUSTED diffcomm.sim.run: cannot make the socket and memfd of rank" in out.stdout, \
         out.stdout + out.stderr
     assert "ulimit -n" in out.stdout

@@ -17,9 +17,17 @@ const char* error_kind_name(ErrorKind kind) {
     case ErrorKind::RankFailure: return "RankFailure";
     case ErrorKind::Timeout: return "Timeout";
     case ErrorKind::BackendError: return "BackendError";
+    case ErrorKind::ResourceExhausted: return "ResourceExhausted";
     case ErrorKind::Error: break;
   }
   return "Error";
+}
+
+std::string bad_alloc_detail(std::string_view what) {
+  return fmt::format(
+      "out of memory: {} from an allocation outside diffcomm's tensors (a std::vector, string or "
+      "map of the code that ran; the standard library names neither what nor how much)",
+      what);
 }
 
 bool ErrorSite::empty() const {

@@ -27,6 +27,7 @@
 #include "diffcomm/nn/functional.hpp"
 #include "diffcomm/sim/world.hpp"
 #include "diffcomm/tensor/error.hpp"
+#include "diffcomm/tensor/tensor.hpp"
 
 namespace diffcomm {
 namespace {
@@ -278,13 +279,58 @@ TEST(Determinism, ADeadlockReportDoesNotDependOnTheHeap) {
   for (int perturb = 1; perturb <= 8; ++perturb) EXPECT_EQ(report(perturb), first) << perturb;
 }
 
-// ---- fiber stacks that cannot be allocated ---------------------------------------
+// ---- out of memory: ResourceExhausted, whatever ran out ---------------------------
 
 #if defined(__SANITIZE_ADDRESS__)
 constexpr bool kAsan = true;
 #else
 constexpr bool kAsan = false;
 #endif
+
+// Issue [4/7] item 4: a rank whose own code runs out of memory (the standard
+// library's std::bad_alloc, which names nothing) ends the run with
+// ResourceExhausted naming the rank, not a plain Error reading
+// "std::bad_alloc"; the other rank, waiting in a barrier, gets RankFailure.
+TEST(WorldRun, ARanksOwnBadAllocIsResourceExhausted) {
+  sim::WorldOptions o;
+  o.ranks = 2;
+  sim::World world(o);
+  try {
+    world.run([](sim::Rank& r) {
+      if (r.rank() == 1) throw std::bad_alloc();
+      dist::barrier(r.world());
+    });
+    FAIL() << "the run succeeded";
+  } catch (const ResourceExhausted& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::ResourceExhausted);
+    EXPECT_EQ(e.site().global_rank, 1);
+    EXPECT_THAT(e.what(), HasSubstr("rank 1: out of memory: std::bad_alloc from an allocation "
+                                    "outside diffcomm's tensors"));
+    const auto& failures = sim::run_failures(e)->failures();
+    ASSERT_EQ(failures.size(), 2u);
+    EXPECT_THAT(e.what(), HasSubstr("rank 0: "));
+  }
+}
+
+// A tensor too large for memory on a rank: OutOfMemory (a ResourceExhausted)
+// naming the bytes, carried to World::run with its kind.
+TEST(WorldRun, ATensorBeyondMemoryOnARankIsResourceExhaustedNamingTheBytes) {
+  if (kAsan) GTEST_SKIP() << "AddressSanitizer aborts on requests of this size";
+  sim::WorldOptions o;
+  o.ranks = 2;
+  sim::World world(o);
+  try {
+    world.run([](sim::Rank& r) {
+      if (r.rank() == 0) (void)zeros(Shape{int64_t{1} << 45}, DType::Float32);
+      dist::barrier(r.world());
+    });
+    FAIL() << "the run succeeded";
+  } catch (const ResourceExhausted& e) {
+    EXPECT_THAT(e.what(), HasSubstr("rank 0: diffcomm: cannot allocate 140737488355328 bytes"));
+  }
+}
+
+// ---- fiber stacks that cannot be allocated ---------------------------------------
 
 // The child of the test below: 1024 stacks of 1 MiB under a 512 MiB limit.
 [[noreturn]] void run_world_beyond_the_limit() {
@@ -299,17 +345,17 @@ constexpr bool kAsan = false;
     world.run([](sim::Rank&) {});
     std::fprintf(stderr, "the world ran\n");
     std::_Exit(1);
-  } catch (const BackendError& e) {
+  } catch (const ResourceExhausted& e) {
     std::fprintf(stderr, "%s\n", e.what());
     std::_Exit(0);
   }
 }
 
 // Under an address-space limit (ulimit -v 512 MiB) a world whose stacks need
-// 1 GiB raises BackendError naming the ranks and the stack size, instead of
+// 1 GiB raises ResourceExhausted naming the ranks and the stack size, instead of
 // std::terminate. In a child process (the limit must not reach the test
 // runner).
-TEST(WorldRun, StacksBeyondTheAddressSpaceLimitRaiseBackendError) {
+TEST(WorldRun, StacksBeyondTheAddressSpaceLimitRaiseResourceExhausted) {
   if (kAsan) GTEST_SKIP() << "AddressSanitizer reserves more address space than the limit";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(run_world_beyond_the_limit(), testing::ExitedWithCode(0),

@@ -29,10 +29,11 @@ enum class ErrorKind {
   RankFailure,
   Timeout,
   BackendError,
+  ResourceExhausted,
 };
 
 /// Number of ErrorKind values (for tables indexed by kind).
-inline constexpr std::size_t kErrorKindCount = 7;
+inline constexpr std::size_t kErrorKindCount = 8;
 
 /// "InvalidArgument", "Deadlock", ...: the class name of `kind`.
 const char* error_kind_name(ErrorKind kind);
@@ -147,21 +148,35 @@ class BackendError : public Error {
   DIFFCOMM_ERROR_CONSTRUCTORS(BackendError)
 };
 
+/// A resource ran out: host memory, fiber stacks, memory mappings, file
+/// descriptors. The message names what was being allocated and how much
+/// (Python: also a MemoryError). Raised where the allocation failed; a
+/// simulated rank whose own code ran out of memory (std::bad_alloc from the
+/// standard library) fails with this kind too.
+class ResourceExhausted : public Error {
+ public:
+  DIFFCOMM_ERROR_CONSTRUCTORS(ResourceExhausted)
+};
+
 #undef DIFFCOMM_ERROR_CONSTRUCTORS
 
-/// Host memory for a tensor could not be had. A std::bad_alloc, so every
-/// handler of one still catches it (Python: MemoryError), whose what() names
-/// what was being allocated and how much: "diffcomm: cannot allocate
-/// 8589934592 bytes (8 GiB) of host memory for a tensor: out of memory".
-/// Thrown by tensor allocation (zeros, empty, the ops' outputs).
-class OutOfMemory : public std::bad_alloc {
+/// Host memory for a tensor could not be had: a ResourceExhausted whose
+/// what() names what was being allocated and how much: "diffcomm: cannot
+/// allocate 8589934592 bytes (8 GiB) of host memory for a tensor: out of
+/// memory". Thrown by tensor allocation (zeros, empty, the ops' outputs). Not
+/// a std::bad_alloc (a class cannot be both without making std::exception an
+/// ambiguous base): catch ResourceExhausted or diffcomm::Error.
+class OutOfMemory : public ResourceExhausted {
  public:
-  explicit OutOfMemory(std::string message) : message_(std::move(message)) {}
-  const char* what() const noexcept override { return message_.c_str(); }
-
- private:
-  std::string message_;
+  explicit OutOfMemory(const std::string& message) : ResourceExhausted(message) {}
 };
+
+/// The detail of the ResourceExhausted that stands for a std::bad_alloc
+/// thrown outside diffcomm's own allocations (a std::vector, string or map
+/// of the caller's code), whose what() is `what`: "out of memory:
+/// std::bad_alloc from ... (the standard library names neither what nor how
+/// much)". No errors (beyond std::bad_alloc).
+std::string bad_alloc_detail(std::string_view what);
 
 /// Throws E (InvalidArgument unless named) at `site` with `detail`: what()
 /// becomes format_error(site, detail), e.g. "plan_exchange: buckets 0 must be
@@ -193,6 +208,7 @@ decltype(auto) visit_error_class(ErrorKind kind, F&& f) {
     case ErrorKind::RankFailure: return f(std::type_identity<RankFailure>{});
     case ErrorKind::Timeout: return f(std::type_identity<Timeout>{});
     case ErrorKind::BackendError: return f(std::type_identity<BackendError>{});
+    case ErrorKind::ResourceExhausted: return f(std::type_identity<ResourceExhausted>{});
     case ErrorKind::Error: break;
   }
   return f(std::type_identity<Error>{});

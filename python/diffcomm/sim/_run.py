@@ -50,8 +50,8 @@ class RunResult:
 
 def _start_rank_threads(world: "_core.sim.ThreadedWorld", threads: List[threading.Thread]) -> None:
     """Starts one thread per rank; when the OS refuses one (out of memory or
-    of threads), releases the started ones and raises BackendError naming the
-    rank count and the stack size to reduce."""
+    of threads), releases the started ones and raises ResourceExhausted naming
+    the rank count and the stack size to reduce."""
     for rank, t in enumerate(threads):
         try:
             t.start()
@@ -64,7 +64,7 @@ def _start_rank_threads(world: "_core.sim.ThreadedWorld", threads: List[threadin
             world.cancel(why)
             for started in threads[:rank]:
                 started.join()
-            raise _core.BackendError(why) from e
+            raise _core.ResourceExhausted(why) from e
 
 
 #: Seconds run() waits, after Ctrl-C, for rank threads to end before it

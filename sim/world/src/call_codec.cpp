@@ -257,6 +257,9 @@ Writer error_reply(const std::exception_ptr& error) {
     kind = e.kind();
     site = e.site();
     detail = std::string(e.detail());
+  } catch (const std::bad_alloc& e) {
+    kind = ErrorKind::ResourceExhausted;
+    detail = bad_alloc_detail(e.what());
   } catch (const std::exception& e) {
     detail = e.what();
   } catch (...) {

@@ -19,7 +19,7 @@
 namespace diffcomm::sim::detail {
 
 // Every rank's fiber stack, allocated before any fiber exists: running out
-// of memory (or of mappings) then raises BackendError from run() with
+// of memory (or of mappings) then raises ResourceExhausted from run() with
 // nothing to unwind, where failing inside the fiber loop destroyed joinable
 // fibers (std::terminate). A stack handed to a fiber is the fiber's; the
 // rest are freed here.
@@ -32,7 +32,7 @@ class Stacks {
         stacks_[r] = alloc_.allocate();
       } catch (const std::bad_alloc&) {
         release_unused();
-        raise<BackendError>(
+        raise<ResourceExhausted>(
             "sim::World::run",
             fmt::format("cannot allocate the fiber stack of rank {} of {} ({} bytes each, "
                         "{:.1f} MiB for the world): out of memory or of memory mappings; use fewer "

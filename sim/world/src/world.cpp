@@ -190,8 +190,10 @@ class RunError final : public Kind, public RunFailures {
       : Kind(std::move(site), detail), RunFailures(std::move(failures)) {}
 };
 
-// A failure's kind, site and detail: a diffcomm Error's own; any other
-// exception is a plain Error whose detail is its message.
+// A failure's kind, site and detail: a diffcomm Error's own; the standard
+// library's std::bad_alloc (the rank's own vectors, strings, maps) is
+// ResourceExhausted; any other exception is a plain Error whose detail is
+// its message.
 struct Typed {
   ErrorKind kind = ErrorKind::Error;
   ErrorSite site;
@@ -203,6 +205,8 @@ Typed typed(const RankError& f) {
     std::rethrow_exception(f.error);
   } catch (const Error& e) {
     return {e.kind(), e.site(), std::string(e.detail())};
+  } catch (const std::bad_alloc&) {
+    return {ErrorKind::ResourceExhausted, {}, bad_alloc_detail(f.message())};
   } catch (...) {
     return {ErrorKind::Error, {}, f.message()};
   }
