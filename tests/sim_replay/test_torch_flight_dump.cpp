@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 
@@ -335,6 +336,36 @@ TEST(TorchFlightDump, TruncatedFileNamesTheFileAndOffset) {
   }
   fs::remove_all(dir);
   fs::remove_all(jdir);
+}
+
+// Found by fuzz_torch_dump: a number too large for a double ("1E733421841")
+// is nlohmann's out_of_range, not a parse_error; it escaped the reader
+// (std::terminate in the fuzzer, nlohmann's own message from the CLI).
+TEST(TorchFlightDump, ANumberOutOfRangeNamesTheFile) {
+  const std::string dir = copy_of("ok-json");
+  const fs::path f = fs::path(dir) / "rank_0.json";
+  std::string text;
+  {
+    std::ifstream in(f, std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const std::size_t at = text.find("\"time_created_ns\":");
+  ASSERT_NE(at, std::string::npos);
+  // "1E733421841" before the digits there: an exponent far past a double's.
+  text.insert(at + std::string("\"time_created_ns\":").size(), "1E733421841");
+  {
+    std::ofstream out(f, std::ios::binary | std::ios::trunc);
+    out << text;
+  }
+  try {
+    read_dumps(dir);
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(e.site().op, EndsWith("rank_0.json"));
+    EXPECT_THAT(std::string(e.detail()), HasSubstr("out of range"));
+    EXPECT_THAT(e.what(), Not(HasSubstr("json.exception")));
+  }
+  fs::remove_all(dir);
 }
 
 // A .pkl that is not a pickle was reported as a JSON syntax error.

@@ -95,6 +95,8 @@ Json load(const std::string& path, int rank) {
     } catch (const Json::parse_error& e) {
       // e.byte counts the characters read (1-based); the offset is 0-based.
       raise(path, fmt::format("JSON syntax error at offset {}", e.byte > 0 ? e.byte - 1 : 0));
+    } catch (const Json::exception&) {  // out_of_range 406: a number too large for a double
+      raise(path, "a JSON number is out of range (too large for a double)");
     }
   }
   if (!j.is_object() || !j.contains("entries") || !j.at("entries").is_array())
