@@ -6,6 +6,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 import pytest  # noqa: E402
 
+# The tests' mpirun jobs put 3-8 ranks on 2 cores: a rank waiting in MPI must
+# yield its core (Open MPI busy-polls otherwise; 16x slower, tests/CMakeLists.txt).
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
 
 @pytest.fixture
 def readme_code():

@@ -17,6 +17,7 @@ exception with the traceback text, and the rank's stats.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import signal
@@ -110,6 +111,29 @@ def _one_compute_thread() -> None:
         torch.set_num_threads(1)
 
 
+#: What torch imports on first use, seconds at a time: torch._dynamo (2.3 s
+#: with torch 2.15 on this project's machine) comes with the first
+#: optimizer, torch.compile or a DTensor op. Imported once in the caller,
+#: before the forks, instead of once in every rank process (a world of 8 paid
+#: 8 x 2.3 s per run; bench/RESULTS.md, "Issue 49").
+LAZY_TORCH_MODULES = ("torch._dynamo",)
+
+
+_lazy_tried = set()
+
+
+def _import_lazy_torch_modules() -> None:
+    if "torch" not in sys.modules:
+        return  # fn cannot use torch without importing it, and then pays it once per rank
+    for name in LAZY_TORCH_MODULES:
+        if name not in sys.modules and name not in _lazy_tried:
+            _lazy_tried.add(name)
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 (absent in torch 1.x; the rank imports what it needs)
+                pass
+
+
 #: torch refuses autograd in a process forked after its autograd engine
 #: started device threads in the parent (torch/csrc/autograd/engine.cpp).
 AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork"
@@ -200,11 +224,12 @@ class ProcessRun:
                 self.ranks.append(_Rank(r))
         except OSError as e:  # out of file descriptors (ulimit -n) or memory
             self.cleanup(0.0)
-            raise _core.BackendError(
+            raise _core.ResourceExhausted(
                 f"diffcomm.sim.run: cannot make the socket and memfd of rank {len(self.ranks)} of "
                 f"{self.n} ({e}); each rank process takes 2 file descriptors in the caller: raise "
                 f"ulimit -n, use fewer ranks, or isolation='thread'") from e
         cpu = self.world.cpu() if one_cpu else -1
+        _import_lazy_torch_modules()
         for stream in (sys.stdout, sys.stderr):  # not written twice by the children
             stream.flush()
         try:
@@ -213,7 +238,7 @@ class ProcessRun:
         except OSError as e:
             self.kill()
             self.cleanup(0.0)
-            raise _core.BackendError(
+            raise _core.ResourceExhausted(
                 f"diffcomm.sim.run: cannot fork the process of rank {len(self._forked())} of "
                 f"{self.n} ({e}): use fewer ranks, or isolation='thread'") from e
         for rank in self.ranks:
