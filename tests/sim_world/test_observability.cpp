@@ -208,6 +208,28 @@ TEST(SimTrace, DisabledTraceKeepsNoEvents) {
   EXPECT_EQ(w.stats(0).get("world", "barrier").calls, 1u);
 }
 
+// move_payloads off: calls meet, are timed and compared, but no byte moves.
+TEST(SimPayloads, OffMovesNoBytesButKeepsTheVerdictsAndTheClock) {
+  WorldOptions o = options(2);
+  o.move_payloads = false;
+  {
+    World w(o);
+    w.run([](Rank& r) {
+      Tensor t = full({3}, r.rank() + 1.0);
+      dist::all_reduce(r.world(), t);
+      EXPECT_EQ(t.to_vector(), std::vector<double>(3, r.rank() + 1.0));  // untouched
+      Tensor out = zeros({2});
+      dist::all_gather_single(r.world(), out, full({1}, 7.0));
+      EXPECT_EQ(out.to_vector(), std::vector<double>(2, 0.0));
+    });
+    EXPECT_GT(w.sim_time_us(), 0.0);
+    EXPECT_EQ(w.stats(1).get("world", "all_reduce").calls, 1u);
+  }
+  World w(o);
+  EXPECT_THROW(w.run([](Rank& r) { dist::all_reduce(r.world(), zeros({r.rank() + 1})); }),
+               CollectiveMismatch);
+}
+
 // ============================================================ cost model
 
 TEST(SimCost, SingleAllReduceFollowsTheAlphaBetaModel) {

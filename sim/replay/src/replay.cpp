@@ -31,13 +31,14 @@ bool is_p2p(OpType op) { return op == OpType::Send || op == OpType::Recv; }
 // unless a rank stopped at a send/recv), and how far each got.
 struct Run {
   const Table& table;
+  const detail::ShapeOnlyTensors& tensors;
   std::vector<std::vector<Step>> programs;
   std::vector<std::size_t> progress;  // per rank: index of the call it is in
   std::vector<uint32_t> groups;       // the non-world groups the programs call on
 };
 
-Run tails_from(const Table& t, const Cut& cut) {
-  Run run{t, {}, std::vector<std::size_t>(t.steps.size(), 0), {}};
+Run tails_from(const Table& t, const detail::ShapeOnlyTensors& tensors, const Cut& cut) {
+  Run run{t, tensors, {}, std::vector<std::size_t>(t.steps.size(), 0), {}};
   const bool whole = cut.any_p2p();
   std::vector<bool> used(t.groups.size(), false);
   for (std::size_t r = 0; r < t.steps.size(); ++r) {
@@ -72,7 +73,7 @@ void run_rank(Rank& rank, Run& run) {
     const FlightRecord c = t.record(program[i]);
     const dist::ProcessGroup& g = groups.at(c.group);
     g.resume_numbering(c.seq, is_p2p(c.op));  // the recorded number, whatever was skipped
-    detail::issue(g, c);
+    run.tensors.issue(g, c);
   }
   run.progress[r] = program.size();
 }
@@ -268,7 +269,8 @@ int ReplayReport::exit_code() const {
 
 ReplayReport replay(const Recording& recording, const ReplayOptions& options) {
   const Table& t = recording.table();
-  const std::vector<dist::CallDesc> descs = detail::validate_calls(t);
+  const detail::ShapeOnlyTensors tensors(t);
+  const std::vector<dist::CallDesc> descs = detail::validate_calls(t, tensors);
   const Cut cut = options.settle_prefix ? detail::settle_prefix(t, descs) : detail::no_prefix(t);
   ReplayReport rep;
   if (cut.all_finished()) {
@@ -280,13 +282,14 @@ ReplayReport replay(const Recording& recording, const ReplayOptions& options) {
     // reaches: the world would block at once on each rank's next call.
     rep.verdict = Verdict::Deadlock;
     rep.message = std::string(kDeadlockLine);
-    deadlock_table(tails_from(t, cut), rep);
+    deadlock_table(tails_from(t, tensors, cut), rep);
   } else {
-    Run run = tails_from(t, cut);
+    Run run = tails_from(t, tensors, cut);
     WorldOptions wo;
     wo.ranks = t.world_size;
     wo.seed = options.seed;
     wo.trace = false;
+    wo.move_payloads = false;  // the tensors have no memory: a verdict needs none
     World world(wo);
     try {
       world.run([&](Rank& rank) { run_rank(rank, run); });

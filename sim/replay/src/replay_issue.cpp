@@ -3,7 +3,11 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/mman.h>
 
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <map>
 #include <optional>
 
@@ -61,13 +65,6 @@ class DryBackend final : public dist::Backend {
   std::vector<int> members_;
 };
 
-std::vector<Tensor> zeros_of(const std::vector<Shape>& shapes, DType dtype) {
-  std::vector<Tensor> ts;
-  ts.reserve(shapes.size());
-  for (const Shape& s : shapes) ts.push_back(zeros(s, dtype));
-  return ts;
-}
-
 // "rank R's all_reduce #S on group 'G'": the first rank that recorded
 // table.calls[call] (calls are shared between ranks), for an error message.
 std::string recorded_by(const Table& table, std::size_t call) {
@@ -81,30 +78,80 @@ std::string recorded_by(const Table& table, std::size_t call) {
   return fmt::format("a {} on group '{}'", dist::op_name(r.op), group);
 }
 
-// Replay allocates each call's tensors (zeros of the recorded shapes) and
-// runs it in the simulated world, so a dump that claims a huge tensor (2^40
-// elements, or an 8 GiB bucket) would end in std::bad_alloc. Each call is
-// checked first against this bound on the bytes of its inputs and outputs.
-constexpr double kMaxCallBytes = double(std::size_t{1} << 30);
+// Where each tensor of a call starts: 64-byte aligned, one after another.
+constexpr double kAlign = 64;
+double aligned(double bytes) { return std::ceil(bytes / kAlign) * kAlign; }
 
-// The bytes of a call's tensors, in double: a corrupt shape's product must
-// not overflow int64.
-double call_bytes(const FlightRecord& r) {
+// The bytes of a call's tensors laid out, in double: a corrupt shape's
+// product must not overflow. A negative dim is refused, named.
+double laid_out_bytes(const Table& table, std::size_t call) {
+  const FlightRecord& r = table.calls[call].proto;
   double total = 0;
   for (const auto* shapes : {&r.input_shapes, &r.output_shapes})
     for (const Shape& s : *shapes) {
       double n = 1;
-      for (int64_t d : s) n *= static_cast<double>(d);
-      total += n * static_cast<double>(element_size(r.dtype));
+      for (int64_t d : s) {
+        if (d < 0)
+          raise("replay", fmt::format("the recorded calls cannot be replayed: {}: negative dim in "
+                                      "shape {}",
+                                      recorded_by(table, call), s));
+        n *= static_cast<double>(d);
+      }
+      total += aligned(n * static_cast<double>(element_size(r.dtype)));
     }
   return total;
 }
 
+std::shared_ptr<char> reserve_address_space(std::size_t bytes) {
+  int flags = MAP_PRIVATE | MAP_ANONYMOUS;
+#ifdef MAP_NORESERVE
+  flags |= MAP_NORESERVE;
+#endif
+  void* p = ::mmap(nullptr, bytes, PROT_NONE, flags, -1, 0);
+  if (p == MAP_FAILED)
+    raise<ResourceExhausted>(
+        "replay", fmt::format("cannot reserve {:.4g} GiB of address space for the recorded "
+                              "tensors ({}; replay commits no memory for them, but needs the "
+                              "addresses: check ulimit -v)",
+                              double(bytes) / double(1 << 30), std::strerror(errno)));
+  return std::shared_ptr<char>(static_cast<char*>(p), [bytes](char* q) { ::munmap(q, bytes); });
+}
+
 }  // namespace
 
-void issue(const dist::ProcessGroup& g, const FlightRecord& r) {
-  const std::vector<Tensor> in = zeros_of(r.input_shapes, r.dtype);
-  const std::vector<Tensor> out = zeros_of(r.output_shapes, r.dtype);
+ShapeOnlyTensors::ShapeOnlyTensors(const Table& table) {
+  double most = kAlign;
+  for (std::size_t call = 0; call < table.calls.size(); ++call) {
+    const double bytes = laid_out_bytes(table, call);
+    if (bytes > kMaxCallBytes)
+      raise("replay",
+            fmt::format("{} holds {:.4g} TiB of tensors (shapes in {}, out {}); replay reserves "
+                        "address space for each call's tensors and refuses calls over 16 TiB",
+                        recorded_by(table, call), bytes / double(std::size_t{1} << 40),
+                        fmt::join(table.calls[call].proto.input_shapes, ","),
+                        fmt::join(table.calls[call].proto.output_shapes, ",")));
+    most = std::max(most, bytes);
+  }
+  region_ = reserve_address_space(static_cast<std::size_t>(most));
+}
+
+std::vector<Tensor> ShapeOnlyTensors::views(const std::vector<Shape>& shapes, DType dtype,
+                                            std::size_t& offset) const {
+  std::vector<Tensor> ts;
+  ts.reserve(shapes.size());
+  for (const Shape& s : shapes) {
+    // Each view holds the region: it outlives the world's run.
+    ts.push_back(
+        from_blob(region_.get() + offset, s, dtype, Device::cpu(), [keep = region_](void*) {}));
+    offset += static_cast<std::size_t>(aligned(static_cast<double>(ts.back().nbytes())));
+  }
+  return ts;
+}
+
+void ShapeOnlyTensors::issue(const dist::ProcessGroup& g, const FlightRecord& r) const {
+  std::size_t offset = 0;
+  const std::vector<Tensor> in = views(r.input_shapes, r.dtype, offset);
+  const std::vector<Tensor> out = views(r.output_shapes, r.dtype, offset);
   const Tensor none;
   const Tensor& i0 = in.empty() ? none : in[0];
   const Tensor& o0 = out.empty() ? none : out[0];
@@ -135,7 +182,7 @@ void issue(const dist::ProcessGroup& g, const FlightRecord& r) {
   }
 }
 
-std::vector<dist::CallDesc> validate_calls(const Table& table) {
+std::vector<dist::CallDesc> validate_calls(const Table& table, const ShapeOnlyTensors& tensors) {
   struct Dry {
     std::shared_ptr<DryBackend> backend;
     dist::ProcessGroup group;
@@ -153,12 +200,6 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
     descs.emplace_back();
     if (r.op == OpType::NewGroup) continue;
     const TableGroup& g = table.groups[c.group];
-    if (const double bytes = call_bytes(r); bytes > kMaxCallBytes)
-      raise("replay",
-            fmt::format("{} holds {:.4g} GiB of tensors (shapes in {}, out {}); replay allocates "
-                        "each call's tensors and refuses calls over 1 GiB",
-                        recorded_by(table, descs.size() - 1), bytes / kMaxCallBytes,
-                        fmt::join(r.input_shapes, ","), fmt::join(r.output_shapes, ",")));
     auto it = dry.find({c.group, r.group_rank});
     if (it == dry.end()) {
       if (r.group_rank < 0 || r.group_rank >= static_cast<int>(g.members.size()))
@@ -172,7 +213,7 @@ std::vector<dist::CallDesc> validate_calls(const Table& table) {
                .first;
     }
     try {
-      issue(it->second.group, r);
+      tensors.issue(it->second.group, r);
       descs.back() = it->second.backend->last;
     } catch (const InvalidArgument& e) {
       const std::string what = e.what();

@@ -223,7 +223,9 @@ void World::Impl::complete(Rendezvous& rv) {
     wake(rv);
     return;
   }
-  if (rv.calls[0]->op == OpType::AllToAll)
+  if (!options.move_payloads)
+    ;  // verdicts only (WorldOptions::move_payloads)
+  else if (rv.calls[0]->op == OpType::AllToAll)
     detail::move_all_to_all(rv);
   else
     detail::move_data(rv.calls);

@@ -78,6 +78,12 @@ struct WorldOptions {
   CostModel cost;
   std::optional<Fault> fault;
   bool trace = true;  ///< keep trace events (memory grows with calls)
+  /// false: calls meet, are compared, timed and reported as usual, but no
+  /// byte of their tensors is read or written (outputs keep what they held).
+  /// For runs that need verdicts, not values: sim::replay runs its tensors
+  /// without memory this way. Fiber world only (Python's process mode copies
+  /// payloads on the rank side regardless).
+  bool move_payloads = true;
 };
 
 /// One call in the trace.
