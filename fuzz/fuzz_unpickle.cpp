@@ -1,8 +1,10 @@
 // Fuzzes the pickle reader behind PyTorch Flight Recorder dumps
 // (sim/replay/src/unpickle.hpp): any bytes must either be refused with one
 // InvalidArgument naming the file and offset, or read as a JSON value that
-// writes out (bad UTF-8 replaced). Memo gets that would copy a value
-// exponentially must hit the reader's budget, not the fuzzer's memory limit.
+// writes out (bad UTF-8 replaced). Memo reads share objects; a tree that
+// would write a shared value out exponentially often, or a container that
+// holds itself, must hit the reader's budget or depth bound, not the
+// fuzzer's memory or stack limit.
 #include <cstdint>
 #include <string_view>
 

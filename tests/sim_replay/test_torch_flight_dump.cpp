@@ -61,26 +61,23 @@ TEST(Unpickle, AMemoizedValueReadTwiceKeepsItsContent) {
 }
 
 TEST(Unpickle, AMemoBombIsRefusedWithinItsBudget) {
-  // L = []; then 40 times: L = [L, L] through BINGET of the memoised L (9 bytes a round): 366
-  // bytes asking for 2^40 values, which the JSON tree would have copied out (issue 52: a 626-byte
-  // pickle grew to 2 GB and std::bad_alloc). Refused once the copies pass the budget.
+  // L = []; then 40 times: L = [L, L] through BINGET of the memoised L (10 bytes a round): 406
+  // bytes whose JSON tree would hold 2^41 values (issue 52: a 626-byte pickle grew to 2 GB and
+  // std::bad_alloc). Read in shared form, refused once writing the tree passes the budget.
   std::string hex = "80025d7100";  // PROTO 2, EMPTY_LIST, BINPUT 0
-  for (int round = 0; round < 40; ++round)
-    hex +=
-        "5d28680068006571"
-        "00";   // ](h0 h0 e q0
-  hex += "2e";  // STOP
+  for (int round = 0; round < 40; ++round) hex += "305d2868006800657100";  // POP ] ( h0 h0 e q0
+  hex += "2e";                                                             // STOP
   const std::string bytes = from_hex(hex);
-  ASSERT_EQ(bytes.size(), 5u + 40u * 9u + 1u);
+  ASSERT_EQ(bytes.size(), 5u + 40u * 10u + 1u);
   try {
     detail::unpickle(bytes, "bomb.pkl");
     FAIL() << "no error";
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(e.site().op, "bomb.pkl");
-    // The budget grows with the input (64 values a byte over 2^16): 88960 here, so the bomb
-    // stops after about 10^5 copied values instead of the cap's 2^23.
+    // The budget grows with the input (64 values a byte over 2^16): 91520 here, so the bomb
+    // stops after about 10^5 values instead of the cap's 2^23.
     EXPECT_THAT(std::string(e.detail()),
-                HasSubstr("memo reads copy more than " +
+                HasSubstr("pickle expands to more than " +
                           std::to_string((1u << 16) + 64 * bytes.size()) + " values"));
   }
   // A string read from the memo over and over counts its bytes: 4 KiB read 2^17 times.
@@ -88,7 +85,7 @@ TEST(Unpickle, AMemoBombIsRefusedWithinItsBudget) {
       "80025d7100"
       "5800100000";  // ..., BINUNICODE of 4096 bytes
   for (int i = 0; i < 4096; ++i) shex += "73";
-  shex += "710128";  // BINPUT 1, MARK
+  shex += "71013028";  // BINPUT 1, POP, MARK
   for (int i = 0; i < (1 << 17); ++i) shex += "6801";
   shex += "652e";
   const std::string strings = from_hex(shex);
@@ -98,6 +95,34 @@ TEST(Unpickle, AMemoBombIsRefusedWithinItsBudget) {
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(std::string(e.detail()),
                 HasSubstr(std::to_string((1u << 20) + 256 * strings.size()) + " bytes"));
+  }
+}
+
+TEST(Unpickle, AMemoReadIsTheObjectItselfAsInPython) {
+  // L = []; d = {'a': L, 'b': L}; then L.append(1) after both reads; the pickle of (d, L), by
+  // hand. Python reads {'a': [1], 'b': [1]}: the dict's values are L itself. A reader that
+  // copied memoised values read {'a': [], 'b': []}.
+  const std::string bytes = from_hex(
+      "80027d28"      // PROTO 2, EMPTY_DICT, MARK
+      "8c01615d7100"  // 'a', EMPTY_LIST, BINPUT 0
+      "8c01626800"    // 'b', BINGET 0
+      "75"            // SETITEMS
+      "68004b0161"    // BINGET 0, BININT1 1, APPEND
+      "862e");        // TUPLE2, STOP
+  EXPECT_EQ(detail::unpickle(bytes, "shared"),
+            nlohmann::json::parse(R"([{"a": [1], "b": [1]}, [1]])"));
+}
+
+TEST(Unpickle, AContainerHoldingItselfIsRefused) {
+  // L = []; L.append(L): EMPTY_LIST, BINPUT 0, BINGET 0, APPEND, STOP
+  const std::string bytes = from_hex("80025d71006800612e");
+  try {
+    detail::unpickle(bytes, "cycle.pkl");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(std::string(e.detail()),
+                HasSubstr("deeper than 64 (or a container holds itself): the container made at "
+                          "offset 2"));
   }
 }
 

@@ -12,9 +12,15 @@
 namespace diffcomm::sim::detail {
 
 /// The pickled value as JSON (tuples become arrays, bytes become strings,
-/// dict keys must be strings or ints, which become strings). Throws
-/// InvalidArgument "<file>: pickle ... at offset N" on a truncated stream,
-/// an unsupported opcode, or a malformed one.
+/// dict keys must be strings or ints, which become strings). Memo reads
+/// share the memoised object as Python does (appends after the read are
+/// seen); reading takes memory in proportion to `bytes`, and the JSON tree,
+/// which writes a shared object out once per reference, is bounded: at most
+/// 2^16 + 64 values and 2^20 + 256 string bytes per input byte (caps 2^23
+/// values, 256 MiB). Throws InvalidArgument "<file>: pickle ..." on a
+/// truncated stream, an unsupported or malformed opcode (naming its
+/// offset), containers nested deeper than 64 or holding themselves, and a
+/// tree past the budget (a memo bomb).
 nlohmann::json unpickle(std::string_view bytes, const std::string& file);
 
 }  // namespace diffcomm::sim::detail
