@@ -11,6 +11,12 @@ import pytest  # noqa: E402
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
+def pytest_configure(config):
+    # `-m mpi` selects them: scripts/test-python runs the suite against the
+    # wheel (built without MPI), then these against the source build.
+    config.addinivalue_line("markers", "mpi: needs diffcomm built with MPI (and mpirun)")
+
+
 @pytest.fixture
 def readme_code():
     """readme_code(heading): the first ```python block under README.md's

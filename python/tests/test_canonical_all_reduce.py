@@ -86,7 +86,7 @@ def one_process_bits():
     return hashlib.sha256(y.numpy().tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize("launcher", ["mpi", "torch"])
+@pytest.mark.parametrize("launcher", [pytest.param("mpi", marks=pytest.mark.mpi), "torch"])
 def test_eight_processes_give_the_bits_of_one_on_every_group_size(launcher):
     if launcher == "mpi" and (not diffcomm._core.HAVE_MPI or shutil.which("mpirun") is None):
         pytest.skip("needs diffcomm built with MPI, and mpirun")

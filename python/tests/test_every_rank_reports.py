@@ -60,7 +60,7 @@ def check_run(backend, dumps):
     return overshoot
 
 
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("mpi", marks=pytest.mark.mpi), "torch"])
 def test_every_rank_reports_and_dumps_after_a_timeout(tmp_path, backend):
     if backend == "mpi" and (not diffcomm._core.HAVE_MPI or shutil.which("mpirun") is None):
         pytest.skip("needs diffcomm built with MPI, and mpirun")

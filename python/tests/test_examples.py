@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import diffcomm
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXAMPLES = os.path.join(ROOT, "examples", "python")
 
@@ -31,10 +33,12 @@ def torchrun(np, script):
                           capture_output=True, text=True, timeout=600)
 
 
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found")
+needs_mpi = pytest.mark.skipif(not diffcomm._core.HAVE_MPI or shutil.which("mpirun") is None,
+                               reason="needs diffcomm built with MPI, and mpirun")
 
 
-@needs_mpirun
+@pytest.mark.mpi
+@needs_mpi
 def test_train_step_mpi_example():
     r = mpirun(4, "train_step.py")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -47,11 +51,12 @@ def test_train_step_torchrun_example():
     assert r.stdout.count("-> OK") == 4, r.stdout
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "sim"])
+@pytest.mark.parametrize("launcher",
+                         ["torchrun", pytest.param("mpirun", marks=pytest.mark.mpi), "sim"])
 def test_quickstart_example(launcher):
     # The README's first Python program, under its three launchers.
-    if launcher == "mpirun" and shutil.which("mpirun") is None:
-        pytest.skip("mpirun not found")
+    if launcher == "mpirun" and (not diffcomm._core.HAVE_MPI or shutil.which("mpirun") is None):
+        pytest.skip("needs diffcomm built with MPI, and mpirun")
     if launcher == "sim":
         r = subprocess.run([sys.executable, os.path.join(EXAMPLES, "quickstart.py"), "--sim", "4"],
                            capture_output=True, text=True, timeout=600)

@@ -29,6 +29,7 @@ def mpirun(np, args, env=None, timeout=120):
     return proc, proc.stdout + proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_interpreter_exit_after_a_timeout_ends_the_job():
     # Rank 1 never arrives; rank 0 gets Timeout after 2 s and returns from the
@@ -43,6 +44,7 @@ def test_interpreter_exit_after_a_timeout_ends_the_job():
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_a_nan_deadline_is_refused():
     proc, out, _ = mpirun(2, [os.path.join(HERE, "programs", "exit_after_timeout.py"), "nan"],
@@ -112,6 +114,7 @@ def test_fiber_stacks_beyond_the_address_space_raise_resource_exhausted():
     assert "of 1024 (65536 bytes each" in proc.stdout, proc.stdout
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_uncaught_exception_ends_the_mpi_job_at_once():
     program = os.path.join(HERE, "programs", "uncaught_exception.py")
@@ -131,6 +134,7 @@ def test_uncaught_exception_ends_the_mpi_job_at_once():
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end (deadline 600 s)"
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_a_forked_child_leaves_the_parents_mpi_alone():
     # Issue [4/7] item 4: os.fork() after init_process_group("mpi") hung the
@@ -151,6 +155,7 @@ def test_a_forked_child_leaves_the_parents_mpi_alone():
     assert elapsed < 30, f"the job took {elapsed:.0f} s"
 
 
+@pytest.mark.mpi
 @needs_mpi
 def test_uncaught_exception_hook_can_be_turned_off():
     # DIFFCOMM_ABORT_ON_EXCEPTION=0: no abort; rank 1's interpreter exits

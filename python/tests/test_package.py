@@ -109,3 +109,13 @@ def test_a_tensor_beyond_memory_is_resource_exhausted_naming_its_bytes():
             sim.run(2, lambda rank, group: _core.zeros([1 << 45 if rank == 1 else 1], "float32"),
                     isolation=isolation)
         assert info.value.rank == 1, isolation
+
+
+@pytest.mark.skipif(_core.HAVE_MPI, reason="this build has MPI")
+def test_mpi_in_a_build_without_it_says_how_to_get_it():
+    """The wheel (scripts/build-wheel) has no MPI: asking for it names the way to a build that has
+    it and the transport that needs none."""
+    import diffcomm.torch as dt  # noqa: PLC0415 (imports torch)
+
+    with pytest.raises(diffcomm.BackendError, match=r"built without MPI .*pip install ./python"):
+        dt.init_process_group("mpi")

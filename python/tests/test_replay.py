@@ -124,6 +124,7 @@ def test_torch_transport_rank_dying_of_an_uncaught_exception_dumps(tmp_path):
     assert time.monotonic() - start < 90
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not diffcomm._core.HAVE_MPI or shutil.which("mpirun") is None,
                     reason="needs diffcomm built with MPI, and mpirun")
 def test_mpi_rank_dying_of_an_uncaught_exception_dumps(tmp_path):

@@ -46,6 +46,7 @@ def test_a_rank_that_skips_a_call_ends_the_others_within_the_deadline(mode, kind
     assert elapsed < 60, f"the job took {elapsed:.0f} s"
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not diffcomm._core.HAVE_MPI, reason="needs diffcomm built with MPI")
 def test_mpi_in_a_torchrun_launch_is_refused():
     # What torchrun gives each process: WORLD_SIZE=4, no mpirun (an MPI singleton).
@@ -78,6 +79,7 @@ def test_gloo_is_not_a_diffcomm_backend_but_the_message_says_what_is():
         dt.init_process_group("gloo")
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not diffcomm._core.HAVE_MPI, reason="needs diffcomm built with MPI")
 def test_mpi_after_destroy_raises_instead_of_aborting_the_process():
     # MPI cannot be initialised again after MPI_Finalize: this used to abort

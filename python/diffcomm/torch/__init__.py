@@ -136,7 +136,11 @@ def init_process_group(backend: str = "mpi", *, comm: Any = None, group: Any = N
         pg = _torch_world(backend, group, check, native_reduction, timeout_s)
     elif backend == "mpi":
         if not _core.HAVE_MPI:
-            raise _core.BackendError("diffcomm was built without MPI")
+            raise _core.BackendError(
+                "init_process_group('mpi'): this diffcomm was built without MPI (the wheel, "
+                "scripts/build-wheel, carries none): install from source where Open MPI is "
+                "(pip install ./python, docs/python.md), or use backend='torch' over torch's "
+                "gloo or NCCL group")
         if comm is not None:
             from mpi4py import MPI  # noqa: PLC0415
 
