@@ -14,6 +14,7 @@ import pytest
 
 import diffcomm
 import diffcomm.torch as dt
+from launch import free_port  # python/tests/launch.py (pytest puts this folder on sys.path)
 
 HERE = os.path.dirname(__file__)
 PROGRAM = os.path.join(HERE, "programs", "torch_early_exit.py")
@@ -108,7 +109,7 @@ def test_torch_transport_can_be_created_again_after_destroy():
             "    assert dt.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]\n"
             "    dt.destroy_process_group()\n"
             "print('RESULT OK')\n")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29547")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.pop("WORLD_SIZE", None)
     out, r = run_python(code, env)
     assert "RESULT OK" in out, out + r.stderr
