@@ -14,13 +14,13 @@
 #include <array>
 #include <boost/fiber/algo/algorithm.hpp>
 #include <boost/fiber/context.hpp>
+#include <boost/circular_buffer.hpp>
 #include <boost/fiber/properties.hpp>
 #include <boost/fiber/scheduler.hpp>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <deque>
 #include <random>
 #include <thread>
 #include <vector>
@@ -114,6 +114,9 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
   void awakened(boost::fibers::context* ctx, FiberProps& props) noexcept override {
     // The rank is read only when hints are kept: its properties are one
     // more (cold) line per waiter woken.
+    // Room for every rank and the caller was made by set_ranks(): waking
+    // allocates nothing (this is noexcept; a bad_alloc here was std::terminate).
+    if (ready_.full()) ready_.set_capacity(2 * ready_.capacity() + 2);
     ready_.push_back(Ready{ctx, hints_.empty() ? -1 : props.rank});
   }
 
@@ -129,8 +132,12 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
   /// hinted prefetches would only add instructions (about 12 ns per arrival
   /// at 8 ranks, +0.1x a bare barrier), so no hints are kept and set_hints()
   /// ignores them.
+  /// Also makes room in the ready set for all n ranks and the caller's
+  /// context (may throw std::bad_alloc; waking then never allocates).
   void set_ranks(int n) {
     hints_.assign(n >= kHintedRanks ? static_cast<std::size_t>(n) : 0, RankHints{});
+    if (ready_.capacity() < static_cast<std::size_t>(n) + 2)
+      ready_.set_capacity(static_cast<std::size_t>(n) + 2);
   }
   static constexpr int kHintedRanks = 512;
 
@@ -306,7 +313,7 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
     boost::fibers::context* ctx;
     int rank;  // -1: not a rank's fiber
   };
-  std::deque<Ready> ready_;
+  boost::circular_buffer<Ready> ready_;  // a ring with the room set_ranks() made
   std::vector<RankHints> hints_;  // by global rank
   std::mt19937_64 rng_;
   bool random_;

@@ -243,8 +243,13 @@ Typed typed(const RankError& f) {
 }  // namespace
 
 void World::Impl::reset_for_run(int n) {
-  ranks.assign(static_cast<std::size_t>(n), RankState{});
-  for (auto& rs : ranks) rs.stats = std::make_shared<dist::Stats>();  // one per rank, not shared
+  try {
+    ranks.assign(static_cast<std::size_t>(n), RankState{});
+    for (auto& rs : ranks) rs.stats = std::make_shared<dist::Stats>();  // one per rank, not shared
+  } catch (const std::bad_alloc&) {
+    std::vector<RankState>().swap(ranks);  // what was taken: the report needs some memory
+    throw;
+  }
   groups.clear();
   next_group_id = 0;  // group ids enter trace_hash(): same seed, same hash on every run
   pending.clear();
@@ -265,6 +270,11 @@ void World::Impl::install_scheduler(int n) {
   algo = new detail::SeededAlgorithm(options.seed, options.schedule == Schedule::Random);
   boost::fibers::context::active()->get_scheduler()->set_algo(algo);  // takes ownership
   algo->set_ranks(n);
+  // The caller's context takes its properties now, where running out of
+  // memory is a report (set_up in run()); Boost would allocate them when a
+  // rank first wakes it, on a noexcept path (std::terminate).
+  boost::fibers::context* self = boost::fibers::context::active();
+  if (self->get_properties() == nullptr) self->set_properties(new detail::FiberProps(self));
 }
 
 std::vector<boost::fibers::fiber> World::Impl::start_ranks(
@@ -370,6 +380,24 @@ void World::Impl::rethrow_failures() const {
   rethrow_named(std::move(failures), texts);
 }
 
+namespace {
+
+// One step of a run's setup, before any rank runs: running out of memory
+// there raises ResourceExhausted naming the step and the world's size (a
+// report, as for the fiber stacks), not a bare std::bad_alloc.
+template <class F>
+void set_up(int n, const char* what, F&& step) {
+  try {
+    step();
+  } catch (const std::bad_alloc&) {
+    raise<ResourceExhausted>(
+        "sim::World::run",
+        fmt::format("cannot allocate {} of {} ranks: out of memory; use fewer ranks", what, n));
+  }
+}
+
+}  // namespace
+
 void World::run(const std::function<void(Rank&)>& fn) {
   Impl& w = *impl_;
   claim_run(w.in_run);
@@ -379,7 +407,7 @@ void World::run(const std::function<void(Rank&)>& fn) {
   } leave_run{w.in_run};
   const int n = w.options.ranks;
   detail::Stacks stacks(n, w.options.stack_size);  // before any state changes: may throw
-  w.reset_for_run(n);
+  set_up(n, "the per-rank state", [&] { w.reset_for_run(n); });
   // A new flag per run: handles of an earlier run keep the old, false one.
   *w.running = false;
   w.running = std::make_shared<bool>(true);
@@ -387,11 +415,14 @@ void World::run(const std::function<void(Rank&)>& fn) {
     bool& flag;
     ~EndRun() { flag = false; }
   } end_run{*w.running};
-  w.install_scheduler(n);
+  set_up(n, "the scheduler", [&] { w.install_scheduler(n); });
 
-  std::vector<int> all(static_cast<std::size_t>(n));
-  std::iota(all.begin(), all.end(), 0);
-  auto world_group = w.make_group(all);
+  std::shared_ptr<detail::SimGroup> world_group;
+  set_up(n, "the world group", [&] {
+    std::vector<int> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), 0);
+    world_group = w.make_group(all);
+  });
   std::vector<boost::fibers::fiber> fibers = w.start_ranks(this, stacks, fn, world_group);
   w.join_ranks(fibers);
   w.rethrow_failures();
