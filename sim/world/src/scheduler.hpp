@@ -12,9 +12,9 @@
 // is where a switch starts; it finishes at the few places a fiber resumes in
 // our code (see on_resumed()).
 #include <array>
+#include <boost/circular_buffer.hpp>
 #include <boost/fiber/algo/algorithm.hpp>
 #include <boost/fiber/context.hpp>
-#include <boost/circular_buffer.hpp>
 #include <boost/fiber/properties.hpp>
 #include <boost/fiber/scheduler.hpp>
 #include <chrono>
@@ -112,11 +112,11 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
   }
 
   void awakened(boost::fibers::context* ctx, FiberProps& props) noexcept override {
-    // The rank is read only when hints are kept: its properties are one
-    // more (cold) line per waiter woken.
     // Room for every rank and the caller was made by set_ranks(): waking
     // allocates nothing (this is noexcept; a bad_alloc here was std::terminate).
     if (ready_.full()) ready_.set_capacity(2 * ready_.capacity() + 2);
+    // The rank is read only when hints are kept: its properties are one
+    // more (cold) line per waiter woken.
     ready_.push_back(Ready{ctx, hints_.empty() ? -1 : props.rank});
   }
 
@@ -314,7 +314,7 @@ class SeededAlgorithm final : public boost::fibers::algo::algorithm_with_propert
     int rank;  // -1: not a rank's fiber
   };
   boost::circular_buffer<Ready> ready_;  // a ring with the room set_ranks() made
-  std::vector<RankHints> hints_;  // by global rank
+  std::vector<RankHints> hints_;         // by global rank
   std::mt19937_64 rng_;
   bool random_;
   uint64_t draws_[2] = {0, 0};
